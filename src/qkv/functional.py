@@ -1,0 +1,186 @@
+"""Scaled dot-product attention, the reference math, step by step.
+
+    Attention(Q, K, V) = softmax(Q Kᵀ · scale + bias, masked) · V,   scale = 1/√d_k
+
+Shapes (the leading ``...`` is any batch shape, usually ``B``)::
+
+    q        (..., h,    Tq, d_k)
+    k        (..., h_kv, Tk, d_k)      h % h_kv == 0 (grouped / multi-query heads)
+    v        (..., h_kv, Tk, d_v)
+    mask     (Tq, Tk) or (..., h|1, Tq|1, Tk|1)   bool, **True = may attend**
+    bias     same shapes as mask, floating: added to the scaled scores
+    output   (..., h,    Tq, d_v)
+    weights  (..., h,    Tq, Tk)
+
+Order of operations: ``scores = q kᵀ`` → ``scaled = scores · scale`` → soft-capping
+``c·tanh(scaled/c)`` → ``+ bias`` → mask (``-inf`` where not allowed) → softmax → dropout
+→ ``weights · v``. A query row with no visible key gets zero weights and a zero output
+(never NaN), and its gradients are zero.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from qkv import masks
+from qkv._validate import check_bias, check_mask, check_options, check_qkv
+
+__all__ = ["AttentionSteps", "attention_steps", "scaled_dot_product_attention", "structure_mask"]
+
+
+@dataclass
+class AttentionSteps:
+    """Every intermediate of one attention call (see the module docstring for shapes).
+
+    ``mask`` is the combined boolean mask that was applied (True = may attend) or ``None``;
+    ``masked`` holds ``-inf`` where attention is not allowed; ``lse`` is the log-sum-exp of
+    each row of ``masked`` (``-inf`` for a row with no visible key).
+    """
+
+    q: Tensor
+    k: Tensor  # (..., h, Tk, d_k), after repeating kv heads for GQA
+    v: Tensor  # (..., h, Tk, d_v)
+    scores: Tensor  # (..., h, Tq, Tk)  q kᵀ
+    scale: float
+    scaled: Tensor  # (..., h, Tq, Tk)  scores · scale (soft-capped, plus bias, when given)
+    mask: Tensor | None  # broadcastable to (..., h, Tq, Tk)
+    masked: Tensor  # (..., h, Tq, Tk)
+    lse: Tensor  # (..., h, Tq)
+    weights: Tensor  # (..., h, Tq, Tk)
+    output: Tensor  # (..., h, Tq, d_v)
+
+
+def structure_mask(
+    Tq: int,
+    Tk: int,
+    *,
+    causal: bool = False,
+    window: int | None = None,
+    device: torch.device | str | None = None,
+) -> Tensor | None:
+    """The ``(Tq, Tk)`` mask that ``causal``/``window`` describe (True = may attend), or None."""
+    if window is not None:
+        return masks.sliding_window(Tq, Tk, window, causal=causal, device=device)
+    if causal:
+        return masks.causal(Tq, Tk, device=device)
+    return None
+
+
+def repeat_kv(x: Tensor, group: int) -> Tensor:
+    """``(..., h_kv, T, d)`` → ``(..., h_kv·group, T, d)``: query head i uses kv head i // group."""
+    return x if group == 1 else x.repeat_interleave(group, dim=-3)
+
+
+def _safe_softmax(masked: Tensor) -> tuple[Tensor, Tensor]:
+    """Softmax over the last dim that gives zeros (not NaN) for an all ``-inf`` row.
+
+    Returns ``(weights, lse)``. Computed in float32 at least, for bf16/fp16 inputs.
+    """
+    x = masked.float() if masked.dtype in (torch.float16, torch.bfloat16) else masked
+    row_max = x.amax(dim=-1, keepdim=True).detach()  # (..., Tq, 1)
+    row_max = row_max.masked_fill(row_max == float("-inf"), 0.0)  # empty row: any finite shift
+    e = torch.exp(x - row_max)  # exp(-inf) = 0, so masked keys contribute nothing
+    denom = e.sum(dim=-1, keepdim=True)
+    empty = denom == 0
+    weights = e / denom.masked_fill(empty, 1.0)  # an empty row stays all zeros
+    lse = (torch.log(denom) + row_max).squeeze(-1)  # -inf for an empty row
+    return weights, lse
+
+
+def attention_steps(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask: Tensor | None = None,
+    bias: Tensor | None = None,
+    causal: bool = False,
+    window: int | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
+    dropout_p: float = 0.0,
+) -> AttentionSteps:
+    """Run the reference attention math and return every intermediate.
+
+    Arguments are those of :func:`scaled_dot_product_attention` (mask: True = may attend).
+
+    >>> q = torch.tensor([[[1.0, 2.0, 3.0]]])  # (h=1, Tq=1, d_k=3)
+    >>> k = torch.tensor([[[2.0, 1.0, 0.0], [1.0, 2.0, 3.0]]])  # (1, Tk=2, 3)
+    >>> attention_steps(q, k, k, scale=1.0).scores
+    tensor([[[ 4., 14.]]])
+    """
+    shape = check_qkv(q, k, v)
+    check_options(window=window, scale=scale, softcap=softcap, dropout_p=dropout_p)
+    check_mask(mask, shape, q.device)
+    check_bias(bias, shape, q.device)
+    scale = 1.0 / math.sqrt(shape.d_k) if scale is None else float(scale)
+
+    k = repeat_kv(k, shape.group)  # (..., h, Tk, d_k)
+    v = repeat_kv(v, shape.group)  # (..., h, Tk, d_v)
+    scores = q @ k.transpose(-2, -1)  # (..., h, Tq, Tk)
+    scaled = scores * scale
+    if softcap is not None:
+        scaled = softcap * torch.tanh(scaled / softcap)
+    if bias is not None:
+        scaled = scaled + bias
+    structure = structure_mask(shape.Tq, shape.Tk, causal=causal, window=window, device=q.device)
+    full_mask = masks.combine(mask, structure)
+    masked = scaled if full_mask is None else scaled.masked_fill(~full_mask, float("-inf"))
+    weights, lse = _safe_softmax(masked)
+    weights = weights.to(q.dtype)
+    attn = F.dropout(weights, p=dropout_p) if dropout_p > 0 else weights
+    output = attn @ v  # (..., h, Tq, d_v)
+    return AttentionSteps(q, k, v, scores, scale, scaled, full_mask, masked, lse, weights, output)
+
+
+def scaled_dot_product_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask: Tensor | None = None,
+    bias: Tensor | None = None,
+    causal: bool = False,
+    window: int | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
+    dropout_p: float = 0.0,
+    return_weights: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Scaled dot-product attention ``softmax(q kᵀ / √d_k) v`` with masks, biases and GQA.
+
+    Args:
+        q: queries ``(..., h, Tq, d_k)``.
+        k: keys ``(..., h_kv, Tk, d_k)``; ``h % h_kv == 0`` gives grouped/multi-query heads.
+        v: values ``(..., h_kv, Tk, d_v)``.
+        mask: bool, **True = may attend**; ``(Tq, Tk)`` or as many dims as the scores
+            ``(..., h, Tq, Tk)`` with 1 where shared. Never broadcast from fewer dims.
+        bias: float, same shape rules as ``mask``; added to the scaled scores (ALiBi,
+            relative positions).
+        causal: query ``i`` sees keys ``j <= Tk - Tq + i`` (aligned bottom-right, so the
+            last query sees every key: what a KV cache needs).
+        window: sliding window; with ``causal`` each query sees its ``window`` most recent
+            keys, without it the keys within ``window - 1`` on either side.
+        scale: multiplies the scores; default ``1/√d_k``.
+        softcap: soft-cap ``c·tanh(s/c)`` on the scaled scores (Gemma 2), before masking.
+        dropout_p: dropout on the weights (pass 0 in eval).
+        return_weights: also return the weights ``(..., h, Tq, Tk)``.
+
+    Returns:
+        ``output (..., h, Tq, d_v)``, or ``(output, weights)``. A row with no visible key
+        gives zeros.
+
+    >>> q = k = v = torch.randn(2, 4, 5, 8)  # (B, h, T, d_k)
+    >>> scaled_dot_product_attention(q, k, v, causal=True).shape
+    torch.Size([2, 4, 5, 8])
+    """
+    steps = attention_steps(
+        q, k, v, mask=mask, bias=bias, causal=causal, window=window,
+        scale=scale, softcap=softcap, dropout_p=dropout_p,
+    )  # fmt: skip
+    return (steps.output, steps.weights) if return_weights else steps.output

@@ -1,0 +1,27 @@
+from qkv.cli import main
+from qkv.demo import walk
+
+
+def test_demo_walks_every_step_and_matches_module(capsys):
+    lines = []
+    t = walk("The boy trains the puppy .", causal=True, out=lines.append)
+    text = "\n".join(lines)
+    for step in (
+        "token embeddings",
+        "positional",
+        "Q = x W_Q",
+        "scores",
+        "scaled",
+        "mask",
+        "softmax",
+        "concatenated",
+        "W_O",
+    ):
+        assert step in text
+    assert "Step by step equals MultiHeadAttention.forward: True" in text
+    assert t["weights"].shape == (1, 2, 6, 6)
+
+
+def test_cli_demo_runs(capsys):
+    assert main(["demo", "--text", "a b", "--d-model", "4", "--heads", "2"]) == 0
+    assert "2×2 = 4 scores" in capsys.readouterr().out
