@@ -25,3 +25,16 @@ def test_demo_walks_every_step_and_matches_module(capsys):
 def test_cli_demo_runs(capsys):
     assert main(["demo", "--text", "a b", "--d-model", "4", "--heads", "2"]) == 0
     assert "2×2 = 4 scores" in capsys.readouterr().out
+
+
+def test_python_m_qkv():
+    import subprocess
+    import sys
+
+    r = subprocess.run(
+        [sys.executable, "-m", "qkv", "demo", "--causal"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "causal mask (True = may attend)" in r.stdout

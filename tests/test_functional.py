@@ -44,7 +44,7 @@ def attention_case(draw):
     d_k, d_v = draw(st.integers(1, 8)), draw(st.integers(1, 8))
     seed = draw(st.integers(0, 2**16))
     g = torch.Generator().manual_seed(seed)
-    dt = torch.float64
+    dt = draw(st.sampled_from([torch.float64, torch.float32]))
     q = torch.randn(B, h, Tq, d_k, generator=g, dtype=dt)
     k = torch.randn(B, h_kv, Tk, d_k, generator=g, dtype=dt)
     v = torch.randn(B, h_kv, Tk, d_v, generator=g, dtype=dt)
