@@ -66,6 +66,8 @@ def test_hidden_states_and_pooler_equal_hf_fp32(model, hf, batch):
     theirs = hf(**batch, output_hidden_states=True)
     assert len(ours.hidden_states) == len(theirs.hidden_states) == 7  # embeddings + 6 layers
     assert ours.attentions is None  # not asked: never computed
+    assert ours[0] is ours.last_hidden_state and ours[1] is ours.pooler_output  # HF indexing
+    assert ours["hidden_states"] is ours.hidden_states
     real = batch["attention_mask"].bool()
     # truth: HF in float64; fp32 error of every path measured against it
     hf64 = copy.deepcopy(hf).double()

@@ -53,6 +53,15 @@ class EncoderOutput:
     attentions: tuple[Tensor, ...] | None = None
     pooler_output: Tensor | None = None
 
+    def to_tuple(self) -> tuple:
+        """The fields that are set, in HuggingFace's order (``out[0]`` is the last state)."""
+        order = ("last_hidden_state", "pooler_output", "hidden_states", "attentions")
+        return tuple(getattr(self, k) for k in order if getattr(self, k) is not None)
+
+    def __getitem__(self, key: int | str):
+        """``out[0]`` or ``out["last_hidden_state"]``, as code written for HF's outputs does."""
+        return getattr(self, key) if isinstance(key, str) else self.to_tuple()[key]
+
 
 class EncoderLayer(nn.Module):
     """Self-attention then a feed-forward block, each with a residual and a LayerNorm.
