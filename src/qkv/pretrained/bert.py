@@ -148,6 +148,7 @@ class BertModel(nn.Module):
         self.config = cfg
         self.source_dir = None if source_dir is None else Path(source_dir)
         self._tokenizer = None
+        self.max_seq_length: int | None = None  # encode()'s truncation (sentence-transformers')
         self.embeddings = BertEmbeddings(cfg)
         self.encoder = Encoder([
             EncoderLayer(
