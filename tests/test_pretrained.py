@@ -110,8 +110,10 @@ def test_attentions_equal_hf(model, hf, batch):
         assert _max(a, b) <= 1e-5
         pad = batch["attention_mask"] == 0  # (B, T): no weight on padded keys
         assert a.masked_select(pad[:, None, None, :]).abs().max() == 0
-    fast = model(**batch).last_hidden_state  # without weights: the same numbers
-    assert _max(fast, ours.last_hidden_state) <= 1e-6
+    # without weights (the fast path, whichever attention backend runs): the same numbers
+    fast = model(**batch).last_hidden_state
+    real = batch["attention_mask"].bool()
+    assert _max(fast[real], ours.last_hidden_state[real]) <= 1e-5
 
 
 @torch.no_grad()
