@@ -35,7 +35,7 @@ from qkv.distributed import (
     unshard,
 )
 from qkv.distributed import block as block_mod
-from qkv.distributed.context_parallel import ContextParallelAttention, context_parallel
+from qkv.distributed.context_parallel import ContextParallelAttention, make_context_parallel
 from qkv.distributed.ring import _merge
 from qkv.functional import scaled_dot_product_attention
 
@@ -164,7 +164,7 @@ def _model_job(rank, world, layout):
     ref_loss = TF.cross_entropy(model(ids).flatten(0, 1), targets.flatten(), reduction="sum")
     ref_grads = torch.autograd.grad(ref_loss, list(model.parameters()))
     keys_before = list(model.state_dict())
-    cp = context_parallel(model, layout=layout)
+    cp = make_context_parallel(model, layout=layout)
     logits = cp(shard(ids, rank, world, layout=layout, dim=1))  # (B, T_local, vocab)
     loss = TF.cross_entropy(
         logits.flatten(0, 1), shard(targets, rank, world, layout=layout, dim=1).flatten(),

@@ -8,13 +8,16 @@
   context-parallel without rewriting the model.
 """
 
+from qkv.distributed.context_parallel import ContextParallelAttention, make_context_parallel
 from qkv.distributed.ring import RingAttentionError, RingStats, record_ring_stats, ring_attention
 from qkv.distributed.shard import chunk_sizes, positions, segments, shard, unshard
 
 __all__ = [
+    "ContextParallelAttention",
     "RingAttentionError",
     "RingStats",
     "chunk_sizes",
+    "make_context_parallel",
     "positions",
     "record_ring_stats",
     "ring_attention",

@@ -32,7 +32,7 @@ from torch import Tensor
 
 __all__ = ["band", "visibility", "block_forward", "block_backward", "TILE_ELEMENTS"]
 
-TILE_ELEMENTS = 1 << 22  # scores held at once per tile (16 MiB in fp32)
+TILE_ELEMENTS = 1 << 22  # scores (all heads) held at once per tile: 16 MiB in fp32
 
 
 def band(causal: bool, window: int | None) -> tuple[float, float]:
@@ -59,8 +59,9 @@ def visibility(q_start: int, Tq: int, k_start: int, Tk: int, lohi: tuple[float, 
     return "some"
 
 
-def _rows_per_tile(Tq: int, Tk: int, g: int) -> int:
-    return max(1, min(Tq, TILE_ELEMENTS // max(1, Tk * g)))
+def _rows_per_tile(Tq: int, Tk: int, heads: int) -> int:
+    """Query rows per tile so that a tile's scores ``(B, h, rows, Tk)`` hold ~TILE_ELEMENTS."""
+    return max(1, min(Tq, TILE_ELEMENTS // max(1, Tk * heads)))
 
 
 def _tile_mask(q_start: int, r0: int, r1: int, k_start: int, Tk: int, lohi, device) -> Tensor:
@@ -110,7 +111,7 @@ def block_forward(
     lse = torch.full((B, h_kv, g, Tq), float("-inf"), device=q.device)
     lohi = band(causal, window)
     qg = _grouped(q, h_kv)
-    rows = _rows_per_tile(Tq, Tk, g)
+    rows = _rows_per_tile(Tq, Tk, B * h)
     for r0 in range(0, Tq, rows):
         r1 = min(Tq, r0 + rows)
         vis = visibility(q_start + r0, r1 - r0, k_start, Tk, lohi)
@@ -161,7 +162,7 @@ def block_backward(
     # a row that sees no key anywhere has lse = -inf; +inf makes its P = exp(s - inf) = 0
     lse_g = lse.masked_fill(lse == float("-inf"), float("inf")).view(B, h_kv, g, Tq, 1)
     delta_g = delta.float().view(B, h_kv, g, Tq, 1)
-    rows = _rows_per_tile(Tq, Tk, g)
+    rows = _rows_per_tile(Tq, Tk, B * h)
     for r0 in range(0, Tq, rows):
         r1 = min(Tq, r0 + rows)
         vis = visibility(q_start + r0, r1 - r0, k_start, Tk, lohi)

@@ -6,7 +6,7 @@ it needs no change; attention needs every key, so each :class:`~qkv.MultiHeadAtt
 swapped for a :class:`ContextParallelAttention` that runs :func:`ring_attention` and rotates
 RoPE by each token's GLOBAL position.
 
->>> model = context_parallel(model, group, layout="zigzag")  # doctest: +SKIP
+>>> model = make_context_parallel(model, group, layout="zigzag")  # doctest: +SKIP
 >>> ids_l = shard(ids, rank, world, layout="zigzag", dim=1)   # doctest: +SKIP
 >>> logits_l = model(ids_l)                                  # doctest: +SKIP
 
@@ -28,7 +28,7 @@ from qkv.attention import MultiHeadAttention
 from qkv.distributed.ring import _make_ring, ring_attention
 from qkv.positional import ALiBi, RotaryEmbedding
 
-__all__ = ["ContextParallelAttention", "context_parallel"]
+__all__ = ["ContextParallelAttention", "make_context_parallel"]
 
 
 class ContextParallelAttention(nn.Module):
@@ -123,7 +123,7 @@ class ContextParallelAttention(nn.Module):
         return f"d_model={self.d_model}, n_heads={self.n_heads}, layout={self.layout!r}"
 
 
-def context_parallel(
+def make_context_parallel(
     model: nn.Module,
     group: dist.ProcessGroup | None = None,
     *,
@@ -142,5 +142,5 @@ def context_parallel(
                 model, name, ContextParallelAttention(child, group, layout=layout, timeout=timeout)
             )
         else:
-            context_parallel(child, group, layout=layout, timeout=timeout)
+            make_context_parallel(child, group, layout=layout, timeout=timeout)
     return model
