@@ -264,7 +264,7 @@ def test_shard_layouts_and_positions():
     assert shard(x, 1, 2, layout="zigzag", dim=1).tolist() == [[3, 4, 5, 6, 7]]
     assert positions(10, 1, 2, "zigzag").tolist() == [3, 4, 5, 6, 7]
     assert chunk_sizes(10, 3) == [len(c) for c in torch.tensor_split(torch.arange(10), 3)]
-    assert segments(5, 2, 3, "zigzag") == [(4, 1), (5, 0)]  # an empty chunk is allowed
+    assert segments(5, 0, 3, "zigzag") == [(0, 1), (5, 0)]  # an empty chunk is allowed
     for layout in ("contiguous", "zigzag"):
         for T, world in ((10, 2), (23, 3), (5, 3)):
             y = torch.randn(2, 3, T, 4)

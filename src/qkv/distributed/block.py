@@ -64,11 +64,26 @@ def _rows_per_tile(Tq: int, Tk: int, heads: int) -> int:
     return max(1, min(Tq, TILE_ELEMENTS // max(1, Tk * heads)))
 
 
-def _tile_mask(q_start: int, r0: int, r1: int, k_start: int, Tk: int, lohi, device) -> Tensor:
-    q_pos = torch.arange(q_start + r0, q_start + r1, device=device)[:, None]  # (tq, 1)
-    k_pos = torch.arange(k_start, k_start + Tk, device=device)[None, :]  # (1, Tk)
-    delta = k_pos - q_pos  # (tq, Tk)
-    return (delta >= lohi[0]) & (delta <= lohi[1])  # True = may attend
+def _tiles(Tq: int, Tk: int, q_start: int, k_start: int, lohi, heads: int, device):
+    """Yield ``(r0, r1, c0, c1, mask)``: query rows ``r0:r1`` and the only keys ``c0:c1`` they
+    may see; ``mask (r1-r0, c1-c0)`` (True = may attend) or ``None`` when all of them may."""
+    rows = _rows_per_tile(Tq, Tk, heads)
+    lo, hi = lohi
+    for r0 in range(0, Tq, rows):
+        r1 = min(Tq, r0 + rows)
+        qa, qb = q_start + r0, q_start + r1 - 1  # first and last position of the tile
+        c0 = 0 if lo == -math.inf else max(0, qa + int(lo) - k_start)
+        c1 = Tk if hi == math.inf else min(Tk, qb + int(hi) - k_start + 1)
+        vis = visibility(qa, r1 - r0, k_start + c0, c1 - c0, lohi)
+        if vis == "none":
+            continue
+        mask = None
+        if vis == "some":
+            q_pos = torch.arange(qa, qb + 1, device=device)[:, None]  # (tq, 1)
+            k_pos = torch.arange(k_start + c0, k_start + c1, device=device)[None, :]  # (1, tk)
+            delta = k_pos - q_pos  # (tq, tk)
+            mask = (delta >= lo) & (delta <= hi)
+        yield r0, r1, c0, c1, mask
 
 
 def _grouped(q: Tensor, h_kv: int) -> Tensor:
@@ -111,19 +126,13 @@ def block_forward(
     lse = torch.full((B, h_kv, g, Tq), float("-inf"), device=q.device)
     lohi = band(causal, window)
     qg = _grouped(q, h_kv)
-    rows = _rows_per_tile(Tq, Tk, B * h)
-    for r0 in range(0, Tq, rows):
-        r1 = min(Tq, r0 + rows)
-        vis = visibility(q_start + r0, r1 - r0, k_start, Tk, lohi)
-        if vis == "none":
-            continue
-        mask = _tile_mask(q_start, r0, r1, k_start, Tk, lohi, q.device) if vis == "some" else None
-        s = _scores(qg[:, :, :, r0:r1], k, scale, mask)  # (B, h_kv, g, tq, Tk)
+    for r0, r1, c0, c1, mask in _tiles(Tq, Tk, q_start, k_start, lohi, B * h, q.device):
+        s = _scores(qg[:, :, :, r0:r1], k[:, :, c0:c1], scale, mask)  # (B, h_kv, g, tq, tk)
         m = s.amax(dim=-1, keepdim=True)
         m = m.masked_fill(m == float("-inf"), 0.0)  # a row with no key: any finite shift
         p = torch.exp(s - m)
         denom = p.sum(dim=-1, keepdim=True)  # (B, h_kv, g, tq, 1)
-        pv = p.to(v.dtype).view(B, h_kv, -1, Tk) @ v  # (B, h_kv, g·tq, d)
+        pv = p.to(v.dtype).view(B, h_kv, -1, c1 - c0) @ v[:, :, c0:c1]  # (B, h_kv, g·tq, d)
         pv = pv.view(B, h_kv, g, r1 - r0, -1)
         out[:, :, :, r0:r1] = (pv / denom.masked_fill(denom == 0, 1.0)).to(out.dtype)
         lse[:, :, :, r0:r1] = (torch.log(denom) + m).squeeze(-1)  # -inf where denom == 0
@@ -162,21 +171,18 @@ def block_backward(
     # a row that sees no key anywhere has lse = -inf; +inf makes its P = exp(s - inf) = 0
     lse_g = lse.masked_fill(lse == float("-inf"), float("inf")).view(B, h_kv, g, Tq, 1)
     delta_g = delta.float().view(B, h_kv, g, Tq, 1)
-    rows = _rows_per_tile(Tq, Tk, B * h)
-    for r0 in range(0, Tq, rows):
-        r1 = min(Tq, r0 + rows)
-        vis = visibility(q_start + r0, r1 - r0, k_start, Tk, lohi)
-        if vis == "none":
-            continue
-        mask = _tile_mask(q_start, r0, r1, k_start, Tk, lohi, q.device) if vis == "some" else None
+    for r0, r1, c0, c1, mask in _tiles(Tq, Tk, q_start, k_start, lohi, B * h, q.device):
+        kt, vt = k[:, :, c0:c1].float(), v[:, :, c0:c1].float()  # (B, h_kv, tk, d)
         qt, dot = qg[:, :, :, r0:r1], dog[:, :, :, r0:r1]  # (B, h_kv, g, tq, d)
-        p = torch.exp(_scores(qt, k, scale, mask) - lse_g[:, :, :, r0:r1])  # (B, h_kv, g, tq, Tk)
+        p = torch.exp(_scores(qt, kt, scale, mask) - lse_g[:, :, :, r0:r1])  # (B, h_kv, g, tq, tk)
         rows_flat = g * (r1 - r0)
         dot_flat = dot.reshape(B, h_kv, rows_flat, -1).float()  # (B, h_kv, g·tq, d)
-        p_flat = p.view(B, h_kv, rows_flat, Tk)
-        dv += p_flat.transpose(-2, -1) @ dot_flat  # (B, h_kv, Tk, d): sums the g heads
-        dp = (dot_flat @ v.float().transpose(-2, -1)).view_as(p)  # (B, h_kv, g, tq, Tk)
-        ds = (p * (dp - delta_g[:, :, :, r0:r1])).view(B, h_kv, rows_flat, Tk)
-        dq[:, :, :, r0:r1] = (ds @ k.float()).view(B, h_kv, g, r1 - r0, d) * scale
-        dk += (ds.transpose(-2, -1) @ qt.reshape(B, h_kv, rows_flat, d).float()) * scale
+        p_flat = p.view(B, h_kv, rows_flat, c1 - c0)
+        dv[:, :, c0:c1] += p_flat.transpose(-2, -1) @ dot_flat  # (B, h_kv, tk, d): sums g heads
+        dp = (dot_flat @ vt.transpose(-2, -1)).view_as(p)  # (B, h_kv, g, tq, tk)
+        ds = (p * (dp - delta_g[:, :, :, r0:r1])).view(B, h_kv, rows_flat, c1 - c0)
+        dq[:, :, :, r0:r1] = (ds @ kt).view(B, h_kv, g, r1 - r0, d) * scale
+        dk[:, :, c0:c1] += (
+            ds.transpose(-2, -1) @ qt.reshape(B, h_kv, rows_flat, d).float()
+        ) * scale
     return dq.view(B, h, Tq, d), dk, dv
