@@ -32,7 +32,7 @@ from torch import Tensor
 
 __all__ = ["band", "visibility", "block_forward", "block_backward", "TILE_ELEMENTS"]
 
-TILE_ELEMENTS = 1 << 22  # scores (all heads) held at once per tile: 16 MiB in fp32
+TILE_ELEMENTS = 1 << 20  # scores (all heads) held at once per tile: 4 MiB in fp32
 
 
 def band(causal: bool, window: int | None) -> tuple[float, float]:
@@ -65,8 +65,10 @@ def _rows_per_tile(Tq: int, Tk: int, heads: int) -> int:
 
 
 def _tiles(Tq: int, Tk: int, q_start: int, k_start: int, lohi, heads: int, device):
-    """Yield ``(r0, r1, c0, c1, mask)``: query rows ``r0:r1`` and the only keys ``c0:c1`` they
-    may see; ``mask (r1-r0, c1-c0)`` (True = may attend) or ``None`` when all of them may."""
+    """Yield ``(r0, r1, c0, c1, strips)``: query rows ``r0:r1`` and the only keys ``c0:c1``
+    they may see. ``strips`` lists ``(s0, s1, blocked)``: columns ``c0+s0 : c0+s1`` where
+    ``blocked (r1-r0, s1-s0)`` is True for a hidden key; every other column is visible to
+    every row of the tile (so masks are built only along the diagonal edges)."""
     rows = _rows_per_tile(Tq, Tk, heads)
     lo, hi = lohi
     for r0 in range(0, Tq, rows):
@@ -74,16 +76,20 @@ def _tiles(Tq: int, Tk: int, q_start: int, k_start: int, lohi, heads: int, devic
         qa, qb = q_start + r0, q_start + r1 - 1  # first and last position of the tile
         c0 = 0 if lo == -math.inf else max(0, qa + int(lo) - k_start)
         c1 = Tk if hi == math.inf else min(Tk, qb + int(hi) - k_start + 1)
-        vis = visibility(qa, r1 - r0, k_start + c0, c1 - c0, lohi)
-        if vis == "none":
+        if visibility(qa, r1 - r0, k_start + c0, c1 - c0, lohi) == "none":
             continue
-        mask = None
-        if vis == "some":
-            q_pos = torch.arange(qa, qb + 1, device=device)[:, None]  # (tq, 1)
-            k_pos = torch.arange(k_start + c0, k_start + c1, device=device)[None, :]  # (1, tk)
-            delta = k_pos - q_pos  # (tq, tk)
-            mask = (delta >= lo) & (delta <= hi)
-        yield r0, r1, c0, c1, mask
+        # keys visible to every row: qb + lo <= k <= qa + hi; the edges need a mask
+        a = c0 if lo == -math.inf else min(max(c0, qb + int(lo) - k_start), c1)
+        b = c1 if hi == math.inf else min(max(c0, qa + int(hi) - k_start + 1), c1)
+        edges = [(c0, c1)] if a > b else [(c0, a), (b, c1)]
+        strips = []
+        for e0, e1 in edges:
+            if e1 > e0:
+                q_pos = torch.arange(qa, qb + 1, device=device)[:, None]  # (tq, 1)
+                k_pos = torch.arange(k_start + e0, k_start + e1, device=device)[None, :]
+                delta = k_pos - q_pos  # (tq, e1 - e0)
+                strips.append((e0 - c0, e1 - c0, (delta < lo) | (delta > hi)))
+        yield r0, r1, c0, c1, strips
 
 
 def _grouped(q: Tensor, h_kv: int) -> Tensor:
@@ -91,13 +97,13 @@ def _grouped(q: Tensor, h_kv: int) -> Tensor:
     return q.view(B, h_kv, h // h_kv, Tq, d)  # (B, h_kv, g, Tq, d)
 
 
-def _scores(qt: Tensor, k: Tensor, scale: float, mask: Tensor | None) -> Tensor:
-    """Scaled, masked scores of a tile ``qt (B, h_kv, g, tq, d)``: ``(B, h_kv, g, tq, Tk)``."""
+def _scores(qt: Tensor, k: Tensor, scale: float, strips) -> Tensor:
+    """Scaled, masked float32 scores of a tile ``qt (B, h_kv, g, tq, d)``: ``(B, h_kv, g, tq, tk)``."""
     B, h_kv, g, tq, d = qt.shape
-    s = qt.reshape(B, h_kv, g * tq, d) @ k.transpose(-2, -1)  # (B, h_kv, g·tq, Tk)
-    s = s.view(B, h_kv, g, tq, -1).float() * scale
-    if mask is not None:
-        s = s.masked_fill(~mask, float("-inf"))
+    s = (qt.reshape(B, h_kv, g * tq, d) * scale) @ k.transpose(-2, -1)  # (B, h_kv, g·tq, tk)
+    s = s.view(B, h_kv, g, tq, -1).float()
+    for s0, s1, blocked in strips:
+        s[..., s0:s1].masked_fill_(blocked, float("-inf"))
     return s
 
 
@@ -126,11 +132,11 @@ def block_forward(
     lse = torch.full((B, h_kv, g, Tq), float("-inf"), device=q.device)
     lohi = band(causal, window)
     qg = _grouped(q, h_kv)
-    for r0, r1, c0, c1, mask in _tiles(Tq, Tk, q_start, k_start, lohi, B * h, q.device):
-        s = _scores(qg[:, :, :, r0:r1], k[:, :, c0:c1], scale, mask)  # (B, h_kv, g, tq, tk)
+    for r0, r1, c0, c1, strips in _tiles(Tq, Tk, q_start, k_start, lohi, B * h, q.device):
+        s = _scores(qg[:, :, :, r0:r1], k[:, :, c0:c1], scale, strips)  # (B, h_kv, g, tq, tk)
         m = s.amax(dim=-1, keepdim=True)
         m = m.masked_fill(m == float("-inf"), 0.0)  # a row with no key: any finite shift
-        p = torch.exp(s - m)
+        p = s.sub_(m).exp_()  # in place: the tile is the big tensor
         denom = p.sum(dim=-1, keepdim=True)  # (B, h_kv, g, tq, 1)
         pv = p.to(v.dtype).view(B, h_kv, -1, c1 - c0) @ v[:, :, c0:c1]  # (B, h_kv, g·tq, d)
         pv = pv.view(B, h_kv, g, r1 - r0, -1)
@@ -171,16 +177,16 @@ def block_backward(
     # a row that sees no key anywhere has lse = -inf; +inf makes its P = exp(s - inf) = 0
     lse_g = lse.masked_fill(lse == float("-inf"), float("inf")).view(B, h_kv, g, Tq, 1)
     delta_g = delta.float().view(B, h_kv, g, Tq, 1)
-    for r0, r1, c0, c1, mask in _tiles(Tq, Tk, q_start, k_start, lohi, B * h, q.device):
+    for r0, r1, c0, c1, strips in _tiles(Tq, Tk, q_start, k_start, lohi, B * h, q.device):
         kt, vt = k[:, :, c0:c1].float(), v[:, :, c0:c1].float()  # (B, h_kv, tk, d)
         qt, dot = qg[:, :, :, r0:r1], dog[:, :, :, r0:r1]  # (B, h_kv, g, tq, d)
-        p = torch.exp(_scores(qt, kt, scale, mask) - lse_g[:, :, :, r0:r1])  # (B, h_kv, g, tq, tk)
+        p = _scores(qt, kt, scale, strips).sub_(lse_g[:, :, :, r0:r1]).exp_()  # (B,h_kv,g,tq,tk)
         rows_flat = g * (r1 - r0)
         dot_flat = dot.reshape(B, h_kv, rows_flat, -1).float()  # (B, h_kv, g·tq, d)
         p_flat = p.view(B, h_kv, rows_flat, c1 - c0)
         dv[:, :, c0:c1] += p_flat.transpose(-2, -1) @ dot_flat  # (B, h_kv, tk, d): sums g heads
         dp = (dot_flat @ vt.transpose(-2, -1)).view_as(p)  # (B, h_kv, g, tq, tk)
-        ds = (p * (dp - delta_g[:, :, :, r0:r1])).view(B, h_kv, rows_flat, c1 - c0)
+        ds = dp.sub_(delta_g[:, :, :, r0:r1]).mul_(p).view(B, h_kv, rows_flat, c1 - c0)
         dq[:, :, :, r0:r1] = (ds @ kt).view(B, h_kv, g, r1 - r0, d) * scale
         dk[:, :, c0:c1] += (
             ds.transpose(-2, -1) @ qt.reshape(B, h_kv, rows_flat, d).float()
