@@ -1,7 +1,7 @@
 """Ring attention: per-rank peak memory and time, P = 2 processes vs one process (CPU, gloo).
 
     PYTHONPATH=src python bench/ring.py                      # T = 32768 and 65536
-    PYTHONPATH=src python bench/ring.py --T 8192 --no-backward   # quick look
+    PYTHONPATH=src python bench/ring.py --T 8192 --P 2 4 --no-backward   # quick look
 
 Every measurement runs in a fresh spawned process (one torch thread each) so that its peak
 resident memory is its own. Rows:
@@ -12,8 +12,8 @@ resident memory is its own. Rows:
   code, the whole sequence on one process);
 * ``ring, P proc``: the sequence zigzag-sharded over P gloo processes; the worst rank.
 
-``peak MiB`` is the rise of the process's peak RSS over its baseline after imports, inputs
-included. ``wait`` is the time ranks sat waiting on the network (communication not hidden
+``peak MiB`` is the rise of the process's peak RSS over its baseline (after imports and a
+warm-up call on a short sequence), inputs and gradients included. ``wait`` is the time ranks sat waiting on the network (communication not hidden
 behind computation); ``comm`` is the time of the same P-1 K/V hops done alone (no compute),
 so ``comm / time`` is the share of the time the transfers would cost if not overlapped.
 """
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import socket
 import tempfile
 import time
@@ -38,13 +37,19 @@ from qkv.distributed import record_ring_stats, ring_attention
 from qkv.distributed.ring import _make_ring
 
 
-def _rss_mib() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+def _status_mib(field: str) -> float:
+    """``VmRSS`` (resident now) or ``VmHWM`` (peak resident) of this process, in MiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024  # kB
+    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
-def _peak_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+def _reset_peak() -> None:
+    """Reset this process's peak RSS to its current RSS (Linux >= 4.0: clear_refs 5)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
 
 
 def _worker(rank: int, world: int, port: int, cfg: dict, out_dir: str) -> None:
@@ -55,32 +60,41 @@ def _worker(rank: int, world: int, port: int, cfg: dict, out_dir: str) -> None:
             timeout=timedelta(seconds=1800),
         )  # fmt: skip
     B, h, d, T = cfg["B"], cfg["h"], cfg["d"], cfg["T"]
+
+    def attend(q, k, v, T):
+        if cfg["impl"] == "sdpa":
+            return TF.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return ring_attention(q, k, v, causal=True, layout="zigzag", seq_len=T)
+
+    # warm up on a short sequence first: the first calls page in library code and thread
+    # pools (tens of MiB of RSS that have nothing to do with the sequence length)
+    small = [torch.randn(B, h, 256 // world, d, requires_grad=True) for _ in range(3)]
+    attend(*small, 256).sum().backward()
+    del small
     T_local = T // world  # T is a multiple of 2·world here: equal zigzag shards
-    base = _rss_mib()
+    _reset_peak()
+    base = _status_mib("VmRSS")
     q, k, v = (torch.randn(B, h, T_local, d, requires_grad=True) for _ in range(3))
     res = {"rank": rank}
     t0 = time.perf_counter()
     with record_ring_stats() as stats:
-        if cfg["impl"] == "sdpa":
-            out = TF.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:
-            out = ring_attention(q, k, v, causal=True, layout="zigzag", seq_len=T)
+        out = attend(q, k, v, T)
         res["fwd_s"] = time.perf_counter() - t0
         if cfg["backward"]:
             t1 = time.perf_counter()
             out.backward(torch.ones_like(out))
             res["bwd_s"] = time.perf_counter() - t1
     res["time_s"] = time.perf_counter() - t0
-    res["peak_mib"] = _peak_mib() - base
+    res["peak_mib"] = _status_mib("VmHWM") - base
     res["wait_s"] = stats.wait_s
     if cfg["impl"] == "ring" and world > 1:  # the same K/V hops alone: the transfer cost
         ring = _make_ring(T_local, None, "zigzag", None, T)
-        kv = torch.cat([k, v], dim=-1).detach().contiguous()  # (B, h, T_local, 2d)
+        kv = [k.detach(), v.detach()]  # (B, h, T_local, d) each
         hops = (world - 1) * (3 if cfg["backward"] else 1)  # bwd: K/V again + dK/dV
         dist.barrier()
         t2 = time.perf_counter()
         for step in range(hops):
-            nxt = torch.empty_like(kv)
+            nxt = [torch.empty_like(t) for t in kv]
             ring.wait(ring.exchange(kv, nxt), "benchmark block", step)
             kv = nxt
         res["comm_s"] = time.perf_counter() - t2
@@ -102,7 +116,7 @@ def run(cfg: dict, world: int) -> list[dict]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--T", type=int, nargs="+", default=[32768, 65536])
-    p.add_argument("--P", type=int, default=2, help="processes for the ring")
+    p.add_argument("--P", type=int, nargs="+", default=[2], help="processes for the ring")
     p.add_argument("--B", type=int, default=1)
     p.add_argument("--h", type=int, default=2)
     p.add_argument("--d", type=int, default=32)
@@ -110,13 +124,16 @@ def main() -> None:
     p.add_argument("--skip-sdpa", action="store_true")
     args = p.parse_args()
 
+    # big buffers come from mmap and go back to the OS when freed, so that peak RSS follows
+    # the live tensors rather than what glibc's heap keeps cached (children inherit this)
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(256 * 1024))
     plans = []
     for T in args.T:
-        if T % (2 * args.P):
-            raise SystemExit(f"--T {T} must be a multiple of 2·P = {2 * args.P}")
+        if any(T % (2 * P) for P in args.P):
+            raise SystemExit(f"--T {T} must be a multiple of 2·P for every P in {args.P}")
         if not args.skip_sdpa:
             plans.append((T, "sdpa", 1))
-        plans += [(T, "ring", 1), (T, "ring", args.P)]
+        plans += [(T, "ring", 1)] + [(T, "ring", P) for P in args.P]
     rows = []
     for T, impl, world in tqdm(plans, desc="bench/ring.py", unit="run"):
         cfg = dict(T=T, impl=impl, B=args.B, h=args.h, d=args.d, backward=args.backward)
@@ -149,6 +166,19 @@ def main() -> None:
             f"{worst['wait_s']:>7.3f} {comm if comm is not None else float('nan'):>7.3f} "
             f"{(comm / worst['time_s']) if comm else float('nan'):>9.1%} {t_ratio:>15} {m_ratio:>14}"
         )
+
+    # what grows with T: the fixed part (BLAS buffers, score tiles) cancels in the difference
+    Ts = sorted({T for T, *_ in rows})
+    if len(Ts) >= 2:
+        lo_T, hi_T = Ts[0], Ts[-1]
+        print(f"\npeak MiB/rank that grows with T (peak at T={hi_T} minus peak at T={lo_T}):")
+        grow = {}
+        for name in dict.fromkeys(n for _, n, *_ in rows):
+            peaks = {T: max(r["peak_mib"] for r in res) for T, n, _, res in rows if n == name}
+            grow[name] = peaks[hi_T] - peaks[lo_T]
+        for name, g in grow.items():
+            ratio = g / grow["ring, 1 proc"] if grow.get("ring, 1 proc") else float("nan")
+            print(f"  {name:<18} {g:>7.0f} MiB   ({ratio:.2f}x ring, 1 proc)")
 
 
 if __name__ == "__main__":

@@ -121,12 +121,10 @@ class _Ring:
             ) from e
         return time.perf_counter() - t0
 
-    def exchange(self, send: Tensor, recv: Tensor) -> list:
+    def exchange(self, send: list[Tensor], recv: list[Tensor]) -> list:
         """Start sending ``send`` to the next rank and receiving ``recv`` from the previous."""
-        ops = [
-            dist.P2POp(dist.isend, send, group=self.group, group_peer=self.next),
-            dist.P2POp(dist.irecv, recv, group=self.group, group_peer=self.prev),
-        ]
+        ops = [dist.P2POp(dist.isend, t, group=self.group, group_peer=self.next) for t in send]
+        ops += [dist.P2POp(dist.irecv, t, group=self.group, group_peer=self.prev) for t in recv]
         return dist.batch_isend_irecv(ops)
 
 
@@ -189,20 +187,27 @@ def _pairs(ring: _Ring, src: int, lohi):
         q_off += qn
 
 
+def _like(t: Tensor, T: int, *, dtype=None, old: Tensor | None = None) -> Tensor:
+    """An uninitialised ``(B, h_kv, T, d)`` buffer like ``t``; reuses ``old`` if it fits."""
+    shape = (*t.shape[:2], T, t.shape[-1])
+    if old is not None and old.shape == shape and (dtype is None or old.dtype == dtype):
+        return old
+    return torch.empty(shape, device=t.device, dtype=t.dtype if dtype is None else dtype)
+
+
 def _forward(q, k, v, ring: _Ring, causal, window, scale, stats):
     B, h, T, d = q.shape
-    d_k = k.shape[-1]
     lohi = band(causal, window)
     out = torch.zeros(B, h, T, v.shape[-1], device=q.device, dtype=torch.float32)
     lse = torch.full((B, h, T), float("-inf"), device=q.device)
-    kv = torch.cat([k, v], dim=-1).contiguous()  # (B, h_kv, T, d_k + d_v): one message
+    kb, vb = k, v  # the K/V block in hand: (B, h_kv, T_src, d)
     for step in range(ring.world):
         src = (ring.rank - step) % ring.world
-        works, nxt = [], None
+        works = []
         if step < ring.world - 1:  # start moving K/V on before computing with it
-            nxt = kv.new_empty(*kv.shape[:2], ring.length((src - 1) % ring.world), kv.shape[-1])
-            works = ring.exchange(kv, nxt)
-        kb, vb = kv[..., :d_k], kv[..., d_k:]
+            n = ring.length((src - 1) % ring.world)
+            nk, nv = _like(k, n), _like(v, n)
+            works = ring.exchange([kb, vb], [nk, nv])
         pairs = list(_pairs(ring, src, lohi))
         for qr, kr, qs, ks in pairs:
             o_b, lse_b = block_forward(
@@ -217,28 +222,34 @@ def _forward(q, k, v, ring: _Ring, causal, window, scale, stats):
             waited = ring.wait(works, "the next K/V block", step)
             if stats is not None:
                 stats.wait_s += waited
-            kv = nxt
+            kb, vb = nk, nv
     return out.to(q.dtype), lse
 
 
 def _backward(q, k, v, out, lse, dout, ring: _Ring, causal, window, scale, stats):
-    d_k = k.shape[-1]
     lohi = band(causal, window)
+    f32 = torch.float32
     delta = (dout.float() * out.float()).sum(-1)  # (B, h, T)  D = rowsum(dO ∘ O)
-    dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
-    kv = torch.cat([k, v], dim=-1).contiguous()  # (B, h_kv, T, d_k + d_v)
-    dkv_works, dkv_in, dkv = [], None, None
+    dq = torch.zeros(q.shape, device=q.device, dtype=f32)
+    kb, vb = k, v
+    # dK/dV accumulators: `part` is computed here, `sent` travels on, `got` arrives; three
+    # buffers in turn, so the gradient side holds at most three blocks' worth at a time
+    sent = got = spare_k = spare_v = None
+    works_d: list = []
     for step in range(ring.world):
         src = (ring.rank - step) % ring.world
-        kv_works, kv_next = [], None
+        T_src = kb.shape[2]
+        works_kv = []
         if step < ring.world - 1:
-            prev_len = ring.length((src - 1) % ring.world)
-            kv_next = kv.new_empty(*kv.shape[:2], prev_len, kv.shape[-1])
-            kv_works = ring.exchange(kv, kv_next)
-        # this step's contribution to block src's gradients, computed from zero so that the
+            n = ring.length((src - 1) % ring.world)
+            nk, nv = _like(k, n), _like(v, n)
+            works_kv = ring.exchange([kb, vb], [nk, nv])
+        # this step's share of block src's gradients, computed from zero so that the
         # accumulator travelling from the previous rank can arrive meanwhile
-        part = torch.zeros(*kv.shape, device=q.device, dtype=torch.float32)
-        kb, vb = kv[..., :d_k], kv[..., d_k:]
+        part = (
+            _like(k, T_src, dtype=f32, old=spare_k).zero_(),
+            _like(v, T_src, dtype=f32, old=spare_v).zero_(),
+        )
         for qr, kr, qs, ks in _pairs(ring, src, lohi):
             dq_b, dk_b, dv_b = block_backward(
                 q[:, :, qr], kb[:, :, kr], vb[:, :, kr], dout[:, :, qr], lse[:, :, qr],
@@ -246,31 +257,33 @@ def _backward(q, k, v, out, lse, dout, ring: _Ring, causal, window, scale, stats
                 window=window,
             )  # fmt: skip
             dq[:, :, qr] += dq_b
-            part[:, :, kr, :d_k] += dk_b
-            part[:, :, kr, d_k:] += dv_b
+            part[0][:, :, kr] += dk_b
+            part[1][:, :, kr] += dv_b
         waited = 0.0
-        if dkv_works:  # the accumulator of block src, from the previous rank
-            waited += ring.wait(dkv_works, "a dK/dV accumulator", step)
-            part += dkv_in
-        dkv = part
+        spare_k = spare_v = None
+        if works_d:  # the accumulator of block src, from the previous rank
+            waited += ring.wait(works_d, "a dK/dV accumulator", step)
+            part[0].add_(got[0])
+            part[1].add_(got[1])
+            spare_k, spare_v = sent  # its send is done: reuse as the next `part`
         if ring.world > 1:  # pass block src's accumulator on; after P hops it is home
-            dkv_in = torch.empty(*kv.shape[:2], ring.length((src - 1) % ring.world),
-                                 kv.shape[-1], device=q.device, dtype=torch.float32)  # fmt: skip
-            dkv_works = ring.exchange(dkv, dkv_in)
-        if kv_works:
-            waited += ring.wait(kv_works, "the next K/V block", step)
-            kv = kv_next
+            n = ring.length((src - 1) % ring.world)
+            old = got if got is not None else (None, None)
+            got = (_like(k, n, dtype=f32, old=old[0]), _like(v, n, dtype=f32, old=old[1]))
+            works_d = ring.exchange(list(part), list(got))
+        sent = part
+        if works_kv:
+            waited += ring.wait(works_kv, "the next K/V block", step)
+            kb, vb = nk, nv
         if stats is not None:
             stats.wait_s += waited
             stats.steps += 1
     if ring.world > 1:
+        waited = ring.wait(works_d, "this rank's dK/dV", ring.world)
         if stats is not None:
-            stats.wait_s += ring.wait(dkv_works, "this rank's dK/dV", ring.world)
-        else:
-            ring.wait(dkv_works, "this rank's dK/dV", ring.world)
-        dkv = dkv_in
-    dk, dv = dkv[..., :d_k].to(k.dtype), dkv[..., d_k:].to(v.dtype)
-    return dq.to(q.dtype), dk, dv
+            stats.wait_s += waited
+        sent = got
+    return dq.to(q.dtype), sent[0].to(k.dtype), sent[1].to(v.dtype)
 
 
 class _RingAttention(torch.autograd.Function):
@@ -356,4 +369,6 @@ def ring_attention(
         timeout = timedelta(seconds=timeout)
     scale = 1.0 / math.sqrt(shape.d_k) if scale is None else float(scale)
     ring = _make_ring(shape.Tq, group, layout, timeout, seq_len)
-    return _RingAttention.apply(q.contiguous(), k, v, ring, causal, window, scale)
+    return _RingAttention.apply(
+        q.contiguous(), k.contiguous(), v.contiguous(), ring, causal, window, scale
+    )
