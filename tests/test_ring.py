@@ -3,8 +3,8 @@
 Each test spawns 2 or 3 processes. Every process builds the same full q, k, v (same seed),
 computes the single-process reference ``qkv.functional.scaled_dot_product_attention`` (itself
 tested against PyTorch's SDPA in test_functional.py) and PyTorch's own SDPA on the full
-sequence, then runs ``ring_attention`` on its shard. Outputs and gradients must equal the
-reference's shard within 1e-5 (fp32).
+sequence, then runs ``ring_attention`` on its shard. Outputs must equal both references'
+shards, and gradients the reference's, within 1e-5 (fp32).
 """
 
 from __future__ import annotations
@@ -57,6 +57,15 @@ CASES = {
     "odd-causal-contiguous": (29, 4, 4, True, 7, "contiguous", None),
     "tiny-zigzag-empty-chunk": (5, 2, 1, True, None, "zigzag", None),
 }
+
+
+def torch_mask(T: int, causal: bool, window: int | None) -> torch.Tensor:
+    """The (T, T) bool mask (True = may attend) for PyTorch's own SDPA."""
+    i, j = torch.arange(T)[:, None], torch.arange(T)[None]
+    allowed = j <= i if causal else torch.ones(T, T, dtype=torch.bool)
+    if window is not None:
+        allowed = allowed & (j > i - window) & ((j <= i) if causal else (j < i + window))
+    return allowed
 
 
 # --- process launching ---------------------------------------------------------------------
@@ -132,7 +141,11 @@ def _equivalence_job(rank, world, names):
             *local, causal=causal, window=window, scale=scale, layout=layout, timeout=30
         )
         grads = torch.autograd.grad(out, local, shard(go, rank, world, layout=layout))
+        torch_ref = TF.scaled_dot_product_attention(
+            q, k, v, attn_mask=torch_mask(T, causal, window), scale=scale, enable_gqa=True
+        )  # PyTorch's own attention on the whole sequence
         errs = [(out - shard(ref, rank, world, layout=layout)).abs().max().item()]
+        errs.append((out - shard(torch_ref, rank, world, layout=layout)).abs().max().item())
         for got, want in zip(grads, ref_grads):
             errs.append((got - shard(want, rank, world, layout=layout)).abs().max().item())
         finite = bool(torch.isfinite(out).all()) and all(
@@ -220,7 +233,9 @@ def test_ring_equals_single_process(ring_results, name):
         assert "errors" in res, f"rank {rank}: {res}"
         errs, finite = res["errors"][name]
         assert finite, f"{name}, world={world}, rank {rank}: NaN/inf"
-        assert max(errs) <= TOL, f"{name}, world={world}, rank {rank}: out/dq/dk/dv errors {errs}"
+        assert max(errs) <= TOL, (
+            f"{name}, world={world}, rank {rank}: out, out vs torch, dq, dk, dv errors {errs}"
+        )
 
 
 def test_context_parallel_model_matches_one_process():
@@ -293,12 +308,7 @@ def test_one_process_tiled_blocks_match_torch_sdpa(monkeypatch, causal, window):
     g = torch.Generator().manual_seed(1)
     q, go = torch.randn(2, 4, 19, 8, generator=g), torch.randn(2, 4, 19, 8, generator=g)
     k, v = torch.randn(2, 2, 19, 8, generator=g), torch.randn(2, 2, 19, 8, generator=g)
-    allowed = torch.ones(19, 19, dtype=torch.bool)
-    if causal:
-        allowed = allowed.tril()
-    if window is not None:
-        i, j = torch.arange(19)[:, None], torch.arange(19)[None]
-        allowed &= (j > i - window) & ((j <= i) if causal else (j < i + window))
+    allowed = torch_mask(19, causal, window)
     ours = [t.clone().requires_grad_() for t in (q, k, v)]
     theirs = [t.clone().requires_grad_() for t in (q, k, v)]
     out = ring_attention(*ours, causal=causal, window=window)  # no process group: P = 1
