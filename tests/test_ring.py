@@ -328,3 +328,13 @@ def test_bad_inputs_raise_clear_errors():
         ring_attention(q, q, q, window=0)
     with pytest.raises(ValueError, match="dropout"):
         ContextParallelAttention(MultiHeadAttention(8, 2, dropout=0.1))
+
+
+def test_docstring_examples_run():
+    import doctest
+    import importlib
+
+    for name in ("qkv.distributed.shard", "qkv.distributed.block"):
+        mod = importlib.import_module(name)  # the module (the package exports a function `shard`)
+        failed, tried = doctest.testmod(mod)
+        assert tried > 0 and failed == 0, name

@@ -86,7 +86,7 @@ def positions(
     positions its tokens have in the whole sequence.
 
     >>> positions(10, 1, 2, "zigzag").tolist()
-    [3, 4, 5, 6]
+    [3, 4, 5, 6, 7]
     """
     runs = [torch.arange(s, s + n, device=device) for s, n in segments(T, rank, world, layout)]
     return torch.cat(runs)
