@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as TF
 from torch import nn
 
-from qkv import MultiHeadAttention, RotaryEmbedding
+from qkv import ALiBi, MultiHeadAttention, RotaryEmbedding
 from qkv.distributed import (
     RingAttentionError,
     chunk_sizes,
@@ -338,3 +338,20 @@ def test_docstring_examples_run():
         mod = importlib.import_module(name)  # the module (the package exports a function `shard`)
         failed, tried = doctest.testmod(mod)
         assert tried > 0 and failed == 0, name
+
+
+def test_context_parallel_attention_on_one_process_equals_the_module():
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(16, 4, n_kv_heads=2, position=RotaryEmbedding(4))
+    cpa = ContextParallelAttention(mha, layout="zigzag")  # no process group: P = 1
+    x = torch.randn(2, 9, 16)
+    for causal, window in ((True, None), (False, None), (True, 3)):
+        want = mha(x, causal=causal, window=window)
+        assert (cpa(x, causal=causal, window=window) - want).abs().max() <= TOL
+    assert list(cpa.state_dict()) == list(mha.state_dict())
+    with pytest.raises(ValueError, match="does not support \\['mask'\\]"):
+        cpa(x, mask=torch.ones(9, 9, dtype=torch.bool))
+    with pytest.raises(ValueError, match="self-attention only"):
+        cpa(x, x)
+    with pytest.raises(ValueError, match="ALiBi"):
+        ContextParallelAttention(MultiHeadAttention(16, 4, position=ALiBi(4)))
