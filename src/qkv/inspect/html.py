@@ -91,7 +91,7 @@ main{flex:1;padding:12px;overflow:auto} aside{width:360px;padding:12px;backgroun
 text.tok{font-size:13px;cursor:pointer} text.tok.hl{font-weight:bold}
 #model-view{display:grid;gap:6px} canvas.thumb{border:1px solid #ccc;cursor:pointer;width:72px;height:72px;image-rendering:pixelated}
 table{border-collapse:collapse} td,th{padding:2px 5px;border-bottom:1px solid #ddd;text-align:right}
-.hidden{display:none}
+.hidden{display:none !important}
 </style></head><body>
 <main>
 <h3 id="title"></h3>
