@@ -148,3 +148,20 @@ def test_view_and_heads_commands(tmp_path, capsys):
         == 0
     )
     assert "off (Δ" in capsys.readouterr().out
+
+
+def test_loaders_registry(tmp_path):
+    import pytest
+
+    from qkv.inspect.loaders import DIR_LOADERS, load, register_dir
+
+    with pytest.raises(ValueError, match="--model must be one of"):
+        load("no-such-model")
+    with pytest.raises(ValueError, match="no loader recognises"):
+        load(str(tmp_path))
+    register_dir(lambda p: load("random") if (p / "tiny.flag").exists() else None)
+    try:
+        (tmp_path / "tiny.flag").touch()
+        assert load(str(tmp_path)).name == "random"
+    finally:
+        DIR_LOADERS.pop()
