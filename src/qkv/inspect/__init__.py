@@ -1,8 +1,8 @@
 """See inside attention: capture maps, score heads, switch heads off, draw and browse them.
 
 >>> from qkv.inspect import capture, head_stats            # doctest: +SKIP
->>> maps = capture(model, ids, tokens=tokens)             # layer × head × Tq × Tk
->>> head_stats(maps)[0].prev                              # previous-token score
+>>> maps = capture(model, ids, tokens=tokens)  # layer × head × Tq × Tk  # doctest: +SKIP
+>>> head_stats(maps)[0].prev  # previous-token score  # doctest: +SKIP
 
 Pictures (``qkv.inspect.plot``, matplotlib) and the HTML viewer (``qkv.inspect.html``) are
 imported on first use.

@@ -4,9 +4,9 @@ Every function returns a :class:`matplotlib.figure.Figure` and, given ``path``, 
 PNG or SVG (by the suffix). Labels use the fallback fonts of :mod:`qkv.inspect.fonts`, so
 tokens in any script render.
 
->>> fig = plot_grid(maps, "grid.png")                  # doctest: +SKIP  layers × heads
+>>> fig = plot_grid(maps, "grid.png")  # layers × heads  # doctest: +SKIP
 >>> plot_head(maps, "layers.1.self_attn", 3, "head.svg")  # doctest: +SKIP
->>> plot_alignment(maps, path="align.png")             # doctest: +SKIP  source × target
+>>> plot_alignment(maps, path="align.png")  # source × target  # doctest: +SKIP
 """
 
 from __future__ import annotations
