@@ -26,6 +26,10 @@ def test_head_off_equals_zeroing_its_slice_by_hand():
         got = mha(x, causal=True)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert mha.head_mask is None  # restored
+    mha.head_mask = torch.ones(3)
+    with pytest.raises(ValueError, match=r"head_mask must have shape \(4,\)"):
+        mha(x)
+    mha.head_mask = None
     assert not torch.allclose(mha(x, causal=True), want)
 
 

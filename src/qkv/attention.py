@@ -134,6 +134,11 @@ class MultiHeadAttention(nn.Module):
             cache: a :class:`KVCache`; self-attention appends to it, cross-attention fills it
                 on the first call and reuses it afterwards.
             need_weights: also return per-head weights ``(B, h, Tq, Tk)`` (never averaged).
+
+        Inspection (``qkv.inspect``): if ``self.recorder`` is set, it receives the per-head
+        weights and the kind (``"cross"`` when ``context`` is given, else ``"causal"`` or
+        ``"self"`` from ``causal``) on every call; if ``self.head_mask`` ``(h,)`` is set, each
+        head's output is multiplied by it before ``W_O``.
         """
         self._check_input("x", x, self.d_model)
         B, Tq, _ = x.shape
