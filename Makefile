@@ -7,7 +7,8 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: demo test lint bench venv clean
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile scripts/setup-system.sh
+	bash scripts/setup-system.sh
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'

@@ -9,6 +9,8 @@ self-attention ``mha(x, causal=True)``, cross-attention ``mha(x, context=memory)
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor, nn
 
@@ -74,6 +76,12 @@ class MultiHeadAttention(nn.Module):
         self.w_k = nn.Linear(self.kdim, n_kv_heads * self.d_k, bias=bias)
         self.w_v = nn.Linear(self.vdim, n_kv_heads * self.d_k, bias=bias)
         self.w_o = nn.Linear(n_heads * self.d_k, d_model, bias=bias)
+        # Inspection hooks (used by qkv.inspect; both None = no effect, no cost):
+        # recorder(weights (B, h, Tq, Tk), kind "self"|"causal"|"cross") is called on every
+        # forward with the per-head weights, without changing what forward returns;
+        # head_mask (h,) multiplies each head's output before W_O (0 = head switched off).
+        self.recorder: Callable[[Tensor, str], None] | None = None
+        self.head_mask: Tensor | None = None
 
     def split_heads(self, x: Tensor, n: int) -> Tensor:
         B, T, _ = x.shape
@@ -126,6 +134,11 @@ class MultiHeadAttention(nn.Module):
             cache: a :class:`KVCache`; self-attention appends to it, cross-attention fills it
                 on the first call and reuses it afterwards.
             need_weights: also return per-head weights ``(B, h, Tq, Tk)`` (never averaged).
+
+        Inspection (``qkv.inspect``): if ``self.recorder`` is set, it receives the per-head
+        weights and the kind (``"cross"`` when ``context`` is given, else ``"causal"`` or
+        ``"self"`` from ``causal``) on every call; if ``self.head_mask`` ``(h,)`` is set, each
+        head's output is multiplied by it before ``W_O``.
         """
         self._check_input("x", x, self.d_model)
         B, Tq, _ = x.shape
@@ -159,13 +172,25 @@ class MultiHeadAttention(nn.Module):
         if isinstance(self.position, ALiBi):
             alibi = self.position.bias(Tq, k.shape[2], device=x.device, dtype=x.dtype)
             attn_bias = alibi if attn_bias is None else attn_bias + alibi
+        want_weights = need_weights or self.recorder is not None
         out = F.scaled_dot_product_attention(
             q, k, v, mask=mask, bias=attn_bias, causal=causal, window=window,
-            dropout_p=self.dropout if self.training else 0.0, return_weights=need_weights,
+            dropout_p=self.dropout if self.training else 0.0, return_weights=want_weights,
         )  # fmt: skip
-        out, weights = out if need_weights else (out, None)
+        out, weights = out if want_weights else (out, None)
+        if self.recorder is not None:
+            kind = "cross" if context is not None else "causal" if causal else "self"
+            self.recorder(weights.detach(), kind)
+        if self.head_mask is not None:
+            out = out * self._head_scale(out)  # (B, h, Tq, d_k), masked heads give zeros
         y = self.w_o(self.merge_heads(out))  # (B, Tq, d_model)
         return (y, weights) if need_weights else y
+
+    def _head_scale(self, out: Tensor) -> Tensor:
+        hm = self.head_mask
+        if hm.shape != (self.n_heads,):
+            raise ValueError(f"head_mask must have shape ({self.n_heads},), got {tuple(hm.shape)}")
+        return hm.to(device=out.device, dtype=out.dtype).view(1, -1, 1, 1)  # (1, h, 1, 1)
 
     # --- PyTorch interop ------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -18,6 +19,104 @@ from qkv.functional import attention_steps
 from qkv.positional import SinusoidalPositionalEncoding, TokenEmbedding
 
 DEFAULT_TEXT = "The boy trains the puppy ."
+
+
+@dataclass
+class Step:
+    """One printed step: a title, the tensor, and a short note."""
+
+    title: str
+    tensor: torch.Tensor
+    note: str = ""
+    rows: list[str] | None = None  # labels of the last-but-one dim (tokens), None = indices
+    cols: list[str] | None = None  # labels of the last dim (key tokens for score matrices)
+
+
+@dataclass
+class Walk:
+    """Every step of one attention call on a sentence, computed once for every renderer."""
+
+    header: str
+    words: list[str]
+    source_words: list[str] | None
+    steps: list[Step]
+    attends: list[str]  # "'boy' attends most to: head 0→'the', ..."
+    same: bool  # the pieces put together equal MultiHeadAttention.forward
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def walk_steps(
+    text: str = DEFAULT_TEXT,
+    *,
+    d_model: int = 8,
+    n_heads: int = 2,
+    causal: bool = False,
+    source: str | None = None,
+    seed: int = 0,
+) -> Walk:
+    """Compute each step of multi-head attention over ``text`` (cross-attention to ``source``).
+
+    Self-attention when ``source`` is None; otherwise queries come from ``text`` and keys and
+    values from ``source``. ``causal``: the causal mask (True = may attend), bottom-right aligned.
+    """
+    torch.manual_seed(seed)
+    words = text.split()
+    src_words = None if source is None else source.split()
+    if not words or (src_words is not None and not src_words):
+        raise ValueError("text (and source, when given) must contain at least one word")
+    if n_heads < 1 or d_model % n_heads or d_model % 2:
+        raise ValueError(f"d_model must be even and divisible by heads, got {d_model}, {n_heads}")
+    vocab = {w: i for i, w in enumerate(dict.fromkeys(words + (src_words or [])))}
+    ids = torch.tensor([[vocab[w] for w in words]])  # (B=1, T)
+    T, d_k = len(words), d_model // n_heads
+    Tk = T if src_words is None else len(src_words)
+    steps: list[Step] = []
+
+    def show(title: str, t: torch.Tensor, note: str = "", rows=None, cols=None) -> None:
+        steps.append(Step(title, t.detach().clone(), note, rows, cols))
+
+    kind = "self-attention" if src_words is None else f"cross-attention to {src_words}"
+    header = (f"Sentence: {text!r} → {T} tokens {words}; d_model={d_model}, h={n_heads}, "
+              f"d_k={d_k}" + ("" if src_words is None else f"; {kind}"))  # fmt: skip
+    embed, pos = TokenEmbedding(len(vocab), d_model), SinusoidalPositionalEncoding(d_model)
+    mha = MultiHeadAttention(d_model, n_heads).eval()
+    with torch.no_grad():
+        e = embed(ids)  # (1, T, d_model)
+        show("1. token embeddings × √d_model", e[0], rows=words)
+        x = pos(e)  # (1, T, d_model)
+        show("2. + sinusoidal positional encoding", x[0], "x, the input to attention", words)
+        ctx = None
+        if src_words is not None:
+            ctx = pos(embed(torch.tensor([[vocab[w] for w in src_words]])))  # (1, Tk, d_model)
+            show("   source: embeddings + positions", ctx[0], "memory, the keys' input", src_words)
+        q = mha.split_heads(mha.w_q(x), n_heads)  # (1, h, T, d_k)
+        k, v = mha.project_kv(x if ctx is None else ctx)  # (1, h, Tk, d_k)
+        src = "x" if ctx is None else "memory"
+        keys = words if src_words is None else src_words
+        show("3. Q = x W_Q, split into heads", q[0], "(h, T, d_k)", words)
+        show(f"   K = {src} W_K", k[0], rows=keys)
+        show(f"   V = {src} W_V", v[0], rows=keys)
+        st = attention_steps(q, k, v, causal=causal)
+        show("4. scores Q Kᵀ", st.scores[0], f"{T}×{Tk} = {T * Tk} scores per head", words, keys)
+        show(f"5. scaled by 1/√d_k = {st.scale:.4f}", st.scaled[0], "", words, keys)
+        if causal:
+            show("6. causal mask (True = may attend)", st.mask, "", words, keys)
+            show("   masked scores", st.masked[0], "-inf where a token would see the future",
+                 words, keys)  # fmt: skip
+        show("7. softmax → attention weights", st.weights[0], "each row sums to 1", words, keys)
+        attends = [
+            f"   {w!r:>10} attends most to: "
+            + ", ".join(f"head {h}→{keys[j]!r}" for h, j in enumerate(top))
+            for w, top in zip(words, st.weights[0].argmax(-1).T.tolist())
+        ]
+        show("8. weighted sum of V", st.output[0], "(h, T, d_k)", words)
+        concat = mha.merge_heads(st.output)  # (1, T, d_model)
+        show("9. heads concatenated", concat[0], "(T, h·d_k)", words)
+        y = mha.w_o(concat)  # (1, T, d_model)
+        show("10. output projection W_O", y[0], "(T, d_model)", words)
+        same = torch.allclose(y, mha(x, context=ctx, causal=causal), atol=1e-6)
+    tensors = {"ids": ids, "x": x, "q": q, "k": k, "v": v, "weights": st.weights, "y": y}
+    return Walk(header, words, src_words, steps, attends, same, tensors)
 
 
 def walk(
@@ -30,53 +129,17 @@ def walk(
     out: Callable[[str], None] = print,
 ) -> dict[str, torch.Tensor]:
     """Print each step of multi-head self-attention over ``text``; return the tensors."""
-    torch.manual_seed(seed)
-    words = text.split()
-    if not words:
-        raise ValueError("text must contain at least one word")
-    vocab = {w: i for i, w in enumerate(dict.fromkeys(words))}
-    ids = torch.tensor([[vocab[w] for w in words]])  # (B=1, T)
-    T, d_k = len(words), d_model // n_heads
-
-    def show(title: str, t: torch.Tensor, note: str = "") -> None:
-        out(f"\n== {title}  shape {list(t.shape)}" + (f"  ({note})" if note else ""))
-        out(str(t.detach()))
-
+    w = walk_steps(text, d_model=d_model, n_heads=n_heads, causal=causal, seed=seed)
     torch.set_printoptions(precision=3, sci_mode=False, linewidth=120)
-    out(f"Sentence: {text!r} → {T} tokens {words}; d_model={d_model}, h={n_heads}, d_k={d_k}")
-    embed, pos = TokenEmbedding(len(vocab), d_model), SinusoidalPositionalEncoding(d_model)
-    mha = MultiHeadAttention(d_model, n_heads).eval()
-    with torch.no_grad():
-        e = embed(ids)  # (1, T, d_model)
-        show("1. token embeddings × √d_model", e[0])
-        x = pos(e)  # (1, T, d_model)
-        show("2. + sinusoidal positional encoding", x[0], "x, the input to attention")
-        q = mha.split_heads(mha.w_q(x), n_heads)  # (1, h, T, d_k)
-        k, v = mha.project_kv(x)  # (1, h, T, d_k)
-        show("3. Q = x W_Q, split into heads", q[0], "(h, T, d_k)")
-        show("   K = x W_K", k[0])
-        show("   V = x W_V", v[0])
-        steps = attention_steps(q, k, v, causal=causal)
-        show("4. scores Q Kᵀ", steps.scores[0], f"{T}×{T} = {T * T} scores per head")
-        show(f"5. scaled by 1/√d_k = {steps.scale:.4f}", steps.scaled[0])
-        if causal:
-            show("6. causal mask (True = may attend)", steps.mask)
-            show("   masked scores", steps.masked[0], "-inf where a token would see the future")
-        show("7. softmax → attention weights", steps.weights[0], "each row sums to 1")
-        for i, w in enumerate(words):
-            top = steps.weights[0, :, i].argmax(-1).tolist()
-            out(
-                f"   {w!r:>10} attends most to: "
-                + ", ".join(f"head {h}→{words[j]!r}" for h, j in enumerate(top))
-            )
-        show("8. weighted sum of V", steps.output[0], "(h, T, d_k)")
-        concat = mha.merge_heads(steps.output)  # (1, T, d_model)
-        show("9. heads concatenated", concat[0], "(T, h·d_k)")
-        y = mha.w_o(concat)  # (1, T, d_model)
-        show("10. output projection W_O", y[0], "(T, d_model)")
-        same = torch.allclose(y, mha(x, causal=causal), atol=1e-6)
-        out(f"\nStep by step equals MultiHeadAttention.forward: {same}")
-    return {"ids": ids, "x": x, "q": q, "k": k, "v": v, "weights": steps.weights, "y": y}
+    out(w.header)
+    for s in w.steps:
+        out(f"\n== {s.title}  shape {list(s.tensor.shape)}" + (f"  ({s.note})" if s.note else ""))
+        out(str(s.tensor))
+        if s.title.startswith("7."):
+            for line in w.attends:
+                out(line)
+    out(f"\nStep by step equals MultiHeadAttention.forward: {w.same}")
+    return w.tensors
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

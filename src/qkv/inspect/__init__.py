@@ -1,0 +1,32 @@
+"""See inside attention: capture maps, score heads, switch heads off, draw and browse them.
+
+>>> from qkv.inspect import capture, head_stats            # doctest: +SKIP
+>>> maps = capture(model, ids, tokens=tokens)  # layer × head × Tq × Tk  # doctest: +SKIP
+>>> head_stats(maps)[0].prev  # previous-token score  # doctest: +SKIP
+
+Pictures (``qkv.inspect.plot``, matplotlib) and the HTML viewer (``qkv.inspect.html``) are
+imported on first use.
+"""
+
+from qkv.inspect.ablate import AblationResult, ablate, ablation_scan, heads_off
+from qkv.inspect.capture import attention_modules, capture, capture_steps, recording
+from qkv.inspect.maps import AttentionMaps, merge_steps
+from qkv.inspect.stats import HeadStats, ProbeRow, head_scores, head_stats, pronoun_probe
+
+__all__ = [
+    "AblationResult",
+    "AttentionMaps",
+    "HeadStats",
+    "ProbeRow",
+    "ablate",
+    "ablation_scan",
+    "attention_modules",
+    "capture",
+    "capture_steps",
+    "head_scores",
+    "head_stats",
+    "heads_off",
+    "merge_steps",
+    "pronoun_probe",
+    "recording",
+]

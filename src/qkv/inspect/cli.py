@@ -1,0 +1,143 @@
+"""``qkv view`` (HTML viewer + pictures) and ``qkv heads`` (statistics, pronoun probe, ablation).
+
+    qkv view "The boy trains the puppy." --model random --out attention.html --png attention.png
+    qkv view --model random --translate "The boy trains the puppy." --out translate.html
+    qkv heads "The animal didn't cross the street because it was tired." --token it \\
+        --candidates animal street --ablate
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from qkv.inspect.ablate import ablate, ablation_scan, parse_heads
+from qkv.inspect.capture import capture
+from qkv.inspect.loaders import load
+from qkv.inspect.maps import merge_steps
+from qkv.inspect.stats import head_stats, normalize_token, pronoun_probe
+
+console = Console()
+
+
+def _f(v: float) -> str:
+    return "–" if isinstance(v, float) and math.isnan(v) else f"{v:.3f}"
+
+
+def run_view(args: argparse.Namespace) -> int:
+    from qkv.inspect.html import write_html
+    from qkv.inspect.plot import plot_alignment, plot_grid
+
+    loaded = load(args.model)
+    steps = None
+    if args.translate:
+        if loaded.translate is None:
+            raise SystemExit(f"--model {args.model} cannot translate")
+        steps = loaded.translate(args.translate)
+        maps, title = merge_steps(steps), f"qkv: translating {args.translate!r}"
+    else:
+        if not args.sentence:
+            raise SystemExit("give a sentence, or --translate SENTENCE")
+        tokens, inputs = loaded.encode(args.sentence)
+        maps, title = capture(loaded.model, *inputs, tokens=tokens), f"qkv: {args.sentence!r}"
+    out = write_html(maps, args.out, steps=steps, title=title)
+    console.print(f"viewer written: [bold]{out.resolve()}[/] (open it in a browser)")
+    if args.png:
+        plot_grid(maps, args.png)
+        console.print(f"picture written: [bold]{args.png}[/]")
+        if args.translate:
+            p = args.png.rsplit(".", 1)
+            align = f"{p[0]}-alignment.{p[1] if len(p) > 1 else 'png'}"
+            plot_alignment(maps, path=align)
+            console.print(f"alignment written: [bold]{align}[/]")
+    return 0
+
+
+def _similarity_metric(loaded, inputs, tokens, token: str, candidates: list[str]):
+    """cos(token, candidate₀) − cos(token, candidate₁) of the final representations."""
+    norm = [normalize_token(t) for t in tokens]
+    try:
+        i = norm.index(normalize_token(token))
+        c = [norm.index(normalize_token(x)) for x in candidates[:2]]
+    except ValueError as e:
+        raise SystemExit(f"token or candidate not in {tokens}: {e}") from None
+
+    def metric(_model) -> float:
+        h = loaded.hidden(*inputs)[0]  # (T, d)
+        sims = [float(torch.cosine_similarity(h[i], h[j], dim=0)) for j in c]
+        return sims[0] - (sims[1] if len(sims) > 1 else 0.0)
+
+    return metric
+
+
+def run_heads(args: argparse.Namespace) -> int:
+    loaded = load(args.model)
+    tokens, inputs = loaded.encode(args.sentence)
+    maps = capture(loaded.model, *inputs, tokens=tokens)
+    if args.token is None:
+        t = Table(title=f"head statistics — {args.sentence!r}")
+        for col in ("layer", "head", "entropy", "dist", "prev", "next", "self", "first", "punct"):
+            t.add_column(col, justify="right")
+        for s in head_stats(maps):
+            vals = (s.entropy, s.distance, s.prev, s.next, s.self, s.first, s.punct)
+            t.add_row(s.layer, str(s.head), *map(_f, vals))
+        console.print(t)
+        return 0
+    rows = pronoun_probe(maps, args.token, args.candidates)
+    t = Table(title=f"where does {args.token!r} look? (top {args.top} of {len(rows)} heads)")
+    for col in ("layer", "head", *args.candidates, "best", "margin"):
+        t.add_column(col, justify="right")
+    for r in rows[: args.top]:
+        t.add_row(r.layer, str(r.head), *(_f(r.scores[c]) for c in args.candidates), r.best,
+                  _f(r.margin))  # fmt: skip
+    console.print(t)
+    votes = {c: sum(r.best == c for r in rows) for c in args.candidates}
+    console.print(
+        "heads preferring each candidate: " + ", ".join(f"{c}: {n}" for c, n in votes.items())
+    )
+    if args.ablate is not None:
+        metric = _similarity_metric(loaded, inputs, tokens, args.token, args.candidates)
+        what = f"cos({args.token},{args.candidates[0]})" + (
+            f" − cos({args.token},{args.candidates[1]})" if len(args.candidates) > 1 else ""
+        )
+        if args.ablate:
+            r = ablate(loaded.model, parse_heads(args.ablate), metric)
+            console.print(f"{what}: {r.baseline:.4f} → {r.ablated:.4f} with {r.heads} off "
+                          f"(Δ {r.delta:+.4f})")  # fmt: skip
+        else:
+            scan = ablation_scan(loaded.model, metric)
+            t = Table(
+                title=f"one head off at a time: change in {what} (base {scan[0].baseline:.4f})"
+            )
+            for col in ("layer", "head", "Δ"):
+                t.add_column(col, justify="right")
+            for r in scan[: args.top]:
+                ((layer, hs),) = r.heads.items()
+                t.add_row(str(layer), str(hs[0]), f"{r.delta:+.4f}")
+            console.print(t)
+    return 0
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("view", help="interactive HTML attention viewer (+ PNG/SVG grid)")
+    p.add_argument("sentence", nargs="?", default=None)
+    p.add_argument("--model", default="random", help="random | a registered name | DIR")
+    p.add_argument("--out", default="attention.html", help="HTML file to write")
+    p.add_argument("--png", default=None, help="also draw the layers × heads grid (.png/.svg)")
+    p.add_argument("--translate", default=None, help="translate this sentence; cross-attention")
+    p.set_defaults(func=run_view)
+
+    h = sub.add_parser("heads", help="head statistics, pronoun probe and head ablation")
+    h.add_argument("sentence")
+    h.add_argument("--model", default="random", help="random | a registered name | DIR")
+    h.add_argument("--token", default=None, help="query token to probe (e.g. it)")
+    h.add_argument("--candidates", nargs="+", default=[], help="antecedents to compare")
+    h.add_argument("--top", type=int, default=10)
+    h.add_argument("--ablate", nargs="*", default=None, metavar="LAYER:HEADS",
+                   help="switch heads off (none given: each head in turn) and report the "
+                   "change in cos(token, cand₀) − cos(token, cand₁)")  # fmt: skip
+    h.set_defaults(func=run_heads)

@@ -1,0 +1,95 @@
+"""Models the inspection commands can open: ``--model random`` now; real ones registered later.
+
+A loader returns a :class:`Loaded`: the model, a function from text to (tokens, inputs),
+and optionally a translator that records attention at every decoding step. Trained models
+(MiniLM in ``qkv.pretrained``, the translation transformer in ``qkv.models``) plug in with
+:func:`register` (a name such as ``"minilm"``) or :func:`register_dir` (a saved directory).
+
+>>> loaded = load("random")
+>>> tokens, inputs = loaded.encode("The boy trains the puppy.")
+>>> loaded.model(*inputs).shape
+torch.Size([1, 8, 32])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from qkv.inspect.capture import recording
+from qkv.inspect.maps import AttentionMaps
+from qkv.inspect.tiny import TinyEncoder, TinySeq2Seq, simple_tokenize, token_id
+
+__all__ = ["LOADERS", "Loaded", "load", "register", "register_dir"]
+
+
+@dataclass
+class Loaded:
+    """An inspectable model.
+
+    ``encode(text) -> (tokens, inputs)``: ``model(*inputs)`` runs it on the text.
+    ``hidden(*inputs) -> (B, T, d)``: final token representations (default: the model's output).
+    ``translate(text) -> list[AttentionMaps]``: greedy decoding, maps per step (seq2seq only).
+    """
+
+    model: nn.Module
+    encode: Callable[[str], tuple[list[str], tuple]]
+    hidden: Callable[..., Tensor] | None = None
+    translate: Callable[[str], list[AttentionMaps]] | None = None
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if self.hidden is None:
+            self.hidden = self.model
+
+
+def _random() -> Loaded:
+    enc = TinyEncoder()
+    s2s = TinySeq2Seq()
+
+    def translate(text: str) -> list[AttentionMaps]:
+        src_tokens = ["<s>", *simple_tokenize(text), "</s>"]
+        src = torch.tensor([[token_id(t, s2s.vocab_size) for t in src_tokens]])  # (1, T_src)
+        with torch.no_grad(), recording(s2s) as rec:
+            out = s2s.greedy(src, max_len=min(2 * len(src_tokens), 24))  # (1, T_tgt)
+        tgt_tokens = ["<s>"] + [f"#{i}" for i in out[0, 1:].tolist()]  # random ids, no vocab
+        return rec.steps(tokens=tgt_tokens, source_tokens=src_tokens)
+
+    def encode(text: str) -> tuple[list[str], tuple]:
+        tokens, ids = enc.tokenize(text)
+        return tokens, (ids,)
+
+    return Loaded(enc, encode, translate=translate, name="random")
+
+
+LOADERS: dict[str, Callable[[], Loaded]] = {"random": _random}
+DIR_LOADERS: list[Callable[[Path], Loaded | None]] = []
+
+
+def register(name: str, loader: Callable[[], Loaded]) -> None:
+    """Make ``--model NAME`` open ``loader()``."""
+    LOADERS[name] = loader
+
+
+def register_dir(loader: Callable[[Path], Loaded | None]) -> None:
+    """Try ``loader(path)`` for ``--model DIR``; it returns ``None`` for a directory not its own."""
+    DIR_LOADERS.append(loader)
+
+
+def load(spec: str) -> Loaded:
+    """Open ``spec``: a registered name (``random``…) or a saved model directory."""
+    if spec in LOADERS:
+        return LOADERS[spec]()
+    path = Path(spec)
+    if path.is_dir():
+        for loader in DIR_LOADERS:
+            loaded = loader(path)
+            if loaded is not None:
+                return loaded
+        raise ValueError(f"no loader recognises the directory {spec!r} (registered: "
+                         f"{len(DIR_LOADERS)} directory loaders)")  # fmt: skip
+    raise ValueError(f"--model must be one of {sorted(LOADERS)} or a directory, got {spec!r}")
