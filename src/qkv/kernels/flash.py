@@ -63,12 +63,16 @@ def _scores(
     plan: _Plan, qb: Tensor, kb: Tensor, bias5: Tensor | None, mask5: Tensor | None,
     qs: int, qe: int, ks: int, ke: int,
 ) -> tuple[Tensor, Tensor | None]:  # fmt: skip
-    """Scores of one block ``(N, G·bq, bk)`` in the accumulation dtype, masked with -inf.
+    """Scores of one block ``(N, G·bq, bk)``, masked with -inf.
 
+    In the input dtype when no soft-cap or bias needs more precision (the caller's
+    ``_sub_exp`` promotes to the accumulation dtype), else in the accumulation dtype.
     Also returns ``tanh(x)`` when soft-capping (the backward needs it).
     """
     N, G, bq, bk = qb.shape[0], plan.shape.group, qe - qs, ke - ks
-    s = torch.bmm(qb, kb.transpose(1, 2)).to(plan.acc_dtype)  # (N, G·bq, bk)
+    s = torch.bmm(qb, kb.transpose(1, 2))  # (N, G·bq, bk)
+    if plan.softcap is not None or bias5 is not None:
+        s = s.to(plan.acc_dtype)
     t = None
     if plan.softcap is not None:
         t = torch.tanh(s)
@@ -81,6 +85,12 @@ def _scores(
     if mask5 is not None:
         s.view(-1, plan.shape.h_kv, G, bq, bk).masked_fill_(~block(mask5, qs, qe, ks, ke), _NEG_INF)
     return s, t
+
+
+def _sub_exp(s: Tensor, shift: Tensor, acc_dtype: torch.dtype) -> Tensor:
+    """``exp(s - shift)`` in ``acc_dtype``, in place when ``s`` already has that dtype."""
+    p = s.sub_(shift) if s.dtype == acc_dtype else torch.sub(s, shift)  # promotes bf16 → fp32
+    return p.exp_()
 
 
 def _forward(
@@ -105,9 +115,9 @@ def _forward(
         for ks in range(lo, hi, plan.block_k):
             ke = min(ks + plan.block_k, hi)
             s, _ = _scores(plan, qb, k3[:, ks:ke], bias5, mask5, qs, qe, ks, ke)
-            m_new = torch.maximum(m, s.amax(dim=-1))  # (N, G·bq)
+            m_new = torch.maximum(m, s.amax(dim=-1).to(acc_dtype))  # (N, G·bq)
             m_safe = m_new.masked_fill(m_new == _NEG_INF, 0.0)  # rows with nothing yet
-            p = s.sub_(m_safe.unsqueeze(-1)).exp_()  # (N, G·bq, bk)
+            p = _sub_exp(s, m_safe.unsqueeze(-1), acc_dtype)  # (N, G·bq, bk)
             alpha = (m - m_safe).exp_()
             l.mul_(alpha).add_(p.sum(dim=-1))
             acc.mul_(alpha.unsqueeze(-1))
@@ -147,7 +157,7 @@ def _backward(
             ke = min(ks + plan.block_k, hi)
             kb, vb = k3[:, ks:ke], v3[:, ks:ke]
             s, t = _scores(plan, qb, kb, bias5, mask5, qs, qe, ks, ke)
-            p = s.sub_(lse_b).exp_()  # (N, G·bq, bk)
+            p = _sub_exp(s, lse_b, acc_dtype)  # (N, G·bq, bk)
             p_in = p.to(q4.dtype) if low else p
             dv[:, ks:ke].add_(torch.bmm(p_in.transpose(1, 2), dob))
             ds = torch.bmm(dob, vb.transpose(1, 2)).to(acc_dtype).sub_(D_b).mul_(p)  # dS
