@@ -76,7 +76,10 @@ def test_flash_matches_pytorch_sdpa_with_dense_mask():
     """Against a reference nobody here wrote: PyTorch SDPA given the same window as a mask."""
     torch.manual_seed(0)
     q = torch.randn(2, 4, 70, 16, dtype=torch.float64)
-    k, v = torch.randn(2, 2, 90, 16, dtype=torch.float64), torch.randn(2, 2, 90, 8, dtype=torch.float64)
+    k, v = (
+        torch.randn(2, 2, 90, 16, dtype=torch.float64),
+        torch.randn(2, 2, 90, 8, dtype=torch.float64),
+    )
     allowed = masks.sliding_window(70, 90, 9, causal=True)
     ref = TF.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True)
     out = flash_attention(q, k, v, causal=True, window=9, block_q=16, block_k=32)
@@ -142,7 +145,10 @@ def test_block_skipping_visits_only_the_window():
 def test_weights_from_lse_equal_math_weights(heads):
     torch.manual_seed(3)
     q = torch.randn(2, 4, 11, 8, dtype=torch.float64)
-    k, v = torch.randn(2, 2, 13, 8, dtype=torch.float64), torch.randn(2, 2, 13, 8, dtype=torch.float64)
+    k, v = (
+        torch.randn(2, 2, 13, 8, dtype=torch.float64),
+        torch.randn(2, 2, 13, 8, dtype=torch.float64),
+    )
     bias = torch.randn(1, 4, 11, 13, dtype=torch.float64)
     mask = torch.rand(2, 1, 11, 13) > 0.2
     kw = dict(causal=True, window=6, bias=bias, mask=mask, softcap=3.0)

@@ -171,7 +171,9 @@ def choose(case: Case, backend: str = "auto") -> Decision:
     return Decision(preferred, "auto", reasons)
 
 
-def explain_dispatch(q: Tensor, k: Tensor, v: Tensor, *, backend: str = "auto", **kwargs) -> Decision:
+def explain_dispatch(
+    q: Tensor, k: Tensor, v: Tensor, *, backend: str = "auto", **kwargs
+) -> Decision:
     """Which backend ``scaled_dot_product_attention(q, k, v, **kwargs)`` runs, and why.
 
     ``print()`` the result for one line per rejected backend.

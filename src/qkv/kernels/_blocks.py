@@ -47,8 +47,7 @@ class Structure:
         off = self.Tk - self.Tq
         w = self.window
         need = (self.causal and ke - 1 > off + qs) or (
-            w is not None
-            and (ks < off + qe - w or (not self.causal and ke > off + qs + w))
+            w is not None and (ks < off + qe - w or (not self.causal and ke > off + qs + w))
         )
         if not need:
             return None

@@ -70,7 +70,9 @@ def varlen_attention(
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor) or t.dim() != 3:
-            raise ValueError(f"{name} must be packed (total, heads, d), got {getattr(t, 'shape', t)}")
+            raise ValueError(
+                f"{name} must be packed (total, heads, d), got {getattr(t, 'shape', t)}"
+            )
     cq = _lengths(cu_seqlens_q, q.shape[0], "cu_seqlens_q")
     ck = cq if cu_seqlens_k is None else _lengths(cu_seqlens_k, k.shape[0], "cu_seqlens_k")
     if len(cq) != len(ck):
@@ -95,7 +97,11 @@ def varlen_attention(
     else:
         outs, lses = [], []
         for i in range(n):
-            qi, ki, vi = qh[:, cq[i] : cq[i + 1]], kh[:, ck[i] : ck[i + 1]], vh[:, ck[i] : ck[i + 1]]
+            qi, ki, vi = (
+                qh[:, cq[i] : cq[i + 1]],
+                kh[:, ck[i] : ck[i + 1]],
+                vh[:, ck[i] : ck[i + 1]],
+            )
             o, l = flash_attention(qi, ki, vi, **opts)  # noqa: E741 (h, Lq_i, d_v), (h, Lq_i)
             outs.append(o)
             lses.append(l)
