@@ -19,8 +19,7 @@ case (first matching row wins)                    backend   why
 ``dropout_p > 0``                                 torch     flash has no dropout (math if softcap)
 ``softcap``                                       flash     torch SDPA has no soft-capping
 ``window`` with ``4·window <= Tk``                flash     block skipping: O(T·w) instead of O(T²)
-bf16/fp16, ``Tq·Tk >= 4096²``, no mask/bias       flash     AMX bf16 matmuls beat torch's bf16 kernel
-everything else                                   torch     PyTorch's fused kernel is faster here
+everything else (dense, causal, masks, bias)      torch     PyTorch's fused kernel is faster here
 ================================================  ========  ==========================================
 
 "torch" is rejected for: ``softcap``; weights/lse requested (it returns neither); a bias that
@@ -51,7 +50,6 @@ BACKENDS = ("math", "torch", "flash")
 # fastest first (as measured); "auto" takes the first valid one in this order unless a rule
 # of the table in the module docstring picks another.
 _SPEED_ORDER = ("torch", "flash", "math")
-LOW_PRECISION_FLASH_AREA = 4096 * 4096  # bf16: flash beats torch from this Tq·Tk on
 
 
 @dataclass(frozen=True)
@@ -145,9 +143,6 @@ def _rule(case: Case) -> tuple[str, str]:
         return "flash", "softcap: flash supports it without materialising Tq×Tk"
     if case.window is not None and 4 * case.window <= s.Tk:
         return "flash", f"window={case.window} <= Tk/4: flash skips empty blocks, O(T·w)"
-    low = case.dtype in (torch.bfloat16, torch.float16)
-    if low and s.Tq * s.Tk >= LOW_PRECISION_FLASH_AREA and not (case.has_mask or case.has_bias):
-        return "flash", f"{case.dtype} with Tq·Tk >= 4096²: flash's bf16 matmuls are faster"
     return "torch", "dense/causal: PyTorch's fused kernel is fastest (measured)"
 
 

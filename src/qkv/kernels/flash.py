@@ -37,9 +37,10 @@ from qkv.kernels._blocks import Structure, block, from_5d_grad, reduce_to, to_5d
 
 __all__ = ["flash_attention", "BLOCK_Q", "BLOCK_K"]
 
-# Measured on this repository's 2-core Xeon (AMX) machine, T=4096, h=8, d=64; see README.
+# Measured on this repository's 2-core Xeon (AMX) machine, T=2048-4096, h=8, d=64; see README.
 BLOCK_Q = 256
 BLOCK_K = 512
+BLOCK_Q_WINDOW = 64  # with a window, small query blocks waste less of each key block
 
 _NEG_INF = float("-inf")
 
@@ -65,8 +66,8 @@ def _scores(
 ) -> tuple[Tensor, Tensor | None]:  # fmt: skip
     """Scores of one block ``(N, G·bq, bk)``, masked with -inf.
 
-    In the input dtype when no soft-cap or bias needs more precision (the caller's
-    ``_sub_exp`` promotes to the accumulation dtype), else in the accumulation dtype.
+    In the input dtype unless a soft-cap or bias needs more precision (then in the
+    accumulation dtype).
     Also returns ``tanh(x)`` when soft-capping (the backward needs it).
     """
     N, G, bq, bk = qb.shape[0], plan.shape.group, qe - qs, ke - ks
@@ -88,20 +89,42 @@ def _scores(
 
 
 def _sub_exp(s: Tensor, shift: Tensor, acc_dtype: torch.dtype) -> Tensor:
-    """``exp(s - shift)`` in ``acc_dtype``, in place when ``s`` already has that dtype."""
-    p = s.sub_(shift) if s.dtype == acc_dtype else torch.sub(s, shift)  # promotes bf16 → fp32
-    return p.exp_()
+    """``exp(s - shift)`` in ``acc_dtype`` (converting first: mixed-dtype ops are slow on CPU)."""
+    return s.to(acc_dtype).sub_(shift).exp_()
+
+
+def _block_softmax(s: Tensor, acc_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Softmax of a score block and its log-sum-exp: ``(p (N, rows, bk), lse_blk (N, rows))``.
+
+    One fused ``torch.softmax`` instead of sub/exp/sum passes; the block's log-sum-exp comes
+    from the row maxima: ``max(p) = exp(m - lse)``, so ``lse = m - log max(p)``.
+    Rows with no visible key (all ``-inf``) get ``p = 0`` and ``lse = -inf``.
+    """
+    m = s.amax(dim=-1)  # (N, rows)
+    p = torch.softmax(s, dim=-1)  # same dtype as s
+    empty = m == _NEG_INF
+    if bool(empty.any()):
+        p.masked_fill_(empty.unsqueeze(-1), 0.0)  # softmax of an all -inf row is NaN
+    p_max = p.amax(dim=-1).to(acc_dtype)
+    lse = (m.to(acc_dtype) - p_max.log()).masked_fill_(empty, _NEG_INF)
+    return p, lse
 
 
 def _forward(
     plan: _Plan, q4: Tensor, k3: Tensor, v3: Tensor, bias5: Tensor | None, mask5: Tensor | None
 ) -> tuple[Tensor, Tensor]:
-    """``q4 (N, G, Tq, d)`` pre-multiplied by ``plan.c`` → out ``(N, G, Tq, d_v)``, lse ``(N, G, Tq)``."""
+    """``q4 (N, G, Tq, d)`` pre-multiplied by ``plan.c`` → out ``(N, G, Tq, d_v)``, lse ``(N, G, Tq)``.
+
+    The running (max, sum) pair of the online softmax is kept as one number per row, its
+    log-sum-exp ``lse = m + log l``, and ``acc`` stays normalised (it is the output so far)::
+
+        lse' = logaddexp(lse, lse_blk);  acc = e^(lse - lse')·acc + e^(lse_blk - lse')·(p_blk v_blk)
+    """
     N, G, Tq, d = q4.shape
     d_v = v3.shape[-1]
-    acc_dtype, low = plan.acc_dtype, q4.dtype != plan.acc_dtype
+    acc_dtype = plan.acc_dtype
     out = torch.zeros(N, G, Tq, d_v, dtype=q4.dtype, device=q4.device)
-    lse = torch.full((N, G, Tq), _NEG_INF, dtype=acc_dtype, device=q4.device)
+    lse_all = torch.full((N, G, Tq), _NEG_INF, dtype=acc_dtype, device=q4.device)
     for qs in range(0, Tq, plan.block_q):
         qe = min(qs + plan.block_q, Tq)
         lo, hi = plan.structure.key_range(qs, qe)
@@ -109,24 +132,24 @@ def _forward(
             continue  # no visible key: zeros, lse = -inf
         rows = G * (qe - qs)
         qb = q4[:, :, qs:qe].reshape(N, rows, d)  # (N, G·bq, d)
-        m = torch.full((N, rows), _NEG_INF, dtype=acc_dtype, device=q4.device)
-        l = torch.zeros(N, rows, dtype=acc_dtype, device=q4.device)  # noqa: E741
-        acc = torch.zeros(N, rows, d_v, dtype=acc_dtype, device=q4.device)
+        acc = lse = None
         for ks in range(lo, hi, plan.block_k):
             ke = min(ks + plan.block_k, hi)
+            vb = v3[:, ks:ke]
             s, _ = _scores(plan, qb, k3[:, ks:ke], bias5, mask5, qs, qe, ks, ke)
-            m_new = torch.maximum(m, s.amax(dim=-1).to(acc_dtype))  # (N, G·bq)
-            m_safe = m_new.masked_fill(m_new == _NEG_INF, 0.0)  # rows with nothing yet
-            p = _sub_exp(s, m_safe.unsqueeze(-1), acc_dtype)  # (N, G·bq, bk)
-            alpha = (m - m_safe).exp_()
-            l.mul_(alpha).add_(p.sum(dim=-1))
-            acc.mul_(alpha.unsqueeze(-1))
-            acc.add_(torch.bmm(p.to(q4.dtype) if low else p, v3[:, ks:ke]))
-            m = m_new
-        empty = l == 0
-        out[:, :, qs:qe] = (acc / l.masked_fill(empty, 1.0).unsqueeze(-1)).view(N, G, -1, d_v)
-        lse[:, :, qs:qe] = (m + l.log()).view(N, G, -1)  # -inf for an empty row
-    return out, lse
+            p, lse_blk = _block_softmax(s, acc_dtype)  # (N, G·bq, bk), (N, G·bq)
+            pv = torch.bmm(p.to(vb.dtype), vb).to(acc_dtype)  # (N, G·bq, d_v)
+            if acc is None:
+                acc, lse = pv, lse_blk
+                continue
+            lse_new = torch.logaddexp(lse, lse_blk)
+            safe = lse_new.masked_fill(lse_new == _NEG_INF, 0.0)  # rows with nothing yet
+            acc.mul_((lse - safe).exp_().unsqueeze(-1))
+            acc.add_(pv.mul_((lse_blk - safe).exp_().unsqueeze(-1)))
+            lse = lse_new
+        out[:, :, qs:qe] = acc.view(N, G, -1, d_v)
+        lse_all[:, :, qs:qe] = lse.view(N, G, -1)  # -inf for an empty row
+    return out, lse_all
 
 
 def _backward(
@@ -252,7 +275,7 @@ def flash_attention(
         structure=Structure(shape.Tq, shape.Tk, bool(causal), window),
         c=scale if softcap is None else scale / softcap,
         softcap=None if softcap is None else float(softcap),
-        block_q=block_q or BLOCK_Q,
+        block_q=block_q or (BLOCK_Q if window is None else BLOCK_Q_WINDOW),
         block_k=block_k or BLOCK_K,
         dtype=q.dtype,
     )

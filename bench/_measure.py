@@ -1,0 +1,78 @@
+"""Timing, peak memory and FLOP counting for bench/attention.py.
+
+Peak memory is the growth of the process's resident set during one call: the kernel's
+high-water mark (``VmHWM``) is reset through ``/proc/self/clear_refs`` before the call and
+read after it, minus the resident set before it. glibc is told (by bench/attention.py, before
+Python starts) to serve every allocation above 64 KiB with ``mmap`` and to give freed memory
+back, so memory freed by earlier calls is not silently reused and the number is the call's own.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"}
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def peak_memory_mib(fn: Callable[[], object]) -> float:
+    """Peak growth of the resident set (MiB) while ``fn()`` runs (its result is dropped)."""
+    gc.collect()
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset VmHWM to the current RSS
+    except OSError:
+        return float("nan")
+    before = _status_kib("VmRSS")
+    out = fn()
+    peak = _status_kib("VmHWM")
+    del out
+    gc.collect()
+    return (peak - before) / 1024
+
+
+def time_call(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
+    """Median wall time (s) of ``fn()`` over ``repeats`` runs after ``warmup`` runs."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def matmul_peak_gflops(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
+    """This machine's measured ``n×n`` matmul throughput (best of ``repeats``), GFLOP/s."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best / 1e9
+
+
+def attention_flops(pairs: int, B: int, h: int, d: int, backward: bool) -> float:
+    """Useful FLOPs: ``4·pairs·d`` per head forward (q kᵀ and p v); backward 2.5× that."""
+    fwd = 4.0 * pairs * d * B * h
+    return fwd * 3.5 if backward else fwd
+
+
+def threads_note() -> str:
+    return f"torch threads={torch.get_num_threads()}, cpus={os.cpu_count()}"
