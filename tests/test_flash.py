@@ -177,6 +177,9 @@ def test_varlen_equals_block_diagonal_mask(lengths, causal):
     g = torch.randn_like(out)
     for a, b in zip(_grads(out, (q, k, v), g), _grads(ref.transpose(0, 1), (q, k, v), g)):
         torch.testing.assert_close(a, b)
+    for backend in ("auto", "torch", "math"):
+        other = varlen_attention(q, k, v, cu, causal=causal, backend=backend)
+        torch.testing.assert_close(other, out)
 
 
 def test_varlen_cross_lengths_and_errors():
@@ -188,5 +191,7 @@ def test_varlen_cross_lengths_and_errors():
     torch.testing.assert_close(out, ref.output.transpose(0, 1))
     with pytest.raises(ValueError, match="cu_seqlens_q"):
         varlen_attention(q, k, k, [0, 2, 5])
+    with pytest.raises(ValueError, match="backend"):
+        varlen_attention(q, k, k, [0, 2, 6], [0, 5, 9], return_lse=True, backend="torch")
     with pytest.raises(ValueError, match="block_q"):
         flash_attention(q.transpose(0, 1), k.transpose(0, 1), k.transpose(0, 1), block_q=0)

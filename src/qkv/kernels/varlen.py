@@ -3,8 +3,10 @@
 As FlashAttention's ``flash_attn_varlen_func``: tokens of all sequences are stacked along
 the first dim and ``cu_seqlens`` (cumulative lengths, starting at 0) says where each one
 starts. Attention is block-diagonal: a token sees only its own sequence. The blocks outside
-the diagonal are never computed (each sequence is one tiled flash call; sequences that all
-have the same length run as one batch).
+the diagonal are never computed: each sequence is one attention call (sequences that all
+have the same length run as one batched call), on the ``backend`` that
+:func:`qkv.functional.scaled_dot_product_attention` picks (``"flash"`` when the log-sum-exp
+is asked for).
 
 Shapes::
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from qkv import functional
 from qkv.kernels.flash import flash_attention
 
 __all__ = ["packed_mask", "varlen_attention"]
@@ -52,6 +55,7 @@ def varlen_attention(
     return_lse: bool = False,
     block_q: int | None = None,
     block_k: int | None = None,
+    backend: str = "auto",
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Attention within each packed sequence (block-diagonal), differentiable.
 
@@ -62,7 +66,9 @@ def varlen_attention(
         causal, window, scale, softcap: per sequence, as in
             :func:`qkv.functional.scaled_dot_product_attention` (causal is bottom-right within
             each sequence when its query and key lengths differ).
-        return_lse: also return the log-sum-exp ``(h, total_q)``.
+        return_lse: also return the log-sum-exp ``(h, total_q)`` (runs on ``"flash"``).
+        block_q, block_k: flash tile sizes (setting them selects ``"flash"``).
+        backend: per-sequence path, as in :func:`qkv.functional.scaled_dot_product_attention`.
 
     >>> q = k = v = torch.randn(7, 2, 16)  # two sequences: 3 and 4 tokens
     >>> varlen_attention(q, k, v, [0, 3, 7], causal=True).shape
@@ -80,8 +86,18 @@ def varlen_attention(
             f"cu_seqlens_q and cu_seqlens_k must describe as many sequences, got "
             f"{len(cq) - 1} and {len(ck) - 1}"
         )
-    opts = dict(causal=causal, window=window, scale=scale, softcap=softcap, return_lse=True,
-                block_q=block_q, block_k=block_k)  # fmt: skip
+    use_flash = return_lse or block_q is not None or block_k is not None or backend == "flash"
+    if use_flash and backend not in ("auto", "flash"):
+        raise ValueError(f"return_lse/block sizes need backend 'flash' or 'auto', got {backend!r}")
+    opts = dict(causal=causal, window=window, scale=scale, softcap=softcap)
+
+    def attend(qi: Tensor, ki: Tensor, vi: Tensor) -> tuple[Tensor, Tensor | None]:
+        if use_flash:
+            return flash_attention(
+                qi, ki, vi, **opts, return_lse=True, block_q=block_q, block_k=block_k
+            )
+        return functional.scaled_dot_product_attention(qi, ki, vi, **opts, backend=backend), None
+
     qh, kh, vh = (t.transpose(0, 1) for t in (q, k, v))  # (heads, total, d)
     len_q = {b - a for a, b in zip(cq, cq[1:])}
     len_k = {b - a for a, b in zip(ck, ck[1:])}
@@ -91,9 +107,9 @@ def varlen_attention(
         qb = qh.unflatten(1, (n, Lq)).transpose(0, 1)  # (n, h, Lq, d_k)
         kb = kh.unflatten(1, (n, Lk)).transpose(0, 1)  # (n, h_kv, Lk, d_k)
         vb = vh.unflatten(1, (n, Lk)).transpose(0, 1)  # (n, h_kv, Lk, d_v)
-        out, lse = flash_attention(qb, kb, vb, **opts)  # (n, h, Lq, d_v), (n, h, Lq)
+        out, lse = attend(qb, kb, vb)  # (n, h, Lq, d_v), (n, h, Lq)
         out = out.transpose(0, 1).flatten(1, 2)  # (h, total_q, d_v)
-        lse = lse.transpose(0, 1).flatten(1, 2)  # (h, total_q)
+        lse = None if lse is None else lse.transpose(0, 1).flatten(1, 2)  # (h, total_q)
     else:
         outs, lses = [], []
         for i in range(n):
@@ -102,10 +118,15 @@ def varlen_attention(
                 kh[:, ck[i] : ck[i + 1]],
                 vh[:, ck[i] : ck[i + 1]],
             )
-            o, l = flash_attention(qi, ki, vi, **opts)  # noqa: E741 (h, Lq_i, d_v), (h, Lq_i)
+            if qi.shape[1] == 0 or ki.shape[1] == 0:  # nothing to attend: zeros, lse = -inf
+                o = vi.new_zeros(q.shape[1], qi.shape[1], v.shape[-1])
+                l = torch.full(o.shape[:2], float("-inf"), device=q.device)  # noqa: E741
+            else:
+                o, l = attend(qi, ki, vi)  # noqa: E741 (h, Lq_i, d_v), (h, Lq_i)
             outs.append(o)
             lses.append(l)
-        out, lse = torch.cat(outs, dim=1), torch.cat(lses, dim=1)
+        out = torch.cat(outs, dim=1)
+        lse = torch.cat(lses, dim=1) if use_flash else None
     out = out.transpose(0, 1)  # (total_q, h, d_v)
     return (out, lse) if return_lse else out
 
