@@ -47,7 +47,8 @@ from qkv.kernels._blocks import Structure  # noqa: E402
 
 B, H, D, WINDOW = 1, 8, 64, 256
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-DENSE_LIMIT = 4096  # methods that hold (B, h, T, T) run up to this T
+DENSE_LIMIT = 1024  # methods that hold (B, h, T, T) run up to this T
+MODULE_LIMIT = 4096  # module rows (projections + attention) run up to this T
 RESULTS = Path(__file__).resolve().parent / "results"
 
 METHODS = [
@@ -131,6 +132,8 @@ def make_call(method: str, structure: str, T: int, dtype: torch.dtype, backward:
 
 def applicable(method: str, structure: str, T: int) -> bool:
     if method in ("qkv math", "torch math", "naive", "nn.MHA w=True") and T > DENSE_LIMIT:
+        return False
+    if "MHA" in method and T > MODULE_LIMIT:
         return False
     if structure == "window" and method in ("torch math", "nn.MHA w=True"):
         return False  # same dense work as "naive" / "nn.MHA w=False"
