@@ -116,17 +116,26 @@ def test_gradcheck_fp64_small():
     assert torch.autograd.gradcheck(f, (q, k, v, bias))
 
 
-def test_bf16_error_within_pytorch_bf16_error():
+@pytest.mark.parametrize("causal", [False, True])
+def test_bf16_error_within_pytorch_bf16_error(causal):
     """bf16 flash vs fp64 math, bounded by PyTorch's own bf16 SDPA error (times a margin)."""
     torch.manual_seed(2)
-    q, k, v = (torch.randn(2, 4, 300, 64, dtype=torch.float64) for _ in range(3))
-    ref = attention_steps(q, k, v, causal=True).output
-    lo = [t.bfloat16() for t in (q, k, v)]
-    ours = flash_attention(*lo, causal=True, block_q=64, block_k=128).double()
-    theirs = TF.scaled_dot_product_attention(*lo, is_causal=True).double()
-    err_ours, err_theirs = (ours - ref).abs().max(), (theirs - ref).abs().max()
+    q, k, v = (
+        torch.randn(2, 4, 300, 64, dtype=torch.float64, requires_grad=True) for _ in range(3)
+    )
+    ref = attention_steps(q, k, v, causal=causal).output
+    g = torch.randn_like(ref)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), g)
+    lo = [t.detach().bfloat16().requires_grad_() for t in (q, k, v)]
+    ours = flash_attention(*lo, causal=causal, block_q=64, block_k=128)
+    theirs = TF.scaled_dot_product_attention(*lo, is_causal=causal)
+    err_ours, err_theirs = (ours.double() - ref).abs().max(), (theirs.double() - ref).abs().max()
     assert err_ours <= 4 * err_theirs + 1e-3, (err_ours, err_theirs)
-    fp32 = flash_attention(*(t.float() for t in (q, k, v)), causal=True, block_q=64)
+    ours_g = torch.autograd.grad(ours, lo, g.bfloat16())
+    theirs_g = torch.autograd.grad(theirs, lo, g.bfloat16())
+    for a, b, r in zip(ours_g, theirs_g, ref_grads):
+        assert (a.double() - r).abs().max() <= 2 * (b.double() - r).abs().max() + 1e-3
+    fp32 = flash_attention(*(t.detach().float() for t in (q, k, v)), causal=causal, block_q=64)
     torch.testing.assert_close(fp32.double(), ref, atol=1e-5, rtol=1e-5)
 
 
