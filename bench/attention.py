@@ -16,17 +16,11 @@ from __future__ import annotations
 import argparse
 import csv
 import math
-import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-
-from _measure import MALLOC_ENV  # noqa: E402
-
-if __name__ == "__main__" and any(os.environ.get(k) != v for k, v in MALLOC_ENV.items()):
-    os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **MALLOC_ENV})
 
 import torch  # noqa: E402
 import torch.nn.functional as TF  # noqa: E402
@@ -228,7 +222,11 @@ def main() -> None:
     p.add_argument("--methods", nargs="+", default=METHODS)
     p.add_argument("--no-backward", action="store_true", help="forward only")
     p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads (default 1: on the shared 2-core machine, 2 OpenMP threads "
+                   "made every small op wait for a descheduled partner)")  # fmt: skip
     args = p.parse_args()
+    torch.set_num_threads(args.threads)
     only = set(args.only.split(","))
     Ts = args.T or ([256, 1024] if args.quick else [256, 1024, 4096, 8192, 16384])
     torch.manual_seed(0)
