@@ -9,18 +9,20 @@ Backends of :func:`qkv.functional.scaled_dot_product_attention`:
 - ``"auto"`` (default): the first valid backend of the rule table below.
 
 ``"auto"`` rules, measured on the 2-core Xeon (AVX-512 + AMX) this repository is developed on
-(``python bench/attention.py``; numbers in README ``## Speed (issue 3)``):
+(``python bench/attention.py``, 1 thread, B=1 h=8 d=64; the ratio is the chosen backend's
+forward speed over the other's; full numbers in README ``## Speed (issue 3)``):
 
-================================================  ========  ==========================================
-case (first matching row wins)                    backend   why
-================================================  ========  ==========================================
-``return_weights`` for all heads                  math      the weights are materialised anyway
-``return_weights`` with ``weights_heads``         flash     weights of those heads from the saved lse
-``dropout_p > 0``                                 torch     flash has no dropout (math if softcap)
-``softcap``                                       flash     torch SDPA has no soft-capping
-``window`` with ``4·window <= Tk``                flash     block skipping: O(T·w) instead of O(T²)
-everything else (dense, causal, masks, bias)      torch     PyTorch's fused kernel is faster here
-================================================  ========  ==========================================
+=================================================  =======  ==========================================
+case (first matching row wins)                     backend  why (measured)
+=================================================  =======  ==========================================
+``return_weights`` for all heads                   math     the weights are materialised anyway
+``return_weights`` with ``weights_heads``          flash    weights of those heads from the saved lse
+``dropout_p > 0``                                  torch    flash has no dropout (math if softcap)
+``softcap``                                        flash    torch SDPA has no soft-capping
+``window``, ``Tk >= 4·window`` (fp32)              flash    1.4× (T=1024) to 6.2× (T=4096), w=256
+``window``, ``Tk >= 16·window`` (bf16/fp16)        flash    2.0× at T=4096 (0.5× at T=1024), w=256
+everything else (dense, causal, masks, bias)       torch    flash is 0.5× (fp32) / 0.3× (bf16) of it
+=================================================  =======  ==========================================
 
 "torch" is rejected for: ``softcap``; weights/lse requested (it returns neither); a bias that
 requires grad. "flash" is rejected for ``dropout_p > 0``. Fully masked rows: PyTorch 2.13's CPU
@@ -50,6 +52,8 @@ BACKENDS = ("math", "torch", "flash")
 # fastest first (as measured); "auto" takes the first valid one in this order unless a rule
 # of the table in the module docstring picks another.
 _SPEED_ORDER = ("torch", "flash", "math")
+WINDOW_RATIO = 4  # fp32/fp64: flash beats torch+dense mask from Tk >= 4·window (1.4× at 1024/256)
+WINDOW_RATIO_LOW = 16  # bf16/fp16: from Tk >= 16·window (0.5× at 1024/256, 2.0× at 4096/256)
 
 
 @dataclass(frozen=True)
@@ -141,8 +145,10 @@ def _rule(case: Case) -> tuple[str, str]:
         return "torch", "dropout: torch SDPA has it"
     if case.softcap is not None:
         return "flash", "softcap: flash supports it without materialising Tq×Tk"
-    if case.window is not None and 4 * case.window <= s.Tk:
-        return "flash", f"window={case.window} <= Tk/4: flash skips empty blocks, O(T·w)"
+    low = case.dtype in (torch.bfloat16, torch.float16)
+    ratio = WINDOW_RATIO_LOW if low else WINDOW_RATIO
+    if case.window is not None and ratio * case.window <= s.Tk:
+        return "flash", f"window={case.window} <= Tk/{ratio}: flash skips empty blocks, O(T·w)"
     return "torch", "dense/causal: PyTorch's fused kernel is fastest (measured)"
 
 
