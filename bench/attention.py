@@ -192,23 +192,31 @@ def format_table(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], path: Path) -> None:
+    """Forward time vs T, log-log: one panel per (dtype, structure)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    keys = sorted({(r["structure"], r["dtype"]) for r in rows})
-    fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 4.5), squeeze=False)
-    for ax, (structure, dtype) in zip(axes[0], keys):
-        sel = [r for r in rows if r["structure"] == structure and r["dtype"] == dtype]
-        for method in sorted({r["method"] for r in sel}):
-            pts = sorted((r["T"], r["fwd_ms"]) for r in sel if r["method"] == method)
-            ax.loglog(*zip(*pts), marker="o", label=method)
-        ax.set(title=f"{structure}, {dtype} (forward)", xlabel="T", ylabel="ms")
-        ax.grid(True, which="both", alpha=0.3)
-    axes[0][0].legend(fontsize=7)
+    dtypes = sorted({r["dtype"] for r in rows})
+    structures = [s for s in ("full", "causal", "window") if any(r["structure"] == s for r in rows)]
+    methods = sorted({r["method"] for r in rows})
+    style = {m: (f"C{i % 10}", "osv^D<>p*h"[i % 10]) for i, m in enumerate(methods)}
+    fig, axes = plt.subplots(
+        len(dtypes), len(structures), figsize=(5 * len(structures), 4 * len(dtypes)), squeeze=False
+    )
+    for axrow, dtype in zip(axes, dtypes):
+        for ax, structure in zip(axrow, structures):
+            sel = [r for r in rows if r["structure"] == structure and r["dtype"] == dtype]
+            for method in sorted({r["method"] for r in sel}):
+                pts = sorted((r["T"], r["fwd_ms"]) for r in sel if r["method"] == method)
+                color, marker = style[method]
+                ax.loglog(*zip(*pts), marker=marker, color=color, label=method)
+            ax.set(title=f"{structure}, {dtype} (forward)", xlabel="T", ylabel="ms")
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=6)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
 
 
 def main() -> None:
