@@ -77,6 +77,9 @@ def test_explain_dispatch_says_why():
     assert explain_dispatch(q, k, v, return_weights=True, weights_heads=[1]).backend == "flash"
     text = str(explain_dispatch(q, k, v, softcap=30.0))
     assert text.startswith("backend='flash'") and "not 'torch': softcap" in text
+    assert "reference" in explain_dispatch(q, k, v).reasons["math"]
+    with pytest.raises(TypeError):
+        explain_dispatch(q, k, v, windw=3)  # a misspelt option is not silently ignored
 
 
 def test_invalid_backend_requests_raise():
