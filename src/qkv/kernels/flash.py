@@ -9,6 +9,11 @@ maximum ``m`` and sum ``l`` of ``exp(s - m)``::
     l     = α·l + rowsum(p);     acc = α·acc + p v_blk
     out   = acc / l;             lse = m + log(l)                   (never Tq×Tk in memory)
 
+Implemented with the pair ``(m, l)`` kept as its log-sum-exp ``m + log l`` and ``acc``
+normalised, so each block is one fused ``torch.softmax`` (plus two row maxima) instead of
+four passes over the scores: ``lse' = logaddexp(lse, lse_blk)``,
+``acc = e^(lse - lse')·acc + e^(lse_blk - lse')·(p_blk v_blk)`` (see ``_forward``).
+
 Backward recomputes ``p = exp(s - lse)`` block by block from the saved log-sum-exp:
 ``D = rowsum(dO∘O)``, ``dV += pᵀ dO``, ``dP = dO vᵀ``, ``dS = p∘(dP − D)``, ``dQ += dS k``,
 ``dK += dSᵀ q``. Key blocks that ``causal``/``window`` make empty are never visited, so a
@@ -16,9 +21,10 @@ sliding window costs O(T·w). Grouped-query heads fold the ``G`` query heads of 
 the rows of one matmul, so K/V are never repeated in memory.
 
 bf16/fp16: matmuls run in the input dtype (fp32 accumulation inside the matmul), the softmax
-statistics, ``acc`` and the gradients accumulate in fp32; the scores ``q kᵀ`` are rounded to
-the input dtype once before the softmax (a pure-PyTorch CPU matmul cannot return fp32 from
-bf16 inputs), so bf16 results are a little less exact than a fused kernel's.
+statistics, ``acc`` and the gradients accumulate in fp32; the scores ``q kᵀ`` and the block
+softmax are rounded to the input dtype (a pure-PyTorch CPU matmul cannot return fp32 from
+bf16 inputs), so the bf16 forward error is up to ~3× PyTorch's fused kernel's (gradients:
+about equal; both bounded in tests/test_flash.py).
 
 Shapes: as :func:`qkv.functional.scaled_dot_product_attention`; the mask is bool, **True = may
 attend**. Internal layout: see :mod:`qkv.kernels._blocks`.
