@@ -123,3 +123,13 @@ def test_cache_reorder_and_bad_batch():
 def test_bad_input(make, words):
     with pytest.raises((ValueError, TypeError), match=words):
         make()
+
+
+def test_weights_heads_needs_need_weights():
+    mha = MultiHeadAttention(16, 4).eval()
+    x = torch.randn(1, 3, 16)
+    with pytest.raises(ValueError, match="need_weights=True"):
+        mha(x, weights_heads=[1])
+    _, w = mha(x, need_weights=True, weights_heads=[1, 3])
+    _, all_w = mha(x, need_weights=True)
+    torch.testing.assert_close(w, all_w[:, [1, 3]])
