@@ -51,6 +51,7 @@ class MultiHeadAttention(nn.Module):
         kdim: int | None = None,
         vdim: int | None = None,
         position: RotaryEmbedding | ALiBi | None = None,
+        backend: str = "auto",
     ) -> None:
         super().__init__()
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
@@ -71,6 +72,7 @@ class MultiHeadAttention(nn.Module):
         self.vdim = d_model if vdim is None else vdim
         self.dropout = dropout
         self.position = position
+        self.backend = backend  # attention path: "auto", "math", "torch", "flash" (qkv.dispatch)
         # One Linear per role holds every head's projection; heads are split by reshaping.
         self.w_q = nn.Linear(d_model, n_heads * self.d_k, bias=bias)
         self.w_k = nn.Linear(self.kdim, n_kv_heads * self.d_k, bias=bias)
@@ -119,6 +121,7 @@ class MultiHeadAttention(nn.Module):
         window: int | None = None,
         cache: KVCache | None = None,
         need_weights: bool = False,
+        weights_heads: list[int] | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Attend from ``x (B, Tq, d_model)`` to itself, or to ``context (B, Tk, kdim)``.
 
@@ -134,6 +137,8 @@ class MultiHeadAttention(nn.Module):
             cache: a :class:`KVCache`; self-attention appends to it, cross-attention fills it
                 on the first call and reuses it afterwards.
             need_weights: also return per-head weights ``(B, h, Tq, Tk)`` (never averaged).
+            weights_heads: with ``need_weights``, only these heads ``(B, len, Tq, Tk)``,
+                recomputed from the fast path's log-sum-exp.
 
         Inspection (``qkv.inspect``): if ``self.recorder`` is set, it receives the per-head
         weights and the kind (``"cross"`` when ``context`` is given, else ``"causal"`` or
@@ -141,6 +146,10 @@ class MultiHeadAttention(nn.Module):
         head's output is multiplied by it before ``W_O``.
         """
         self._check_input("x", x, self.d_model)
+        if weights_heads is not None and not need_weights:
+            raise ValueError(
+                "weights_heads selects heads of the returned weights: pass need_weights=True"
+            )
         B, Tq, _ = x.shape
         q = self.split_heads(self.w_q(x), self.n_heads)  # (B, h, Tq, d_k)
         offset = 0
@@ -176,11 +185,15 @@ class MultiHeadAttention(nn.Module):
         out = F.scaled_dot_product_attention(
             q, k, v, mask=mask, bias=attn_bias, causal=causal, window=window,
             dropout_p=self.dropout if self.training else 0.0, return_weights=want_weights,
+            weights_heads=None if self.recorder is not None else weights_heads,
+            backend=self.backend,
         )  # fmt: skip
         out, weights = out if want_weights else (out, None)
         if self.recorder is not None:
             kind = "cross" if context is not None else "causal" if causal else "self"
             self.recorder(weights.detach(), kind)
+            if need_weights and weights_heads is not None:  # the recorder took every head
+                weights = weights[:, list(weights_heads)]  # (B, len(weights_heads), Tq, Tk)
         if self.head_mask is not None:
             out = out * self._head_scale(out)  # (B, h, Tq, d_k), masked heads give zeros
         y = self.w_o(self.merge_heads(out))  # (B, Tq, d_model)
@@ -268,5 +281,5 @@ class MultiHeadAttention(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"d_model={self.d_model}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, "
-            f"d_k={self.d_k}, dropout={self.dropout}"
+            f"d_k={self.d_k}, dropout={self.dropout}, backend={self.backend!r}"
         )

@@ -27,10 +27,19 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from qkv import masks
+from qkv import dispatch, masks
 from qkv._validate import check_bias, check_mask, check_options, check_qkv
+from qkv.dispatch import explain_dispatch
+from qkv.kernels.flash import flash_attention
+from qkv.kernels.weights import weights_from_lse
 
-__all__ = ["AttentionSteps", "attention_steps", "scaled_dot_product_attention", "structure_mask"]
+__all__ = [
+    "AttentionSteps",
+    "attention_steps",
+    "explain_dispatch",
+    "scaled_dot_product_attention",
+    "structure_mask",
+]
 
 
 @dataclass
@@ -151,6 +160,8 @@ def scaled_dot_product_attention(
     softcap: float | None = None,
     dropout_p: float = 0.0,
     return_weights: bool = False,
+    weights_heads: list[int] | tuple[int, ...] | None = None,
+    backend: str = "auto",
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Scaled dot-product attention ``softmax(q kᵀ / √d_k) v`` with masks, biases and GQA.
 
@@ -170,6 +181,11 @@ def scaled_dot_product_attention(
         softcap: soft-cap ``c·tanh(s/c)`` on the scaled scores (Gemma 2), before masking.
         dropout_p: dropout on the weights (pass 0 in eval).
         return_weights: also return the weights ``(..., h, Tq, Tk)``.
+        weights_heads: with ``return_weights``, only these query heads' weights
+            ``(..., len(weights_heads), Tq, Tk)``, recomputed from the fast path's log-sum-exp
+            (without gradient) so the rest of the call stays fast.
+        backend: ``"auto"`` (default), ``"math"``, ``"torch"`` or ``"flash"``; see
+            :mod:`qkv.dispatch` for the rule table and :func:`explain_dispatch` for why.
 
     Returns:
         ``output (..., h, Tq, d_v)``, or ``(output, weights)``. A row with no visible key
@@ -179,8 +195,34 @@ def scaled_dot_product_attention(
     >>> scaled_dot_product_attention(q, k, v, causal=True).shape
     torch.Size([2, 4, 5, 8])
     """
-    steps = attention_steps(
-        q, k, v, mask=mask, bias=bias, causal=causal, window=window,
-        scale=scale, softcap=softcap, dropout_p=dropout_p,
+    if weights_heads is not None and not return_weights:
+        raise ValueError(
+            "weights_heads selects heads of the returned weights: pass return_weights=True"
+        )
+    options = dict(mask=mask, bias=bias, causal=causal, window=window, scale=scale, softcap=softcap)
+    case = dispatch.describe(
+        q, k, v, **options, dropout_p=dropout_p, return_weights=return_weights,
+        weights_heads=weights_heads,
     )  # fmt: skip
-    return (steps.output, steps.weights) if return_weights else steps.output
+    decision = dispatch.choose(case, backend)
+    dispatch.log_decision(decision, case)
+    if decision.backend == "math":
+        steps = attention_steps(q, k, v, **options, dropout_p=dropout_p)
+        if not return_weights:
+            return steps.output
+        weights = steps.weights
+        if weights_heads is not None:
+            weights = weights.index_select(-3, torch.as_tensor(weights_heads, device=q.device))
+        return steps.output, weights
+    check_options(window=window, scale=scale, softcap=softcap, dropout_p=dropout_p)
+    check_mask(mask, case.shape, q.device)
+    check_bias(bias, case.shape, q.device)
+    if decision.backend == "torch":
+        return dispatch.torch_sdpa(
+            q, k, v, mask=mask, bias=bias, causal=causal, window=window, scale=scale,
+            dropout_p=dropout_p,
+        )  # fmt: skip
+    out, lse = flash_attention(q, k, v, **options, return_lse=True)
+    if not return_weights:
+        return out
+    return out, weights_from_lse(q, k, lse, heads=weights_heads, **options)

@@ -1,0 +1,88 @@
+"""Timing, peak memory and FLOP counting for bench/attention.py.
+
+Peak memory is the growth of the process's resident set during one (separate, untimed)
+call: ``malloc_trim(0)`` first hands memory freed by earlier calls back to the OS, then the
+kernel's high-water mark (``VmHWM``) is reset through ``/proc/self/clear_refs``; after the
+call the peak is ``VmHWM`` minus the resident set before it. (Forcing every allocation
+through ``mmap`` instead would make the numbers exact but slows allocation-heavy code 10-50×,
+so timings and memory are taken in separate calls with the ordinary allocator.)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import os
+import time
+from collections.abc import Callable
+
+import torch
+
+try:
+    _LIBC = ctypes.CDLL("libc.so.6")
+except OSError:  # not glibc: no trimming, numbers may undercount reused memory
+    _LIBC = None
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def peak_memory_mib(fn: Callable[[], object]) -> float:
+    """Peak growth of the resident set (MiB) while ``fn()`` runs (its result is dropped)."""
+    gc.collect()
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset VmHWM to the current RSS
+    except OSError:
+        return float("nan")
+    before = _status_kib("VmRSS")
+    out = fn()
+    peak = _status_kib("VmHWM")
+    del out
+    gc.collect()
+    return (peak - before) / 1024
+
+
+def time_call(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
+    """Best wall time (s) of ``fn()`` over ``repeats`` runs after ``warmup`` runs.
+
+    The minimum, not the median: the 2-core machine is shared, and the fastest run is the
+    one least disturbed by other processes (the same rule for every method).
+    """
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def matmul_peak_gflops(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
+    """This machine's measured ``n×n`` matmul throughput (best of ``repeats``), GFLOP/s."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best / 1e9
+
+
+def attention_flops(pairs: int, B: int, h: int, d: int, backward: bool) -> float:
+    """Useful FLOPs: ``4·pairs·d`` per head forward (q kᵀ and p v); backward 2.5× that."""
+    fwd = 4.0 * pairs * d * B * h
+    return fwd * 3.5 if backward else fwd
+
+
+def threads_note() -> str:
+    return f"torch threads={torch.get_num_threads()}, cpus={os.cpu_count()}"

@@ -1,0 +1,239 @@
+"""Which attention path runs, and why: the ``backend=`` choice, explained.
+
+Backends of :func:`qkv.functional.scaled_dot_product_attention`:
+
+- ``"math"``: the reference (:func:`qkv.functional.attention_steps`); always valid.
+- ``"torch"``: ``torch.nn.functional.scaled_dot_product_attention`` (PyTorch's fused CPU
+  kernel), our options converted to its ``attn_mask``/``is_causal``/``enable_gqa``.
+- ``"flash"``: :func:`qkv.kernels.flash.flash_attention` (tiled, O(T) memory, block skipping).
+- ``"auto"`` (default): the first valid backend of the rule table below.
+
+``"auto"`` rules, measured on the 2-core Xeon (AVX-512 + AMX) this repository is developed on
+(``python bench/attention.py``, 1 thread, B=1 h=8 d=64; the ratio is the chosen backend's
+forward speed over the other's; full numbers in README ``## Speed (issue 3)``):
+
+=================================================  =======  ==========================================
+case (first matching row wins)                     backend  why (measured)
+=================================================  =======  ==========================================
+``return_weights`` for all heads                   math     the weights are materialised anyway
+``return_weights`` with ``weights_heads``          flash    weights of those heads from the saved lse
+``dropout_p > 0``                                  torch    flash has no dropout (math if softcap)
+``softcap``                                        flash    torch SDPA has no soft-capping
+``window``, ``Tk >= 4·window`` (fp32)              flash    1.4× (T=1024) to 6.2× (T=4096), w=256
+``window``, ``Tk >= 16·window`` (bf16/fp16)        flash    2.0× at T=4096 (0.5× at T=1024), w=256
+everything else (dense, causal, masks, bias)       torch    flash is 0.5× (fp32) / 0.3× (bf16) of it
+=================================================  =======  ==========================================
+
+"torch" is rejected for: ``softcap``; weights/lse requested (it returns neither); a bias that
+requires grad. "flash" is rejected for ``dropout_p > 0``. Fully masked rows: PyTorch 2.13's CPU
+kernels return zeros for them, as qkv requires (checked in tests/test_dispatch.py).
+
+Every call logs one debug line on ``logging.getLogger("qkv")``; :func:`explain_dispatch` says
+which backend a call would use and why each faster one was rejected.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as TF
+from torch import Tensor
+
+from qkv import masks
+from qkv._validate import AttentionShape, check_qkv
+
+__all__ = ["BACKENDS", "Case", "Decision", "choose", "describe", "explain_dispatch", "torch_sdpa"]
+
+logger = logging.getLogger("qkv")
+
+BACKENDS = ("math", "torch", "flash")
+# fastest first (as measured); "auto" takes the first valid one in this order unless a rule
+# of the table in the module docstring picks another.
+_SPEED_ORDER = ("torch", "flash", "math")
+WINDOW_RATIO = 4  # fp32/fp64: flash beats torch+dense mask from Tk >= 4·window (1.4× at 1024/256)
+WINDOW_RATIO_LOW = 16  # bf16/fp16: from Tk >= 16·window (0.5× at 1024/256, 2.0× at 4096/256)
+
+
+@dataclass(frozen=True)
+class Case:
+    """What the dispatcher looks at for one call."""
+
+    shape: AttentionShape
+    dtype: torch.dtype
+    has_mask: bool
+    has_bias: bool
+    bias_requires_grad: bool
+    causal: bool
+    window: int | None
+    softcap: float | None
+    dropout_p: float
+    return_weights: bool
+    weights_heads: tuple[int, ...] | None
+
+
+@dataclass
+class Decision:
+    """The chosen backend and, for every backend, why it was not chosen (or ``None``)."""
+
+    backend: str
+    requested: str
+    reasons: dict[str, str] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        lines = [f"backend={self.backend!r} (requested {self.requested!r})"]
+        for name in _SPEED_ORDER:
+            if name != self.backend and name in self.reasons:
+                lines.append(f"  not {name!r}: {self.reasons[name]}")
+        return "\n".join(lines)
+
+
+def describe(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask: Tensor | None = None,
+    bias: Tensor | None = None,
+    causal: bool = False,
+    window: int | None = None,
+    softcap: float | None = None,
+    dropout_p: float = 0.0,
+    return_weights: bool = False,
+    weights_heads: list[int] | tuple[int, ...] | None = None,
+    scale: float | None = None,
+) -> Case:
+    """The :class:`Case` of a call with these arguments (``scale`` does not matter)."""
+    return Case(
+        shape=check_qkv(q, k, v),
+        dtype=q.dtype,
+        has_mask=mask is not None,
+        has_bias=bias is not None,
+        bias_requires_grad=bias is not None and bias.requires_grad,
+        causal=bool(causal),
+        window=window,
+        softcap=softcap,
+        dropout_p=float(dropout_p),
+        return_weights=bool(return_weights),
+        weights_heads=None if weights_heads is None else tuple(int(i) for i in weights_heads),
+    )
+
+
+def invalid(case: Case) -> dict[str, str]:
+    """``{backend: reason}`` for each backend that cannot run this case."""
+    out: dict[str, str] = {}
+    if case.softcap is not None:
+        out["torch"] = "softcap is not supported by torch SDPA"
+    elif case.return_weights:
+        out["torch"] = "weights requested: torch SDPA returns neither weights nor log-sum-exp"
+    elif case.bias_requires_grad:
+        out["torch"] = "bias requires grad: only math and flash differentiate the bias"
+    if case.dropout_p > 0:
+        out["flash"] = f"dropout_p={case.dropout_p} > 0: flash has no dropout"
+    return out
+
+
+def _rule(case: Case) -> tuple[str, str]:
+    """The measured rule for ``"auto"``: (preferred backend, why)."""
+    s = case.shape
+    if case.return_weights and case.weights_heads is None:
+        return "math", "all heads' weights requested: math materialises them anyway"
+    if case.return_weights:
+        return "flash", "weights of selected heads are recomputed from flash's log-sum-exp"
+    if case.dropout_p > 0:
+        return "torch", "dropout: torch SDPA has it"
+    if case.softcap is not None:
+        return "flash", "softcap: flash supports it without materialising Tq×Tk"
+    low = case.dtype in (torch.bfloat16, torch.float16)
+    ratio = WINDOW_RATIO_LOW if low else WINDOW_RATIO
+    if case.window is not None and ratio * case.window <= s.Tk:
+        return "flash", f"window={case.window} <= Tk/{ratio}: flash skips empty blocks, O(T·w)"
+    return (
+        "torch",
+        "dense/causal/masked: PyTorch's fused kernel is fastest (flash: 0.5× fp32, 0.3× bf16)",
+    )
+
+
+def choose(case: Case, backend: str = "auto") -> Decision:
+    """Pick the backend for ``case``; ``backend`` is ``"auto"`` or one of :data:`BACKENDS`."""
+    if backend not in (*BACKENDS, "auto"):
+        raise ValueError(f"backend must be 'auto' or one of {BACKENDS}, got {backend!r}")
+    bad = invalid(case)
+    if backend != "auto":
+        if backend in bad:
+            raise ValueError(f"backend={backend!r} cannot run this call: {bad[backend]}")
+        return Decision(backend, backend, {n: "not requested" for n in BACKENDS if n != backend})
+    preferred, why = _rule(case)
+    if preferred in bad:  # e.g. dropout with softcap
+        preferred, why = "math", "the only backend valid for this combination"
+    reasons = dict(bad)
+    for name in _SPEED_ORDER:
+        if name not in reasons and name != preferred:
+            slow = "the reference: slowest, holds (Tq, Tk) per head"
+            reasons[name] = slow if name == "math" else f"rule: {why}"
+    reasons.pop(preferred, None)
+    return Decision(preferred, "auto", reasons)
+
+
+def explain_dispatch(
+    q: Tensor, k: Tensor, v: Tensor, *, backend: str = "auto", **kwargs
+) -> Decision:
+    """Which backend ``scaled_dot_product_attention(q, k, v, **kwargs)`` runs, and why.
+
+    ``print()`` the result for one line per rejected backend.
+
+    >>> q = k = v = torch.randn(1, 2, 64, 16)
+    >>> explain_dispatch(q, k, v, softcap=30.0).backend
+    'flash'
+    """
+    return choose(describe(q, k, v, **kwargs), backend)
+
+
+def log_decision(decision: Decision, case: Case) -> None:
+    if logger.isEnabledFor(logging.DEBUG):
+        s = case.shape
+        rejected = "; ".join(f"{n}: {r}" for n, r in decision.reasons.items())
+        logger.debug(
+            "sdpa backend=%s (requested %s) q=(%s, h=%d, Tq=%d, d=%d) Tk=%d %s | %s",
+            decision.backend, decision.requested, s.batch, s.h, s.Tq, s.d_k, s.Tk,
+            case.dtype, rejected,
+        )  # fmt: skip
+
+
+def torch_sdpa(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask: Tensor | None,
+    bias: Tensor | None,
+    causal: bool,
+    window: int | None,
+    scale: float | None,
+    dropout_p: float,
+) -> Tensor:
+    """Our options as PyTorch SDPA arguments (its bool ``attn_mask`` is also True = attend).
+
+    ``is_causal`` is used only when it means the same (``Tq == Tk``, no other mask); its
+    top-left alignment differs from ours when ``Tq != Tk``, so then an explicit bottom-right
+    mask is built.
+    """
+    Tq, Tk = q.shape[-2], k.shape[-2]
+    is_causal = causal and window is None and Tq == Tk and mask is None and bias is None
+    structure = None
+    if window is not None:
+        structure = masks.sliding_window(Tq, Tk, window, causal=causal, device=q.device)
+    elif causal and not is_causal and Tq > 1:  # one query (decoding) sees every key
+        structure = masks.causal(Tq, Tk, device=q.device)
+    allowed = masks.combine(mask, structure)
+    if bias is None:
+        attn_mask = allowed
+    elif allowed is None:
+        attn_mask = bias.to(q.dtype)
+    else:
+        attn_mask = torch.where(allowed, bias.to(q.dtype), float("-inf"))
+    return TF.scaled_dot_product_attention(
+        q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+        enable_gqa=q.shape[-3] != k.shape[-3],
+    )  # fmt: skip

@@ -1,0 +1,10 @@
+"""Fast attention paths, each tested against the reference math of :mod:`qkv.functional`.
+
+- :mod:`qkv.kernels.flash`: tiled attention with the online softmax and block skipping.
+- :mod:`qkv.kernels.varlen`: packed variable-length sequences (``cu_seqlens``).
+- :mod:`qkv.kernels.weights`: attention weights of selected heads from a saved log-sum-exp.
+"""
+
+from qkv.kernels.flash import flash_attention
+
+__all__ = ["flash_attention"]

@@ -1,0 +1,289 @@
+"""Tiled ("flash") attention in PyTorch ops: online softmax, O(T) memory, block skipping.
+
+FlashAttention's algorithm (Dao et al. 2022; backward of FlashAttention-2), written with block
+matmuls. For each query block the keys are visited in blocks, keeping per row a running
+maximum ``m`` and sum ``l`` of ``exp(s - m)``::
+
+    s     = q_blk k_blkᵀ · scale  (→ softcap → + bias → mask)      (N, G·bq, bk)
+    m'    = max(m, rowmax(s));   p = exp(s - m');   α = exp(m - m')
+    l     = α·l + rowsum(p);     acc = α·acc + p v_blk
+    out   = acc / l;             lse = m + log(l)                   (never Tq×Tk in memory)
+
+Implemented with the pair ``(m, l)`` kept as its log-sum-exp ``m + log l`` and ``acc``
+normalised, so each block is one fused ``torch.softmax`` (plus two row maxima) instead of
+four passes over the scores: ``lse' = logaddexp(lse, lse_blk)``,
+``acc = e^(lse - lse')·acc + e^(lse_blk - lse')·(p_blk v_blk)`` (see ``_forward``).
+
+Backward recomputes ``p = exp(s - lse)`` block by block from the saved log-sum-exp:
+``D = rowsum(dO∘O)``, ``dV += pᵀ dO``, ``dP = dO vᵀ``, ``dS = p∘(dP − D)``, ``dQ += dS k``,
+``dK += dSᵀ q``. Key blocks that ``causal``/``window`` make empty are never visited, so a
+sliding window costs O(T·w). Grouped-query heads fold the ``G`` query heads of one kv head into
+the rows of one matmul, so K/V are never repeated in memory.
+
+bf16/fp16: matmuls run in the input dtype (fp32 accumulation inside the matmul), the softmax
+statistics, ``acc`` and the gradients accumulate in fp32; the scores ``q kᵀ`` and the block
+softmax are rounded to the input dtype (a pure-PyTorch CPU matmul cannot return fp32 from
+bf16 inputs), so the bf16 forward error is up to ~3× PyTorch's fused kernel's (gradients:
+about equal; both bounded in tests/test_flash.py).
+
+Shapes: as :func:`qkv.functional.scaled_dot_product_attention`; the mask is bool, **True = may
+attend**. Internal layout: see :mod:`qkv.kernels._blocks`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from qkv._validate import AttentionShape, check_bias, check_mask, check_options, check_qkv
+from qkv.kernels._blocks import Structure, block, from_5d_grad, reduce_to, to_5d, to_internal
+
+__all__ = ["flash_attention", "BLOCK_Q", "BLOCK_K"]
+
+# Measured on this repository's 2-core Xeon (AMX) machine, T=2048-4096, h=8, d=64; see README.
+BLOCK_Q = 256
+BLOCK_K = 512
+BLOCK_Q_WINDOW = 64  # with a window, small query blocks waste less of each key block
+
+_NEG_INF = float("-inf")
+
+
+@dataclass(frozen=True)
+class _Plan:
+    shape: AttentionShape
+    structure: Structure
+    c: float  # q is multiplied by c once: scale, or scale / softcap
+    softcap: float | None
+    block_q: int
+    block_k: int
+    dtype: torch.dtype  # of q, k, v
+
+    @property
+    def acc_dtype(self) -> torch.dtype:
+        return torch.float64 if self.dtype == torch.float64 else torch.float32
+
+
+def _scores(
+    plan: _Plan, qb: Tensor, kb: Tensor, bias5: Tensor | None, mask5: Tensor | None,
+    qs: int, qe: int, ks: int, ke: int,
+) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+    """Scores of one block ``(N, G·bq, bk)``, masked with -inf.
+
+    In the input dtype unless a soft-cap or bias needs more precision (then in the
+    accumulation dtype).
+    Also returns ``tanh(x)`` when soft-capping (the backward needs it).
+    """
+    N, G, bq, bk = qb.shape[0], plan.shape.group, qe - qs, ke - ks
+    s = torch.bmm(qb, kb.transpose(1, 2))  # (N, G·bq, bk)
+    if plan.softcap is not None or bias5 is not None:
+        s = s.to(plan.acc_dtype)
+    t = None
+    if plan.softcap is not None:
+        t = torch.tanh(s)
+        s = t * plan.softcap
+    if bias5 is not None:
+        s.view(-1, plan.shape.h_kv, G, bq, bk).add_(block(bias5, qs, qe, ks, ke))
+    allowed = plan.structure.block_mask(qs, qe, ks, ke, s.device)  # (bq, bk) or None
+    if allowed is not None:
+        s.view(N, G, bq, bk).masked_fill_(~allowed, _NEG_INF)
+    if mask5 is not None:
+        s.view(-1, plan.shape.h_kv, G, bq, bk).masked_fill_(~block(mask5, qs, qe, ks, ke), _NEG_INF)
+    return s, t
+
+
+def _sub_exp(s: Tensor, shift: Tensor, acc_dtype: torch.dtype) -> Tensor:
+    """``exp(s - shift)`` in ``acc_dtype`` (converting first: mixed-dtype ops are slow on CPU)."""
+    return s.to(acc_dtype).sub_(shift).exp_()
+
+
+def _block_softmax(s: Tensor, acc_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Softmax of a score block and its log-sum-exp: ``(p (N, rows, bk), lse_blk (N, rows))``.
+
+    One fused ``torch.softmax`` instead of sub/exp/sum passes; the block's log-sum-exp comes
+    from the row maxima: ``max(p) = exp(m - lse)``, so ``lse = m - log max(p)``.
+    Rows with no visible key (all ``-inf``) get ``p = 0`` and ``lse = -inf``.
+    """
+    m = s.amax(dim=-1)  # (N, rows)
+    p = torch.softmax(s, dim=-1)  # same dtype as s
+    empty = m == _NEG_INF
+    if bool(empty.any()):
+        p.masked_fill_(empty.unsqueeze(-1), 0.0)  # softmax of an all -inf row is NaN
+    p_max = p.amax(dim=-1).to(acc_dtype)
+    lse = (m.to(acc_dtype) - p_max.log()).masked_fill_(empty, _NEG_INF)
+    return p, lse
+
+
+def _forward(
+    plan: _Plan, q4: Tensor, k3: Tensor, v3: Tensor, bias5: Tensor | None, mask5: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """``q4 (N, G, Tq, d)`` pre-multiplied by ``plan.c`` → out ``(N, G, Tq, d_v)``, lse ``(N, G, Tq)``.
+
+    The running (max, sum) pair of the online softmax is kept as one number per row, its
+    log-sum-exp ``lse = m + log l``, and ``acc`` stays normalised (it is the output so far)::
+
+        lse' = logaddexp(lse, lse_blk);  acc = e^(lse - lse')·acc + e^(lse_blk - lse')·(p_blk v_blk)
+    """
+    N, G, Tq, d = q4.shape
+    d_v = v3.shape[-1]
+    acc_dtype = plan.acc_dtype
+    out = torch.zeros(N, G, Tq, d_v, dtype=q4.dtype, device=q4.device)
+    lse_all = torch.full((N, G, Tq), _NEG_INF, dtype=acc_dtype, device=q4.device)
+    for qs in range(0, Tq, plan.block_q):
+        qe = min(qs + plan.block_q, Tq)
+        lo, hi = plan.structure.key_range(qs, qe)
+        if hi <= lo:
+            continue  # no visible key: zeros, lse = -inf
+        rows = G * (qe - qs)
+        qb = q4[:, :, qs:qe].reshape(N, rows, d)  # (N, G·bq, d)
+        acc = lse = None
+        for ks in range(lo, hi, plan.block_k):
+            ke = min(ks + plan.block_k, hi)
+            vb = v3[:, ks:ke]
+            s, _ = _scores(plan, qb, k3[:, ks:ke], bias5, mask5, qs, qe, ks, ke)
+            p, lse_blk = _block_softmax(s, acc_dtype)  # (N, G·bq, bk), (N, G·bq)
+            pv = torch.bmm(p.to(vb.dtype), vb).to(acc_dtype)  # (N, G·bq, d_v)
+            if acc is None:
+                acc, lse = pv, lse_blk
+                continue
+            lse_new = torch.logaddexp(lse, lse_blk)
+            safe = lse_new.masked_fill(lse_new == _NEG_INF, 0.0)  # rows with nothing yet
+            acc.mul_((lse - safe).exp_().unsqueeze(-1))
+            acc.add_(pv.mul_((lse_blk - safe).exp_().unsqueeze(-1)))
+            lse = lse_new
+        out[:, :, qs:qe] = acc.view(N, G, -1, d_v)
+        lse_all[:, :, qs:qe] = lse.view(N, G, -1)  # -inf for an empty row
+    return out, lse_all
+
+
+def _backward(
+    plan: _Plan, dout: Tensor, q4: Tensor, k3: Tensor, v3: Tensor, out: Tensor, lse: Tensor,
+    bias5: Tensor | None, mask5: Tensor | None, need_dbias: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:  # fmt: skip
+    """Gradients w.r.t. the pre-scaled ``q4``, ``k3``, ``v3`` (and the 5-D bias)."""
+    N, G, Tq, d = q4.shape
+    acc_dtype, low = plan.acc_dtype, q4.dtype != plan.acc_dtype
+    D = (dout.to(acc_dtype) * out.to(acc_dtype)).sum(-1)  # (N, G, Tq)
+    dq = torch.zeros(N, G, Tq, d, dtype=acc_dtype, device=q4.device)
+    dk = torch.zeros(k3.shape, dtype=acc_dtype, device=q4.device)
+    dv = torch.zeros(v3.shape, dtype=acc_dtype, device=q4.device)
+    dbias5 = torch.zeros(bias5.shape, dtype=acc_dtype, device=q4.device) if need_dbias else None
+    for qs in range(0, Tq, plan.block_q):
+        qe = min(qs + plan.block_q, Tq)
+        lo, hi = plan.structure.key_range(qs, qe)
+        if hi <= lo:
+            continue
+        rows = G * (qe - qs)
+        qb = q4[:, :, qs:qe].reshape(N, rows, d)  # (N, G·bq, d)
+        dob = dout[:, :, qs:qe].reshape(N, rows, -1)  # (N, G·bq, d_v)
+        lse_b = lse[:, :, qs:qe].reshape(N, rows, 1)
+        lse_b = lse_b.masked_fill(lse_b == _NEG_INF, 0.0)  # empty rows: p = exp(-inf) = 0
+        D_b = D[:, :, qs:qe].reshape(N, rows, 1)
+        dq_b = torch.zeros(N, rows, d, dtype=acc_dtype, device=q4.device)
+        for ks in range(lo, hi, plan.block_k):
+            ke = min(ks + plan.block_k, hi)
+            kb, vb = k3[:, ks:ke], v3[:, ks:ke]
+            s, t = _scores(plan, qb, kb, bias5, mask5, qs, qe, ks, ke)
+            p = _sub_exp(s, lse_b, acc_dtype)  # (N, G·bq, bk)
+            p_in = p.to(q4.dtype) if low else p
+            dv[:, ks:ke].add_(torch.bmm(p_in.transpose(1, 2), dob))
+            ds = torch.bmm(dob, vb.transpose(1, 2)).to(acc_dtype).sub_(D_b).mul_(p)  # dS
+            if dbias5 is not None:
+                ds5 = ds.view(-1, plan.shape.h_kv, G, qe - qs, ke - ks)
+                target = block(dbias5, qs, qe, ks, ke)
+                target.add_(reduce_to(ds5, target.shape))
+            if t is not None:  # d(cap·tanh(x))/dx = cap·(1 - tanh²)
+                ds.mul_(t.square_().neg_().add_(1.0).mul_(plan.softcap))
+            ds_in = ds.to(q4.dtype) if low else ds
+            dq_b.add_(torch.bmm(ds_in, kb))
+            dk[:, ks:ke].add_(torch.bmm(ds_in.transpose(1, 2), qb))
+        dq[:, :, qs:qe] = dq_b.view(N, G, -1, d)
+    return dq, dk, dv, dbias5
+
+
+class _FlashFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, bias, mask, plan):  # type: ignore[override]
+        shape = plan.shape
+        q4, k3, v3 = to_internal(q, k, v, shape)
+        q4c = q4 * plan.c  # (N, G, Tq, d_k), scale folded into q once
+        out4, lse4 = _forward(plan, q4c, k3, v3, to_5d(bias, shape), to_5d(mask, shape))
+        ctx.plan = plan
+        ctx.save_for_backward(q, k, v, bias, mask, out4, lse4)
+        out = out4.view(*shape.batch, shape.h, shape.Tq, shape.d_v)
+        lse = lse4.view(*shape.batch, shape.h, shape.Tq)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):  # type: ignore[override]
+        q, k, v, bias, mask, out4, lse4 = ctx.saved_tensors
+        plan: _Plan = ctx.plan
+        shape = plan.shape
+        q4, k3, v3 = to_internal(q, k, v, shape)
+        bias5 = to_5d(bias, shape)
+        dout4 = dout.reshape(out4.shape)
+        need_dbias = bias is not None and ctx.needs_input_grad[3]
+        dq, dk, dv, dbias5 = _backward(
+            plan, dout4, q4 * plan.c, k3, v3, out4, lse4, bias5, to_5d(mask, shape), need_dbias
+        )
+        dq = (dq * plan.c).to(q.dtype).view(q.shape)
+        dbias = from_5d_grad(dbias5, bias, shape).to(bias.dtype) if need_dbias else None
+        return dq, dk.to(k.dtype).view(k.shape), dv.to(v.dtype).view(v.shape), dbias, None, None
+
+
+def flash_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask: Tensor | None = None,
+    bias: Tensor | None = None,
+    causal: bool = False,
+    window: int | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
+    return_lse: bool = False,
+    block_q: int | None = None,
+    block_k: int | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Tiled attention with the online softmax; same math as the reference ``"math"`` path.
+
+    Args:
+        q: ``(..., h, Tq, d_k)``; k ``(..., h_kv, Tk, d_k)``; v ``(..., h_kv, Tk, d_v)``.
+        mask: bool, **True = may attend**, ``(Tq, Tk)`` or ``(..., h|1, Tq|1, Tk|1)``.
+        bias: float, same shapes as ``mask``, added to the scaled (soft-capped) scores;
+            receives a gradient when it requires one.
+        causal, window, scale, softcap: as :func:`qkv.functional.scaled_dot_product_attention`.
+        return_lse: also return the log-sum-exp ``(..., h, Tq)`` (fp32; ``-inf`` for a row
+            with no visible key).
+        block_q, block_k: tile sizes (default :data:`BLOCK_Q`, :data:`BLOCK_K`).
+
+    Returns:
+        ``out (..., h, Tq, d_v)`` or ``(out, lse)``. Rows with no visible key are zeros.
+
+    >>> q = k = v = torch.randn(1, 2, 300, 16)  # (B, h, T, d_k)
+    >>> flash_attention(q, k, v, causal=True, block_q=64, block_k=64).shape
+    torch.Size([1, 2, 300, 16])
+    """
+    shape = check_qkv(q, k, v)
+    check_options(window=window, scale=scale, softcap=softcap, dropout_p=0.0)
+    check_mask(mask, shape, q.device)
+    check_bias(bias, shape, q.device)
+    for name, b in (("block_q", block_q), ("block_k", block_k)):
+        if b is not None and (not isinstance(b, int) or b < 1):
+            raise ValueError(f"{name} must be an int >= 1 or None, got {b!r}")
+    scale = 1.0 / math.sqrt(shape.d_k) if scale is None else float(scale)
+    plan = _Plan(
+        shape=shape,
+        structure=Structure(shape.Tq, shape.Tk, bool(causal), window),
+        c=scale if softcap is None else scale / softcap,
+        softcap=None if softcap is None else float(softcap),
+        block_q=block_q or (BLOCK_Q if window is None else BLOCK_Q_WINDOW),
+        block_k=block_k or BLOCK_K,
+        dtype=q.dtype,
+    )
+    out, lse = _FlashFunction.apply(q, k, v, bias, mask, plan)
+    return (out, lse) if return_lse else out
