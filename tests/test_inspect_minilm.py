@@ -100,3 +100,12 @@ def test_cli_heads_minilm(capsys):
     assert main([*argv, "--ablate", "3:1", "5:11"]) == 0
     out = capsys.readouterr().out
     assert "cos(it,animal) − cos(it,street)" in out and "off (Δ" in out
+
+
+def test_bert_directory_opens_as_model_dir(loaded, tmp_path):
+    d = loaded.model.source_dir
+    other = load(str(d))  # --model DIR: any HuggingFace BERT directory
+    assert other.name == str(d) and other.encode(TIRED)[0] == loaded.encode(TIRED)[0]
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')  # not BERT: not ours
+    with pytest.raises(ValueError, match="no loader recognises"):
+        load(str(tmp_path))
