@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml Makefile scripts/setup-system.sh
 venv: $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/qkv demo
+	HF_HUB_OFFLINE=1 $(VENV)/bin/qkv tour
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests bench

@@ -19,7 +19,7 @@ from qkv.inspect.ablate import ablate, ablation_scan, parse_heads
 from qkv.inspect.capture import capture
 from qkv.inspect.loaders import load
 from qkv.inspect.maps import merge_steps
-from qkv.inspect.stats import head_stats, normalize_token, pronoun_probe
+from qkv.inspect.stats import ProbeRow, head_stats, normalize_token, pronoun_probe
 
 console = Console()
 
@@ -74,6 +74,24 @@ def _similarity_metric(loaded, inputs, tokens, token: str, candidates: list[str]
     return metric
 
 
+def print_probe(
+    rows: list[ProbeRow], token: str, candidates: list[str], top: int = 10,
+    console: Console = console,
+) -> None:  # fmt: skip
+    """The pronoun probe's table (``top`` heads) and how many heads prefer each candidate."""
+    t = Table(title=f"where does {token!r} look? (top {top} of {len(rows)} heads)")
+    for col in ("layer", "head", *candidates, "best", "margin"):
+        t.add_column(col, justify="right")
+    for r in rows[:top]:
+        t.add_row(r.layer, str(r.head), *(_f(r.scores[c]) for c in candidates), r.best,
+                  _f(r.margin))  # fmt: skip
+    console.print(t)
+    votes = {c: sum(r.best == c for r in rows) for c in candidates}
+    console.print(
+        "heads preferring each candidate: " + ", ".join(f"{c}: {n}" for c, n in votes.items())
+    )
+
+
 def run_heads(args: argparse.Namespace) -> int:
     loaded = load(args.model)
     tokens, inputs = loaded.encode(args.sentence)
@@ -87,18 +105,8 @@ def run_heads(args: argparse.Namespace) -> int:
             t.add_row(s.layer, str(s.head), *map(_f, vals))
         console.print(t)
         return 0
-    rows = pronoun_probe(maps, args.token, args.candidates)
-    t = Table(title=f"where does {args.token!r} look? (top {args.top} of {len(rows)} heads)")
-    for col in ("layer", "head", *args.candidates, "best", "margin"):
-        t.add_column(col, justify="right")
-    for r in rows[: args.top]:
-        t.add_row(r.layer, str(r.head), *(_f(r.scores[c]) for c in args.candidates), r.best,
-                  _f(r.margin))  # fmt: skip
-    console.print(t)
-    votes = {c: sum(r.best == c for r in rows) for c in args.candidates}
-    console.print(
-        "heads preferring each candidate: " + ", ".join(f"{c}: {n}" for c, n in votes.items())
-    )
+    print_probe(pronoun_probe(maps, args.token, args.candidates), args.token,
+                args.candidates, args.top)  # fmt: skip
     if args.ablate is not None:
         metric = _similarity_metric(loaded, inputs, tokens, args.token, args.candidates)
         what = f"cos({args.token},{args.candidates[0]})" + (

@@ -1,9 +1,11 @@
-"""Models the inspection commands can open: ``--model random`` now; real ones registered later.
+"""Models the inspection commands can open: ``--model random | minilm | DIR``.
 
 A loader returns a :class:`Loaded`: the model, a function from text to (tokens, inputs),
 and optionally a translator that records attention at every decoding step. Trained models
 (MiniLM in ``qkv.pretrained``, the translation transformer in ``qkv.models``) plug in with
 :func:`register` (a name such as ``"minilm"``) or :func:`register_dir` (a saved directory).
+``minilm`` and HuggingFace BERT directories are built in (:mod:`qkv.inspect.minilm`, imported
+on first use).
 
 >>> loaded = load("random")
 >>> tokens, inputs = loaded.encode("The boy trains the puppy.")
@@ -66,8 +68,20 @@ def _random() -> Loaded:
     return Loaded(enc, encode, translate=translate, name="random")
 
 
-LOADERS: dict[str, Callable[[], Loaded]] = {"random": _random}
-DIR_LOADERS: list[Callable[[Path], Loaded | None]] = []
+def _minilm() -> Loaded:
+    from qkv.inspect.minilm import load_minilm  # lazy: reads weights and the tokenizer
+
+    return load_minilm()
+
+
+def _bert_dir(path: Path) -> Loaded | None:
+    from qkv.inspect.minilm import load_bert_dir
+
+    return load_bert_dir(path)
+
+
+LOADERS: dict[str, Callable[[], Loaded]] = {"random": _random, "minilm": _minilm}
+DIR_LOADERS: list[Callable[[Path], Loaded | None]] = [_bert_dir]
 
 
 def register(name: str, loader: Callable[[], Loaded]) -> None:
