@@ -7,7 +7,7 @@ import importlib
 import sys
 
 # name of the module under qkv/ that defines add_parser(subparsers) for each subcommand
-SUBCOMMANDS = ["demo"]
+SUBCOMMANDS = ["demo", "train", "translate"]
 
 
 def build_parser() -> argparse.ArgumentParser:
