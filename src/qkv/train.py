@@ -234,7 +234,7 @@ def train(args: argparse.Namespace) -> dict:
     while epoch < args.epochs:
         order = epoch_order(len(batches), args.seed, epoch)
         bar = tqdm(total=per_epoch, initial=pos, desc=f"epoch {epoch}", dynamic_ncols=True,
-                   disable=not world.is_main or args.no_progress, mininterval=2.0)  # fmt: skip
+                   disable=not world.is_main or bool(args.no_progress), mininterval=2.0)  # fmt: skip
         loss_acc, tok_acc, tok_t0 = 0.0, 0, time.monotonic()
         while pos < per_epoch:
             reason = "signal" if stop.requested else "epochs"
