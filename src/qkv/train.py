@@ -53,19 +53,24 @@ def train_step(
     label_smoothing: float = 0.1,
     clip: float | None = 1.0,
     world: World | None = None,
+    bf16: bool = False,
 ) -> tuple[float, int]:
     """One update. Returns ``(summed loss of this rank, global target tokens)``.
 
     The loss is summed over tokens and divided by the global token count (× world size, as
     DDP averages over ranks), so N ranks equal one process with the union of their batches.
+    ``bf16``: autocast the forward pass to bfloat16 (AMX/AVX512-BF16 CPUs, GPUs); the
+    weights, optimizer and loss stay float32.
     """
     world = world or World()
     cfg = model.module.cfg if hasattr(model, "module") else model.cfg
     n_local = batch.n_tokens
     n_global = all_reduce_sum(n_local, world)
-    logits = model(batch.src, batch.tgt_in)  # (B, T, V)
+    device_type = batch.src.device.type
+    with torch.autocast(device_type, dtype=torch.bfloat16, enabled=bf16):
+        logits = model(batch.src, batch.tgt_in)  # (B, T, V)
     loss_sum = F.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]), batch.tgt_out.reshape(-1),
+        logits.float().reshape(-1, logits.shape[-1]), batch.tgt_out.reshape(-1),
         ignore_index=cfg.pad_id, label_smoothing=label_smoothing, reduction="sum",
     )  # fmt: skip
     optimizer.zero_grad(set_to_none=True)
@@ -252,7 +257,7 @@ def train(args: argparse.Namespace) -> dict:
             for g in optimizer.param_groups:
                 g["lr"] = lr_at(step + 1, args.lr, args.warmup)
             loss, n = train_step(ddp, batch, optimizer, label_smoothing=args.label_smoothing,
-                                 clip=args.clip, world=world)  # fmt: skip
+                                 clip=args.clip, world=world, bf16=getattr(args, "bf16", False))  # fmt: skip
             step, pos = step + 1, pos + 1
             loss_acc += loss * world.size
             tok_acc += n
@@ -341,6 +346,7 @@ def add_parser(sub) -> None:
     o.add_argument("--label-smoothing", type=float, default=0.1)
     o.add_argument("--clip", type=float, default=1.0)
     o.add_argument("--max-tokens", type=int, default=4096, help="tokens per batch (per rank)")
+    o.add_argument("--bf16", action="store_true", help="bfloat16 autocast for the forward pass")
     o.add_argument("--seed", type=int, default=1)
     r = p.add_argument_group("run")
     r.add_argument("--out", help="run directory (OUT/last, OUT/best, OUT/log.jsonl)")
