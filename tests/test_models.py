@@ -17,6 +17,9 @@ from qkv.models import (
     save_pretrained,
 )
 
+# Tiny models: extra threads only add synchronisation on this shared 2-core machine.
+torch.set_num_threads(1)
+
 
 def cfg_(**kw) -> TransformerConfig:
     base = dict(src_vocab_size=40, tgt_vocab_size=40, d_model=32, n_heads=4, d_ff=64, dropout=0.0)
@@ -122,7 +125,9 @@ def test_save_load_identical_logits(tmp_path, kind):
     loaded = load_pretrained(tmp_path / "m")
     assert type(loaded) is type(model) and loaded.cfg == cfg
     ids = torch.tensor([[1, 5, 6, 7]])
-    out, ref = (loaded(ids, ids), model(ids, ids)) if kind == "seq2seq" else (loaded(ids), model(ids))
+    out, ref = (
+        (loaded(ids, ids), model(ids, ids)) if kind == "seq2seq" else (loaded(ids), model(ids))
+    )
     assert torch.equal(out, ref)
     if kind == "seq2seq":  # tied weights stay tied after loading
         assert loaded.decoder.out.weight is loaded.encoder.embed.embedding.weight

@@ -16,12 +16,15 @@ from torch import Tensor
 __all__ = ["greedy_search", "beam_search", "translate"]
 
 
-def _max_new(model, src: Tensor, max_new_tokens: int | None) -> int:
+def _limits(model, src: Tensor, max_new_tokens: int | None) -> Tensor:
+    """Tokens each sentence may generate ``(B,)``: ``max_new_tokens``, or by default
+    ``2·len(source) + 10`` (its own length, not the padded one, so batching changes nothing)."""
     if max_new_tokens is not None:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        return max_new_tokens
-    return min(model.cfg.max_len - 1, 2 * src.shape[1] + 10)
+        return torch.full((src.shape[0],), max_new_tokens, device=src.device)
+    lengths = (src != model.cfg.pad_id).sum(1)
+    return (2 * lengths + 10).clamp(max=model.cfg.max_len - 1)
 
 
 def _check_src(src: Tensor) -> None:
@@ -47,20 +50,20 @@ def greedy_search(
     """
     _check_src(src)
     cfg = model.cfg
-    steps = _max_new(model, src, max_new_tokens)
+    limits = _limits(model, src, max_new_tokens)  # (B,)
     mask = model.src_mask(src)  # (B, 1, 1, S), True = may attend
     memory = model.encode(src, mask)  # (B, S, d_model)
     B = src.shape[0]
     ys = torch.full((B, 1), cfg.bos_id, dtype=torch.long, device=src.device)
     done = torch.zeros(B, dtype=torch.bool, device=src.device)
     cache = model.new_cache() if use_cache else None
-    for _ in range(steps):
+    for t in range(int(limits.max())):
         inp = ys[:, -1:] if use_cache else ys
         logits = model.decode(inp, memory, mask, cache=cache)[:, -1]  # (B, V)
         nxt = logits.argmax(-1)
         if not ignore_eos:
             nxt = nxt.masked_fill(done, cfg.pad_id)
-            done |= nxt == cfg.eos_id
+            done |= (nxt == cfg.eos_id) | (t + 1 >= limits)
         ys = torch.cat([ys, nxt[:, None]], dim=1)
         if not ignore_eos and bool(done.all()):
             break
@@ -79,14 +82,15 @@ def beam_search(
     """Beam search; a finished hypothesis scores ``log p / len ** length_penalty``.
 
     A sentence stops when ``beam_size`` hypotheses have ended with ``</s>`` (an ``</s>``
-    counts only among the ``beam_size`` best candidates of a step). Returns the best
-    hypothesis per sentence, ids ``(B, T)``.
+    counts only among the ``beam_size`` best candidates of a step) or at its length limit
+    (then, if none ended, the best open hypothesis is taken). Returns the best hypothesis per
+    sentence, ids ``(B, T)``.
     """
     _check_src(src)
     if beam_size < 1:
         raise ValueError(f"beam_size must be >= 1, got {beam_size}")
     cfg, K, dev = model.cfg, beam_size, src.device
-    steps = _max_new(model, src, max_new_tokens)
+    limits = _limits(model, src, max_new_tokens)  # (B,)
     B = src.shape[0]
     src = src.repeat_interleave(K, dim=0)  # (B·K, S)
     mask = model.src_mask(src)
@@ -99,13 +103,9 @@ def beam_search(
     best_tokens: list[Tensor | None] = [None] * B
     n_final = torch.zeros(B, dtype=torch.long, device=dev)
     offsets = (torch.arange(B, device=dev) * K)[:, None]  # (B, 1)
-    for t in range(steps):
+    for t in range(int(limits.max())):
         logp = model.decode(ys[:, -1:], memory, mask, cache=cache)[:, -1].log_softmax(-1)
         V = logp.shape[-1]
-        if t == steps - 1:  # last step: only </s> may be chosen
-            forced = torch.full_like(logp, float("-inf"))
-            forced[:, cfg.eos_id] = logp[:, cfg.eos_id]
-            logp = forced
         cand = (scores.view(B * K, 1) + logp).view(B, K * V)
         top, idx = cand.topk(2 * K, dim=1)  # (B, 2K)
         beam, tok = idx // V, idx % V
@@ -120,6 +120,13 @@ def beam_search(
                 best[b] = norm[b, j]
                 row = int(offsets[b, 0] + beam[b, j])
                 best_tokens[b] = torch.cat([ys[row, 1:], tok[b, j : j + 1]])
+        for b in (t + 1 >= limits).nonzero().flatten().tolist():
+            if best_tokens[b] is None:  # out of length, nothing finished: the best open beam
+                j = int(top[b].masked_fill(tok[b] == cfg.eos_id, float("-inf")).argmax())
+                best_tokens[b] = torch.cat(
+                    [ys[int(offsets[b, 0] + beam[b, j]), 1:], tok[b, j : j + 1]]
+                )
+            n_final[b] = K
         if bool((n_final >= K).all()):
             break
         top = top.masked_fill(tok == cfg.eos_id, float("-inf"))
