@@ -145,6 +145,9 @@ def train(args: argparse.Namespace) -> dict:
     """Run training as ``args`` say (see ``qkv train --help``); returns the final metrics."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     world = init_distributed()
+    stop = _Stop()  # installed first: a Ctrl-C during setup stops at the first step boundary
+    if world.is_main:
+        previous = signal.signal(signal.SIGINT, stop), signal.signal(signal.SIGTERM, stop)
     state = None
     if args.resume:
         last = resolve_dir(Path(args.resume) / "last")
@@ -218,10 +221,6 @@ def train(args: argparse.Namespace) -> dict:
             model.train()
         return record
 
-    stop = _Stop()
-    if world.is_main:
-        signal.signal(signal.SIGINT, stop)
-        signal.signal(signal.SIGTERM, stop)
     if world.is_main:
         out.mkdir(parents=True, exist_ok=True)
         n_params = sum(p.numel() for p in model.parameters())
@@ -314,6 +313,8 @@ def train(args: argparse.Namespace) -> dict:
     result = {**record, "step": step, "epoch": epoch, "pos": pos, "stopped": reason, "best": best}
     if world.is_main:
         print(json.dumps({"done": result}), flush=True)
+        signal.signal(signal.SIGINT, previous[0])
+        signal.signal(signal.SIGTERM, previous[1])
     return result
 
 
