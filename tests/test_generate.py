@@ -98,3 +98,25 @@ def test_bad_inputs():
         greedy_search(model, SRC, max_new_tokens=0)
     with pytest.raises(TypeError, match="list of str"):
         translate(model, None, "a single string")
+
+
+def test_translate_and_evaluate_cli(tmp_path, capsys, monkeypatch):
+    import io
+
+    from qkv.cli import main
+    from qkv.models import save_pretrained
+
+    tok = Tokenizer.train(["a dog runs", "le chien court"] * 10, vocab_size=280)
+    save_pretrained(model_(vocab=tok.vocab_size, seed=6), tmp_path / "m", tokenizer=tok)
+    assert main(["translate", "--model", str(tmp_path / "m"), "a dog", "runs"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2
+    monkeypatch.setattr("sys.stdin", io.StringIO("a dog\nruns\n"))
+    assert main(["translate", "--model", str(tmp_path / "m"), "--beam", "2"]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 2
+    (tmp_path / "src.txt").write_text("a dog\nruns\n")
+    (tmp_path / "ref.txt").write_text("le chien\ncourt\n")
+    files = ["--files", str(tmp_path / "src.txt"), str(tmp_path / "ref.txt")]
+    assert main(["evaluate", "--model", str(tmp_path / "m"), *files, "--json"]) == 0
+    out = capsys.readouterr().out
+    assert "BLEU" in out and "chrF" in out and '"sentences": 2' in out
