@@ -157,7 +157,7 @@ def test_sigkill_then_sigint_never_corrupt(tmp_path):
     assert proc.returncode == 130, out.decode()
     after = torch.load(tmp_path / "last" / "trainer.pt", weights_only=True)
     assert after["step"] > state["step"]
-    assert not list(tmp_path.glob(".last.tmp-*"))  # no half-written checkpoints left
+    assert not list(tmp_path.glob(".last.tmp-*"))  # a killed run's temp dirs are cleaned up
 
 
 def cat_batches(a: Batch, b: Batch) -> Batch:

@@ -50,6 +50,7 @@ def all_reduce_sum(value: float, world: World) -> float:
     """Sum a Python number over every rank."""
     if not world.distributed:
         return value
-    t = torch.tensor([float(value)], dtype=torch.float64)
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"  # nccl reduces GPU tensors only
+    t = torch.tensor([float(value)], dtype=torch.float64, device=device)
     dist.all_reduce(t)
     return float(t.item())

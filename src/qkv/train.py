@@ -16,6 +16,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -88,7 +89,7 @@ def evaluate_loss(model: nn.Module, examples, batches) -> float:
     model.eval()
     total, n = 0.0, 0
     for index in batches:
-        b = collate(examples, index)
+        b = collate(examples, index).to(next(model.parameters()).device)
         logits = model(b.src, b.tgt_in)
         total += float(
             F.cross_entropy(
@@ -180,22 +181,29 @@ def train(args: argparse.Namespace) -> dict:
 
     cfg = build_config(args, tokenizer.vocab_size)
     model = Seq2SeqTransformer(cfg)
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=args.lr, betas=(0.9, 0.98), eps=1e-9, weight_decay=args.weight_decay
-    )
+    device = torch.device(getattr(args, "device", None) or "cpu")
+    if device.type == "cuda" and world.distributed:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", world.rank)))
+        torch.cuda.set_device(device)
     step, epoch, pos, elapsed_before = 0, 0, 0, 0.0
     best = {"bleu": -1.0, "val_loss": float("inf")}
     if state is not None:
         from safetensors.torch import load_model
 
         load_model(model, str(last / "model.safetensors"))
-        optimizer.load_state_dict(state["optimizer"])
+    model.to(device)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=args.lr, betas=(0.9, 0.98), eps=1e-9, weight_decay=args.weight_decay
+    )
+    if state is not None:
+        optimizer.load_state_dict(state["optimizer"])  # state follows the parameters' device
         step, epoch, pos = state["step"], state["epoch"], state["pos"]
         elapsed_before, best = state["elapsed"], dict(state["best"])
         torch.set_rng_state(state["rng"])
     ddp = model
     if world.distributed:
-        ddp = nn.parallel.DistributedDataParallel(model)
+        ids = [device.index] if device.type == "cuda" else None
+        ddp = nn.parallel.DistributedDataParallel(model, device_ids=ids)
     model.train()
 
     def checkpoint() -> None:
@@ -223,6 +231,8 @@ def train(args: argparse.Namespace) -> dict:
 
     if world.is_main:
         out.mkdir(parents=True, exist_ok=True)
+        for stale in out.glob(".*.tmp-*"):  # half-written saves of a killed run
+            shutil.rmtree(stale, ignore_errors=True)
         n_params = sum(p.numel() for p in model.parameters())
         print(f"qkv train: {len(train_ex)} pairs, {len(batches)} batches/epoch, "
               f"vocab {tokenizer.vocab_size}, {n_params / 1e6:.2f}M parameters, "
@@ -252,7 +262,7 @@ def train(args: argparse.Namespace) -> dict:
                 reason = "peer" if halt and reason == "epochs" else reason
             if halt:
                 break
-            batch = collate(train_ex, batches[order[pos * world.size + world.rank]])
+            batch = collate(train_ex, batches[order[pos * world.size + world.rank]]).to(device)
             for g in optimizer.param_groups:
                 g["lr"] = lr_at(step + 1, args.lr, args.warmup)
             loss, n = train_step(ddp, batch, optimizer, label_smoothing=args.label_smoothing,
@@ -367,6 +377,7 @@ def add_parser(sub) -> None:
         action="store_true",
         help="validate (and maybe keep as best) when the budget ends mid-epoch",
     )
+    r.add_argument("--device", default=None, help="cpu (default) or cuda; DDP uses LOCAL_RANK")
     r.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     r.add_argument("--no-progress", action="store_true", default=None)
     p.set_defaults(func=_main)

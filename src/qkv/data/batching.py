@@ -23,6 +23,9 @@ class Batch:
     tgt_in: Tensor
     tgt_out: Tensor
 
+    def to(self, device) -> Batch:
+        return Batch(self.src.to(device), self.tgt_in.to(device), self.tgt_out.to(device))
+
     @property
     def n_tokens(self) -> int:
         """Target tokens that count in the loss (non-pad labels)."""
