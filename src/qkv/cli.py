@@ -7,7 +7,7 @@ import importlib
 import sys
 
 # name of the module under qkv/ that defines add_parser(subparsers) for each subcommand
-SUBCOMMANDS = ["demo", "explain", "pretrained.cli", "inspect.cli", "tour"]
+SUBCOMMANDS = ["demo", "explain", "tour", "train", "translate", "pretrained.cli", "inspect.cli"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,76 @@
+"""Parallel text: Multi30k task-1 files, or any two aligned plain-text files.
+
+Multi30k layout (``--data DIR``): ``{split}.{lang}.gz`` (or uncompressed) for splits
+``train``, ``val``, ``test_2016_flickr``, ``test_2017_flickr`` and languages ``en, fr, de``.
+"""
+
+from __future__ import annotations
+
+import gzip
+from pathlib import Path
+
+__all__ = ["read_lines", "read_parallel", "multi30k", "default_data_dir", "SPLITS"]
+
+SPLITS = ("train", "val", "test_2016_flickr", "test_2017_flickr")
+PROJECT_ROOT = Path(__file__).resolve().parents[3]
+
+
+def default_data_dir() -> Path | None:
+    """``../shared/data/multi30k`` relative to the project root, when it exists."""
+    candidates = [PROJECT_ROOT.parent / "shared" / "data" / "multi30k"]
+    candidates += [Path.cwd().parent / "shared" / "data" / "multi30k"]
+    return next((p for p in candidates if p.is_dir()), None)
+
+
+def read_lines(path: str | Path) -> list[str]:
+    """Lines of a UTF-8 text file (``.gz`` read transparently), newline stripped."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"missing data file: {path}")
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        return [line.rstrip("\n").rstrip("\r") for line in f]
+
+
+def read_parallel(src_path: str | Path, tgt_path: str | Path) -> list[tuple[str, str]]:
+    """Aligned ``(source, target)`` pairs; both files must have the same number of lines."""
+    src, tgt = read_lines(src_path), read_lines(tgt_path)
+    if len(src) != len(tgt):
+        raise ValueError(
+            f"parallel files differ in length: {src_path} has {len(src)} lines, "
+            f"{tgt_path} has {len(tgt)}"
+        )
+    return list(zip(src, tgt))
+
+
+def _find(data_dir: Path, split: str, lang: str) -> Path:
+    for name in (f"{split}.{lang}.gz", f"{split}.{lang}"):
+        if (data_dir / name).is_file():
+            return data_dir / name
+    raise FileNotFoundError(f"missing data file: {data_dir / f'{split}.{lang}.gz'}")
+
+
+def multi30k(
+    split: str, src: str = "en", tgt: str = "fr", data_dir: str | Path | None = None
+) -> list[tuple[str, str]]:
+    """Pairs of Multi30k ``split`` for ``src → tgt`` (any of en, fr, de).
+
+    >>> pairs = multi30k("val")  # doctest: +SKIP
+    >>> pairs[0]  # doctest: +SKIP
+    ('A group of men are loading cotton onto a truck', 'Un groupe d'hommes ...')
+    """
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    if src == tgt:
+        raise ValueError(f"source and target languages must differ, got {src!r} twice")
+    if data_dir is None:
+        data_dir = default_data_dir()
+        if data_dir is None:
+            raise FileNotFoundError(
+                "no Multi30k data: pass --data DIR (expected ../shared/data/multi30k "
+                f"next to the project root {PROJECT_ROOT})"
+            )
+    data_dir = Path(data_dir)
+    if not data_dir.is_dir():
+        raise FileNotFoundError(f"missing data directory: {data_dir}")
+    return read_parallel(_find(data_dir, split, src), _find(data_dir, split, tgt))

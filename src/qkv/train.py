@@ -1,0 +1,414 @@
+"""Train a :class:`~qkv.models.Seq2SeqTransformer` for translation: ``qkv train``.
+
+Label-smoothed cross-entropy, AdamW with linear warmup then inverse-square-root decay,
+token-bucketed batches, gradient clipping, deterministic seeds. Every ``--checkpoint-minutes``
+(and at each epoch end, at ``--max-minutes``, on SIGINT/SIGTERM) the whole state goes to
+``OUT/last`` atomically: weights, optimizer, step, data position, RNG. ``--resume OUT``
+continues exactly. The best model by validation BLEU is kept in ``OUT/best``.
+
+    qkv train --out /work/runs/enfr --max-minutes 55
+    torchrun --nproc_per_node 2 -m qkv train --out runs/ddp ...   # data parallel
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qkv.data import Tokenizer, collate, encode_pairs, epoch_order, make_batches, multi30k
+from qkv.data.corpus import read_parallel
+from qkv.distributed import World, all_reduce_sum, init_distributed
+from qkv.models import Seq2SeqTransformer, TransformerConfig, save_pretrained
+from qkv.models.io import resolve_dir
+
+__all__ = ["train", "train_step", "lr_at", "evaluate_loss", "add_parser", "parse_args"]
+
+STATE_FILE = "trainer.pt"
+# arguments a resumed run may change; everything else comes from the checkpoint
+RESUMABLE = ("max_minutes", "max_steps", "epochs", "checkpoint_minutes", "threads", "no_progress")
+
+
+def lr_at(step: int, lr: float, warmup: int) -> float:
+    """Linear warmup to ``lr`` over ``warmup`` steps, then ``lr · √(warmup / step)``."""
+    step = max(step, 1)
+    if step <= warmup:
+        return lr * step / max(warmup, 1)
+    return lr * math.sqrt(warmup / step)
+
+
+def train_step(
+    model: nn.Module,
+    batch,
+    optimizer: torch.optim.Optimizer,
+    *,
+    label_smoothing: float = 0.1,
+    clip: float | None = 1.0,
+    world: World | None = None,
+    bf16: bool = False,
+) -> tuple[float, int]:
+    """One update. Returns ``(summed loss of this rank, global target tokens)``.
+
+    The loss is summed over tokens and divided by the global token count (× world size, as
+    DDP averages over ranks), so N ranks equal one process with the union of their batches.
+    ``bf16``: autocast the forward pass to bfloat16 (AMX/AVX512-BF16 CPUs, GPUs); the
+    weights, optimizer and loss stay float32.
+    """
+    world = world or World()
+    cfg = model.module.cfg if hasattr(model, "module") else model.cfg
+    n_local = batch.n_tokens
+    n_global = all_reduce_sum(n_local, world)
+    device_type = batch.src.device.type
+    with torch.autocast(device_type, dtype=torch.bfloat16, enabled=bf16):
+        logits = model(batch.src, batch.tgt_in)  # (B, T, V)
+    loss_sum = F.cross_entropy(
+        logits.float().reshape(-1, logits.shape[-1]), batch.tgt_out.reshape(-1),
+        ignore_index=cfg.pad_id, label_smoothing=label_smoothing, reduction="sum",
+    )  # fmt: skip
+    optimizer.zero_grad(set_to_none=True)
+    (loss_sum * (world.size / max(n_global, 1.0))).backward()
+    if clip:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    optimizer.step()
+    return float(loss_sum.detach()), int(n_global)
+
+
+@torch.no_grad()
+def evaluate_loss(model: nn.Module, examples, batches) -> float:
+    """Mean per-token negative log-likelihood (no smoothing) over ``batches``."""
+    was_training = model.training
+    model.eval()
+    total, n = 0.0, 0
+    for index in batches:
+        b = collate(examples, index).to(next(model.parameters()).device)
+        logits = model(b.src, b.tgt_in)
+        total += float(
+            F.cross_entropy(
+                logits.flatten(0, 1), b.tgt_out.flatten(), ignore_index=0, reduction="sum"
+            )
+        )
+        n += b.n_tokens
+    model.train(was_training)
+    return total / max(n, 1)
+
+
+def bleu_chrf(hyps: list[str], refs: list[str]) -> tuple[float, float]:
+    """sacreBLEU (13a tokenisation of detokenised, cased text) and chrF."""
+    import sacrebleu
+
+    return sacrebleu.corpus_bleu(hyps, [refs]).score, sacrebleu.corpus_chrf(hyps, [refs]).score
+
+
+def load_pairs(args, split: str) -> list[tuple[str, str]]:
+    files = args.train_files if split == "train" else args.val_files
+    if files:
+        pairs = read_parallel(*files)
+    elif split != "train" and args.train_files and not args.val_files:
+        raise ValueError("--train-files needs --val-files too")
+    else:
+        pairs = multi30k(split, args.src, args.tgt, args.data)
+    limit = args.train_limit if split == "train" else args.val_limit
+    return pairs[:limit] if limit else pairs
+
+
+def build_config(args, vocab_size: int) -> TransformerConfig:
+    return TransformerConfig(
+        src_vocab_size=vocab_size, tgt_vocab_size=vocab_size, d_model=args.d_model,
+        n_heads=args.heads, n_kv_heads=args.kv_heads, d_ff=args.d_ff,
+        n_encoder_layers=args.enc_layers or args.layers, n_decoder_layers=args.dec_layers or args.layers,
+        dropout=args.dropout, norm_first=not args.post_ln, positional=args.positional,
+        tie_embeddings=True, share_src_tgt_embeddings=True, max_len=256,
+    )  # fmt: skip
+
+
+class _Stop:
+    """Set by SIGINT/SIGTERM; the loop checkpoints at the next step boundary and exits."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def __call__(self, signum, frame) -> None:
+        if self.requested:  # a second Ctrl-C: leave now (checkpoints are atomic anyway)
+            raise KeyboardInterrupt
+        self.requested = True
+
+
+def train(args: argparse.Namespace) -> dict:
+    """Run training as ``args`` say (see ``qkv train --help``); returns the final metrics."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    world = init_distributed()
+    stop = _Stop()  # installed first: a Ctrl-C during setup stops at the first step boundary
+    if world.is_main:
+        previous = signal.signal(signal.SIGINT, stop), signal.signal(signal.SIGTERM, stop)
+    state = None
+    if args.resume:
+        last = resolve_dir(Path(args.resume) / "last")
+        if not (last / STATE_FILE).is_file():
+            raise FileNotFoundError(f"nothing to resume: {last / STATE_FILE} is missing")
+        state = torch.load(last / STATE_FILE, map_location="cpu", weights_only=True)
+        saved = dict(state["args"])
+        for k in RESUMABLE:
+            if getattr(args, k, None) is not None:
+                saved[k] = getattr(args, k)
+        saved["resume"], saved["out"] = args.resume, args.resume
+        args = argparse.Namespace(**saved)
+    if not args.out:
+        raise ValueError("--out DIR is required (or --resume DIR)")
+    out = Path(args.out)
+    torch.set_num_threads(args.threads or torch.get_num_threads())
+    torch.manual_seed(args.seed)
+
+    train_pairs, val_pairs = load_pairs(args, "train"), load_pairs(args, "val")
+    if state is not None:
+        tokenizer = Tokenizer.load(last / "tokenizer.json")
+    else:
+        tokenizer = Tokenizer.train(
+            [s for p in train_pairs for s in p], vocab_size=args.vocab_size
+        )  # deterministic: every rank learns the same vocabulary
+    train_ex = encode_pairs(tokenizer, train_pairs)
+    val_ex = encode_pairs(tokenizer, val_pairs)
+    batches = make_batches(train_ex, args.max_tokens)
+    val_batches = make_batches(val_ex, args.max_tokens)
+
+    cfg = build_config(args, tokenizer.vocab_size)
+    model = Seq2SeqTransformer(cfg)
+    device = torch.device(getattr(args, "device", None) or "cpu")
+    if device.type == "cuda" and world.distributed:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", world.rank)))
+        torch.cuda.set_device(device)
+    step, epoch, pos, elapsed_before = 0, 0, 0, 0.0
+    best = {"bleu": -1.0, "val_loss": float("inf")}
+    if state is not None:
+        from safetensors.torch import load_model
+
+        load_model(model, str(last / "model.safetensors"))
+    model.to(device)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=args.lr, betas=(0.9, 0.98), eps=1e-9, weight_decay=args.weight_decay
+    )
+    if state is not None:
+        optimizer.load_state_dict(state["optimizer"])  # state follows the parameters' device
+        step, epoch, pos = state["step"], state["epoch"], state["pos"]
+        elapsed_before, best = state["elapsed"], dict(state["best"])
+        torch.set_rng_state(state["rng"])
+    ddp = model
+    if world.distributed:
+        ids = [device.index] if device.type == "cuda" else None
+        ddp = nn.parallel.DistributedDataParallel(model, device_ids=ids)
+    model.train()
+
+    def checkpoint() -> None:
+        if not world.is_main:
+            return
+        snapshot = {
+            "args": vars(args), "optimizer": optimizer.state_dict(), "step": step,
+            "epoch": epoch, "pos": pos, "elapsed": elapsed_before + time.monotonic() - t0,
+            "best": best, "rng": torch.get_rng_state(),
+        }  # fmt: skip
+        extra = {STATE_FILE: lambda p: torch.save(snapshot, p)}
+        save_pretrained(model, out / "last", tokenizer=tokenizer, extra=extra)
+
+    def validate() -> dict:
+        val_loss = evaluate_loss(model, val_ex, val_batches)
+        record = {"epoch": epoch, "step": step, "val_loss": round(val_loss, 4)}
+        if args.val_bleu:
+            from qkv.generate import translate
+
+            n = args.val_bleu if args.val_bleu > 0 else len(val_pairs)
+            hyps = translate(model, tokenizer, [s for s, _ in val_pairs[:n]])
+            record["val_bleu"], record["val_chrf"] = bleu_chrf(hyps, [t for _, t in val_pairs[:n]])
+            model.train()
+        return record
+
+    if world.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        for stale in out.glob(".*.tmp-*"):  # half-written saves of a killed run
+            shutil.rmtree(stale, ignore_errors=True)
+        n_params = sum(p.numel() for p in model.parameters())
+        print(f"qkv train: {len(train_ex)} pairs, {len(batches)} batches/epoch, "
+              f"vocab {tokenizer.vocab_size}, {n_params / 1e6:.2f}M parameters, "
+              f"world {world.size}, threads {torch.get_num_threads()}", flush=True)  # fmt: skip
+    from tqdm import tqdm
+
+    t0 = time.monotonic()
+    last_ckpt = t0
+    budget = args.max_minutes * 60 if args.max_minutes else float("inf")
+    per_epoch = len(batches) // world.size
+    reason = "epochs"
+    record: dict = {}
+    while epoch < args.epochs:
+        order = epoch_order(len(batches), args.seed, epoch)
+        bar = tqdm(total=per_epoch, initial=pos, desc=f"epoch {epoch}", dynamic_ncols=True,
+                   disable=not world.is_main or bool(args.no_progress), mininterval=2.0)  # fmt: skip
+        loss_acc, tok_acc, tok_t0 = 0.0, 0, time.monotonic()
+        while pos < per_epoch:
+            reason = "signal" if stop.requested else "epochs"
+            if args.max_steps and step >= args.max_steps:
+                reason = "max_steps"
+            elif elapsed_before + time.monotonic() - t0 >= budget:
+                reason = "max_minutes"
+            halt = reason != "epochs"
+            if world.distributed:
+                halt = all_reduce_sum(float(halt), world) > 0
+                reason = "peer" if halt and reason == "epochs" else reason
+            if halt:
+                break
+            batch = collate(train_ex, batches[order[pos * world.size + world.rank]]).to(device)
+            for g in optimizer.param_groups:
+                g["lr"] = lr_at(step + 1, args.lr, args.warmup)
+            loss, n = train_step(ddp, batch, optimizer, label_smoothing=args.label_smoothing,
+                                 clip=args.clip, world=world, bf16=getattr(args, "bf16", False))  # fmt: skip
+            step, pos = step + 1, pos + 1
+            loss_acc += loss * world.size
+            tok_acc += n
+            bar.update(1)
+            if step % 10 == 0:
+                dt = time.monotonic() - tok_t0
+                left = budget - (elapsed_before + time.monotonic() - t0)
+                bar.set_postfix(loss=f"{loss_acc / max(tok_acc, 1):.3f}", tok_s=f"{tok_acc / dt:.0f}",
+                                lr=f"{lr_at(step, args.lr, args.warmup):.1e}",
+                                left=f"{left / 60:.1f}m" if left < 1e9 else "-")  # fmt: skip
+            if time.monotonic() - last_ckpt >= args.checkpoint_minutes * 60:
+                checkpoint()
+                last_ckpt = time.monotonic()
+        bar.close()
+        if pos < per_epoch:  # stopped inside the epoch
+            break
+        epoch, pos = epoch + 1, 0
+        if world.is_main:
+            record = validate()
+            record["train_loss"] = round(loss_acc / max(tok_acc, 1), 4)
+            record["elapsed_min"] = round((elapsed_before + time.monotonic() - t0) / 60, 2)
+            score = record.get("val_bleu", -record["val_loss"])
+            if (
+                score > best["bleu"]
+                if "val_bleu" in record
+                else record["val_loss"] < best["val_loss"]
+            ):
+                best = {"bleu": record.get("val_bleu", -1.0), "val_loss": record["val_loss"]}
+                save_pretrained(model, out / "best", tokenizer=tokenizer)
+            with open(out / "log.jsonl", "a") as f:
+                f.write(json.dumps(record) + "\n")
+            print(json.dumps(record), flush=True)
+        checkpoint()
+        last_ckpt = time.monotonic()
+        world.barrier()
+    if pos > 0 and reason in ("max_minutes", "max_steps") and world.is_main and args.final_validate:
+        record = validate()  # the budget ended mid-epoch: the model may beat the last best
+        record["elapsed_min"] = round((elapsed_before + time.monotonic() - t0) / 60, 2)
+        if (
+            record.get("val_bleu", -record["val_loss"]) > best["bleu"]
+            if "val_bleu" in record
+            else record["val_loss"] < best["val_loss"]
+        ):
+            best = {"bleu": record.get("val_bleu", -1.0), "val_loss": record["val_loss"]}
+            save_pretrained(model, out / "best", tokenizer=tokenizer)
+        with open(out / "log.jsonl", "a") as f:
+            f.write(json.dumps({**record, "final": True}) + "\n")
+        print(json.dumps(record), flush=True)
+    if pos > 0 or reason != "epochs":
+        checkpoint()
+    if world.is_main and not (out / "best").exists():
+        save_pretrained(model, out / "best", tokenizer=tokenizer)
+    world.barrier()
+    result = {**record, "step": step, "epoch": epoch, "pos": pos, "stopped": reason, "best": best}
+    if world.is_main:
+        print(json.dumps({"done": result}), flush=True)
+        signal.signal(signal.SIGINT, previous[0])
+        signal.signal(signal.SIGTERM, previous[1])
+    return result
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("train", help="train an encoder-decoder translation model (Multi30k)")
+    d = p.add_argument_group("data")
+    d.add_argument("--data", help="Multi30k directory (default ../shared/data/multi30k)")
+    d.add_argument("--src", default="en")
+    d.add_argument("--tgt", default="fr")
+    d.add_argument("--train-files", nargs=2, metavar=("SRC", "TGT"), help="plain parallel text")
+    d.add_argument("--val-files", nargs=2, metavar=("SRC", "TGT"))
+    d.add_argument("--train-limit", type=int, help="use only the first N training pairs")
+    d.add_argument("--val-limit", type=int, help="use only the first N validation pairs")
+    d.add_argument("--vocab-size", type=int, default=8000, help="joint BPE vocabulary")
+    m = p.add_argument_group("model")
+    m.add_argument("--d-model", type=int, default=256)
+    m.add_argument("--heads", type=int, default=4)
+    m.add_argument("--kv-heads", type=int)
+    m.add_argument("--d-ff", type=int, default=1024)
+    m.add_argument("--layers", type=int, default=3, help="encoder and decoder layers")
+    m.add_argument("--enc-layers", type=int)
+    m.add_argument("--dec-layers", type=int)
+    m.add_argument("--dropout", type=float, default=0.1)
+    m.add_argument("--post-ln", action="store_true", help="post-LN (paper) instead of pre-LN")
+    m.add_argument("--positional", default="sinusoidal", choices=["sinusoidal", "learned", "rope"])
+    o = p.add_argument_group("optimisation")
+    o.add_argument("--lr", type=float, default=7e-4)
+    o.add_argument("--warmup", type=int, default=800, help="warmup steps")
+    o.add_argument("--weight-decay", type=float, default=1e-4)
+    o.add_argument("--label-smoothing", type=float, default=0.1)
+    o.add_argument("--clip", type=float, default=1.0)
+    o.add_argument("--max-tokens", type=int, default=4096, help="tokens per batch (per rank)")
+    o.add_argument("--bf16", action="store_true", help="bfloat16 autocast for the forward pass")
+    o.add_argument("--seed", type=int, default=1)
+    r = p.add_argument_group("run")
+    r.add_argument("--out", help="run directory (OUT/last, OUT/best, OUT/log.jsonl)")
+    r.add_argument("--resume", help="continue the run in this directory exactly")
+    r.add_argument("--epochs", type=int, default=None, help="default 100")
+    r.add_argument("--max-steps", type=int, default=None)
+    r.add_argument("--max-minutes", type=float, default=None, help="wall-clock budget")
+    r.add_argument("--checkpoint-minutes", type=float, default=None, help="default 5")
+    r.add_argument(
+        "--val-bleu",
+        type=int,
+        default=-1,
+        help="validation sentences decoded for BLEU each epoch (-1 all, 0 none)",
+    )
+    r.add_argument(
+        "--final-validate",
+        action="store_true",
+        help="validate (and maybe keep as best) when the budget ends mid-epoch",
+    )
+    r.add_argument("--device", default=None, help="cpu (default) or cuda; DDP uses LOCAL_RANK")
+    r.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+    r.add_argument("--no-progress", action="store_true", default=None)
+    p.set_defaults(func=_main)
+
+
+def _main(args: argparse.Namespace) -> int:
+    if not args.resume:
+        args.epochs = 100 if args.epochs is None else args.epochs
+        args.checkpoint_minutes = (
+            5.0 if args.checkpoint_minutes is None else args.checkpoint_minutes
+        )
+    args.__dict__.pop("func", None)
+    args.__dict__.pop("command", None)
+    try:
+        result = train(args)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"qkv train: error: {e}")
+        return 2
+    return 130 if result["stopped"] == "signal" else 0
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """``qkv train`` arguments from a list (for scripts and tests)."""
+    parser = argparse.ArgumentParser(prog="qkv")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["train", *argv])
+    if not args.resume:
+        args.epochs = 100 if args.epochs is None else args.epochs
+        args.checkpoint_minutes = (
+            5.0 if args.checkpoint_minutes is None else args.checkpoint_minutes
+        )
+    args.__dict__.pop("func", None)
+    args.__dict__.pop("command", None)
+    return args

@@ -1,0 +1,122 @@
+"""Greedy and beam search: cache == no cache, beam == exhaustive search, batching invariance."""
+
+import itertools
+
+import pytest
+import torch
+
+from qkv.data import Tokenizer
+from qkv.generate import beam_search, greedy_search, translate
+from qkv.models import Seq2SeqTransformer, TransformerConfig
+
+# Tiny models: extra threads only add synchronisation on this shared 2-core machine.
+torch.set_num_threads(1)
+
+
+def model_(vocab=40, **kw):
+    torch.manual_seed(kw.pop("seed", 0))
+    cfg = TransformerConfig(
+        src_vocab_size=vocab, tgt_vocab_size=vocab, d_model=32, n_heads=4, d_ff=64, dropout=0.0,
+        **kw,
+    )  # fmt: skip
+    return Seq2SeqTransformer(cfg).eval()
+
+
+SRC = torch.tensor([[5, 6, 7, 8, 9, 2], [10, 11, 2, 0, 0, 0], [12, 13, 14, 2, 0, 0]])
+
+
+@pytest.mark.parametrize("positional", ["sinusoidal", "learned", "rope"])
+def test_greedy_with_cache_equals_without(positional):
+    model = model_(positional=positional, seed=1)
+    fast = greedy_search(model, SRC, max_new_tokens=15, ignore_eos=True)
+    slow = greedy_search(model, SRC, max_new_tokens=15, ignore_eos=True, use_cache=False)
+    assert fast.shape == (3, 15)
+    assert torch.equal(fast, slow)
+
+
+def test_greedy_stops_at_eos_and_pads():
+    model = model_(seed=2)
+    with torch.no_grad():  # make </s> the most likely token after 3 steps
+        model.decoder.out.weight.data[2] *= 0
+    out = greedy_search(model, SRC, max_new_tokens=10)
+    for row in out.tolist():
+        if 2 in row:
+            assert all(t == 0 for t in row[row.index(2) + 1 :])
+
+
+def test_beam_of_one_is_greedy():
+    model = model_(seed=3)
+    greedy = greedy_search(model, SRC, max_new_tokens=8)
+    beam = beam_search(model, SRC, beam_size=1, max_new_tokens=8)
+    T = max(greedy.shape[1], beam.shape[1])
+    pad = lambda t: torch.nn.functional.pad(t, (0, T - t.shape[1]))  # noqa: E731
+    assert torch.equal(pad(greedy), pad(beam))
+
+
+def sequence_logprob(model, src, seq):
+    """Sum of log p(token) for ``seq`` (ending in </s>) given one source sentence."""
+    tgt_in = torch.tensor([[1, *seq[:-1]]])
+    logp = model(src, tgt_in).log_softmax(-1)[0]
+    return float(sum(logp[i, t] for i, t in enumerate(seq)).detach())
+
+
+@pytest.mark.parametrize("alpha", [0.0, 1.0])
+def test_wide_beam_equals_exhaustive_search(alpha):
+    V, L = 5, 3
+    model = model_(vocab=V, seed=4)
+    src = torch.tensor([[3, 4, 2]])
+    best, best_seq = float("-inf"), None
+    for n in range(1, L + 1):  # every sequence: n-1 non-</s> tokens, then </s>
+        for prefix in itertools.product([t for t in range(V) if t != 2], repeat=n - 1):
+            seq = [*prefix, 2]
+            score = sequence_logprob(model, src, seq) / n**alpha
+            if score > best:
+                best, best_seq = score, seq
+    out = beam_search(model, src, beam_size=V**L, length_penalty=alpha, max_new_tokens=L)
+    got = out[0].tolist()
+    got = got[: got.index(2) + 1]
+    assert got == best_seq
+
+
+def test_batched_translation_equals_one_by_one():
+    tok = Tokenizer.train(["a dog runs", "the boy trains the puppy"] * 10, vocab_size=280)
+    model = model_(vocab=tok.vocab_size, seed=5)
+    sentences = ["a dog", "the boy trains the puppy today", "runs", "a puppy runs"]
+    for beam in (1, 3):
+        batched = translate(model, tok, sentences, beam_size=beam, max_tokens=10_000)
+        single = [translate(model, tok, [s], beam_size=beam)[0] for s in sentences]
+        assert batched == single
+
+
+def test_bad_inputs():
+    model = model_()
+    with pytest.raises(TypeError, match="integer tensor"):
+        greedy_search(model, torch.randn(1, 3))
+    with pytest.raises(ValueError, match="beam_size must be >= 1"):
+        beam_search(model, SRC, beam_size=0)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        greedy_search(model, SRC, max_new_tokens=0)
+    with pytest.raises(TypeError, match="list of str"):
+        translate(model, None, "a single string")
+
+
+def test_translate_and_evaluate_cli(tmp_path, capsys, monkeypatch):
+    import io
+
+    from qkv.cli import main
+    from qkv.models import save_pretrained
+
+    tok = Tokenizer.train(["a dog runs", "le chien court"] * 10, vocab_size=280)
+    save_pretrained(model_(vocab=tok.vocab_size, seed=6), tmp_path / "m", tokenizer=tok)
+    assert main(["translate", "--model", str(tmp_path / "m"), "a dog", "runs"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2
+    monkeypatch.setattr("sys.stdin", io.StringIO("a dog\nruns\n"))
+    assert main(["translate", "--model", str(tmp_path / "m"), "--beam", "2"]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 2
+    (tmp_path / "src.txt").write_text("a dog\nruns\n")
+    (tmp_path / "ref.txt").write_text("le chien\ncourt\n")
+    files = ["--files", str(tmp_path / "src.txt"), str(tmp_path / "ref.txt")]
+    assert main(["evaluate", "--model", str(tmp_path / "m"), *files, "--json"]) == 0
+    out = capsys.readouterr().out
+    assert "BLEU" in out and "chrF" in out and '"sentences": 2' in out
