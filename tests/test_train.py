@@ -185,7 +185,7 @@ def ddp_batches():
 def ddp_worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
     import torch.distributed as dist
 
-    from qkv.distributed import World
+    from qkv.distributed.ddp import World
 
     torch.set_num_threads(1)
     dist.init_process_group(

@@ -27,7 +27,7 @@ from torch import nn
 
 from qkv.data import Tokenizer, collate, encode_pairs, epoch_order, make_batches, multi30k
 from qkv.data.corpus import read_parallel
-from qkv.distributed import World, all_reduce_sum, init_distributed
+from qkv.distributed.ddp import World, all_reduce_sum, init_distributed
 from qkv.models import Seq2SeqTransformer, TransformerConfig, save_pretrained
 from qkv.models.io import resolve_dir
 
