@@ -82,8 +82,8 @@ def test_cached_greedy_maps_merge_to_teacher_forced_maps(tmp_path):
     full = capture(model, src, tgt_in)  # teacher forcing, one pass, no cache
     hook.remove()
     assert merged.layers == full.layers
-    for i, name in enumerate(full.layers):
-        torch.testing.assert_close(merged.weights[i], full.weights[i], atol=1e-5, rtol=1e-4)
+    for got, want in zip(merged.weights, full.weights):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
     cross = full.index("decoder.layers.1.cross_attn")
     assert merged.weights[cross].shape == (4, len(hyp), src.shape[1])
     want = _torch_mha_weights(layer, inputs["x"], inputs["ctx"])[0]  # (h, T, S)

@@ -36,7 +36,8 @@ class Loaded:
 
     ``encode(text) -> (tokens, inputs)``: ``model(*inputs)`` runs it on the text.
     ``hidden(*inputs) -> (B, T, d)``: final token representations (default: the model's output).
-    ``translate(text) -> list[AttentionMaps]``: greedy decoding, maps per step (seq2seq only).
+    ``translate(text) -> list[AttentionMaps]``: greedy decoding, maps per step (seq2seq only;
+    saved ``qkv.models`` directories also take ``beam=N``).
     """
 
     model: nn.Module
