@@ -105,6 +105,7 @@ def test_loader_round_trip_and_beam(tmp_path):
     assert tokens == ["the", "boy", "trains", "the", "puppy", "</s>"]
     enc = capture(loaded.model, *inputs, tokens=tokens)
     assert set(enc.kinds) == {"self"} and enc.weights[0].shape == (4, 6, 6)
+    assert enc.layers == ["encoder.layers.0.self_attn", "encoder.layers.1.self_attn"]
     # greedy maps end in the translation generate.translate produces
     steps = loaded.translate(TEXT)
     hyp = greedy_search(model, inputs[0])[0]
@@ -146,6 +147,8 @@ def test_ablation_bleu_matches_heads_off_and_sacrebleu(tmp_path, capsys):
     assert metric(model) == sacrebleu.corpus_bleu(hyps, [refs]).score
     assert hyps == [SENTS[2], SENTS[3]]  # the tiny model learnt its two pairs
     assert bleu_metric(model, srcs, hyps, tok)(model) == pytest.approx(100.0)
+    loaded = load(str(path))
+    assert bleu_metric(loaded, srcs, refs)(loaded.full_model) == metric(model)
     spec = {"decoder.layers.*.cross_attn": [0, 1, 2, 3]}  # every cross head: blind to the source
     r = ablate(model, spec, bleu_metric(model, srcs, hyps, tok))
     with heads_off(model, spec):

@@ -45,6 +45,8 @@ class Loaded:
     hidden: Callable[..., Tensor] | None = None
     translate: Callable[[str], list[AttentionMaps]] | None = None
     name: str = ""
+    full_model: nn.Module | None = None  # the whole seq2seq model when ``model`` is its encoder
+    tokenizer: object = None  # its tokenizer (BLEU ablation, ``qkv.inspect.translation``)
 
     def __post_init__(self) -> None:
         if self.hidden is None:

@@ -6,12 +6,14 @@ A directory written by :func:`qkv.models.save_pretrained` (``config.json`` with 
 
 * ``encode(text)``: the saved tokenizer's pieces (+ ``</s>`` for the source of a translation
   model, ``<s>`` first for a causal LM); for a seq2seq model ``model`` is its **encoder**, so
-  ``qkv view "sentence" --model DIR`` shows encoder self-attention.
+  ``qkv view "sentence" --model DIR`` shows encoder self-attention (layer names as in the
+  whole model: ``encoder.layers.0.self_attn``…).
 * ``translate(text, beam=1)`` (seq2seq): decodes inside :func:`~qkv.inspect.recording` and
   returns one :class:`AttentionMaps` per decoding step (encoder self, decoder causal self,
   cross). Greedy is recorded as it runs (KV cache, one token per step). For beam search the
   chosen hypothesis is replayed token by token over a fresh KV cache at batch size 1 — the
-  same computation the winning beam's row did, without tracing rows through the reorders.
+  same computation the winning beam's row did (up to float rounding), without tracing rows
+  through the cache reorders.
 
 Row labels: decoder self-attention rows are the decoder *inputs* (``<s>``, y₁, …); in the
 cross-attention layers a row is labelled with the token it *produces* (y₁, …, ``</s>``),
@@ -102,6 +104,18 @@ def record_translation(
     return hyp, steps
 
 
+class EncoderOnly(nn.Module):
+    """The encoder of a seq2seq model under its own name (``encoder.layers.0.self_attn``…),
+    so layer names match those recorded while translating. Shares the model's weights."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.encoder = model.encoder
+
+    def forward(self, src: Tensor, src_mask: Tensor | None = None) -> Tensor:
+        return self.encoder(src, src_mask)  # (B, S, d_model)
+
+
 def _seq2seq(model, tok, name: str) -> Loaded:
     def encode(text: str) -> tuple[list[str], tuple[Tensor, Tensor]]:
         if not text or not text.strip():
@@ -113,9 +127,8 @@ def _seq2seq(model, tok, name: str) -> Loaded:
     def translate(text: str, beam: int = 1) -> list[AttentionMaps]:
         return record_translation(model, tok, text, beam=beam)[1]
 
-    loaded = Loaded(model.encoder, encode, translate=translate, name=name)
-    loaded.seq2seq, loaded.tokenizer = model, tok  # the whole model, for BLEU ablation
-    return loaded
+    return Loaded(EncoderOnly(model), encode, translate=translate, name=name, full_model=model,
+                  tokenizer=tok)  # fmt: skip
 
 
 def _causal_lm(model, tok, name: str) -> Loaded:
@@ -125,7 +138,7 @@ def _causal_lm(model, tok, name: str) -> Loaded:
         ids = [model.cfg.bos_id, *tok.encode(text)][: model.cfg.max_len]
         return piece_labels(tok, ids), (torch.tensor([ids]),)
 
-    return Loaded(model, encode, name=name)
+    return Loaded(model, encode, name=name, full_model=model, tokenizer=tok)
 
 
 def load_model_dir(path: Path) -> Loaded | None:
@@ -176,7 +189,7 @@ def bleu_metric(
 
         model_or_loaded, tokenizer = load_translator(model_or_loaded)
     elif isinstance(model_or_loaded, Loaded):
-        model_or_loaded, tokenizer = model_or_loaded.seq2seq, model_or_loaded.tokenizer
+        model_or_loaded, tokenizer = model_or_loaded.full_model, model_or_loaded.tokenizer
     if tokenizer is None:
         raise TypeError("bleu_metric needs a tokenizer with a bare model")
     tok, refs = tokenizer, list(ref_sentences)
