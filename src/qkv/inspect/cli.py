@@ -4,6 +4,8 @@
     qkv view --model random --translate "The boy trains the puppy." --out translate.html
     qkv heads "The animal didn't cross the street because it was tired." --token it \\
         --candidates animal street --ablate
+    qkv view --model runs/enfr/best --translate "The boy trains the puppy." --png align.png
+    qkv heads --model runs/enfr/best --ablate decoder.layers.2.cross_attn:0 --data-split val
 """
 
 from __future__ import annotations
@@ -37,7 +39,11 @@ def run_view(args: argparse.Namespace) -> int:
     if args.translate:
         if loaded.translate is None:
             raise SystemExit(f"--model {args.model} cannot translate")
-        steps = loaded.translate(args.translate)
+        steps = (
+            loaded.translate(args.translate, beam=args.beam)
+            if args.beam > 1
+            else loaded.translate(args.translate)
+        )
         maps, title = merge_steps(steps), f"qkv: translating {args.translate!r}"
     else:
         if not args.sentence:
@@ -92,7 +98,39 @@ def print_probe(
     )
 
 
+def run_bleu_ablation(args: argparse.Namespace) -> int:
+    """``qkv heads --model DIR --ablate [LAYER:HEADS ...] --data-split val --n 100``."""
+    from qkv.data import multi30k
+    from qkv.inspect.translation import bleu_metric
+    from qkv.translate import load_translator
+
+    model, tok = load_translator(args.model)
+    pairs = multi30k(args.data_split, args.src, args.tgt, args.data)[: args.n]
+    metric = bleu_metric(model, [s for s, _ in pairs], [t for _, t in pairs], tok, beam=args.beam)
+    what = f"BLEU ({args.data_split}, first {len(pairs)}, beam {args.beam})"
+    if args.ablate:
+        r = ablate(model, parse_heads(args.ablate), metric)
+        console.print(f"{what}: {r.baseline:.2f} → {r.ablated:.2f} with {r.heads} off "
+                      f"(Δ {r.delta:+.2f})")  # fmt: skip
+        return 0
+    scan = ablation_scan(model, metric, args.layers)
+    t = Table(title=f"one head off at a time: change in {what} (base {scan[0].baseline:.2f})")
+    for col in ("layer", "head", "BLEU", "Δ"):
+        t.add_column(col, justify="right")
+    for r in scan[: args.top]:
+        ((layer, hs),) = r.heads.items()
+        t.add_row(str(layer), str(hs[0]), f"{r.ablated:.2f}", f"{r.delta:+.2f}")
+    console.print(t)
+    return 0
+
+
 def run_heads(args: argparse.Namespace) -> int:
+    if args.data_split is not None:
+        if args.ablate is None:
+            raise SystemExit("--data-split goes with --ablate (BLEU of a translation model)")
+        return run_bleu_ablation(args)
+    if not args.sentence:
+        raise SystemExit("give a sentence (or --ablate ... --data-split SPLIT for BLEU)")
     loaded = load(args.model)
     tokens, inputs = loaded.encode(args.sentence)
     maps = capture(loaded.model, *inputs, tokens=tokens)
@@ -137,10 +175,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default="attention.html", help="HTML file to write")
     p.add_argument("--png", default=None, help="also draw the layers × heads grid (.png/.svg)")
     p.add_argument("--translate", default=None, help="translate this sentence; cross-attention")
+    p.add_argument("--beam", type=int, default=1, help="beam size for --translate (1 = greedy)")
     p.set_defaults(func=run_view)
 
     h = sub.add_parser("heads", help="head statistics, pronoun probe and head ablation")
-    h.add_argument("sentence")
+    h.add_argument("sentence", nargs="?", default=None)
     h.add_argument("--model", default="random", help="random | a registered name | DIR")
     h.add_argument("--token", default=None, help="query token to probe (e.g. it)")
     h.add_argument("--candidates", nargs="+", default=[], help="antecedents to compare")
@@ -148,4 +187,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     h.add_argument("--ablate", nargs="*", default=None, metavar="LAYER:HEADS",
                    help="switch heads off (none given: each head in turn) and report the "
                    "change in cos(token, cand₀) − cos(token, cand₁)")  # fmt: skip
+    h.add_argument("--data-split", default=None, help="with --ablate and a translation model "
+                   "DIR: report the change in BLEU on this Multi30k split (e.g. val)")  # fmt: skip
+    h.add_argument("--n", type=int, default=100, help="sentences for --data-split")
+    h.add_argument("--src", default="en")
+    h.add_argument("--tgt", default="fr")
+    h.add_argument("--data", default=None, help="Multi30k directory")
+    h.add_argument("--beam", type=int, default=1, help="beam size for BLEU (1 = greedy)")
+    h.add_argument("--layers", nargs="+", default=None,
+                   help="layers (names/globs) to scan one head at a time (BLEU mode)")  # fmt: skip
     h.set_defaults(func=run_heads)

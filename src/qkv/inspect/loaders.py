@@ -4,8 +4,9 @@ A loader returns a :class:`Loaded`: the model, a function from text to (tokens, 
 and optionally a translator that records attention at every decoding step. Trained models
 (MiniLM in ``qkv.pretrained``, the translation transformer in ``qkv.models``) plug in with
 :func:`register` (a name such as ``"minilm"``) or :func:`register_dir` (a saved directory).
-``minilm`` and HuggingFace BERT directories are built in (:mod:`qkv.inspect.minilm`, imported
-on first use).
+``minilm``, HuggingFace BERT directories (:mod:`qkv.inspect.minilm`) and saved
+:mod:`qkv.models` directories (:mod:`qkv.inspect.translation`) are built in, imported on
+first use.
 
 >>> loaded = load("random")
 >>> tokens, inputs = loaded.encode("The boy trains the puppy.")
@@ -35,7 +36,8 @@ class Loaded:
 
     ``encode(text) -> (tokens, inputs)``: ``model(*inputs)`` runs it on the text.
     ``hidden(*inputs) -> (B, T, d)``: final token representations (default: the model's output).
-    ``translate(text) -> list[AttentionMaps]``: greedy decoding, maps per step (seq2seq only).
+    ``translate(text) -> list[AttentionMaps]``: greedy decoding, maps per step (seq2seq only;
+    saved ``qkv.models`` directories also take ``beam=N``).
     """
 
     model: nn.Module
@@ -43,6 +45,8 @@ class Loaded:
     hidden: Callable[..., Tensor] | None = None
     translate: Callable[[str], list[AttentionMaps]] | None = None
     name: str = ""
+    full_model: nn.Module | None = None  # the whole seq2seq model when ``model`` is its encoder
+    tokenizer: object = None  # its tokenizer (BLEU ablation, ``qkv.inspect.translation``)
 
     def __post_init__(self) -> None:
         if self.hidden is None:
@@ -80,8 +84,14 @@ def _bert_dir(path: Path) -> Loaded | None:
     return load_bert_dir(path)
 
 
+def _qkv_dir(path: Path) -> Loaded | None:
+    from qkv.inspect.translation import load_model_dir
+
+    return load_model_dir(path)
+
+
 LOADERS: dict[str, Callable[[], Loaded]] = {"random": _random, "minilm": _minilm}
-DIR_LOADERS: list[Callable[[Path], Loaded | None]] = [_bert_dir]
+DIR_LOADERS: list[Callable[[Path], Loaded | None]] = [_bert_dir, _qkv_dir]
 
 
 def register(name: str, loader: Callable[[], Loaded]) -> None:
