@@ -20,7 +20,10 @@ torch.set_num_threads(1)
 
 SRC_DIR = Path(__file__).resolve().parents[1] / "src"
 MULTI30K = default_data_dir()
-needs_data = pytest.mark.skipif(MULTI30K is None, reason="Multi30k not found")
+# CI has ../shared beside the clone: there a missing data set is a failure, not a skip.
+needs_data = pytest.mark.skipif(
+    MULTI30K is None and os.environ.get("CI") != "true", reason="Multi30k not found"
+)
 
 
 def copy_batch(g: torch.Generator, n: int, vocab: int = 14, reverse: bool = False) -> Batch:
