@@ -38,3 +38,10 @@ def test_python_m_qkv():
         check=True,
     )
     assert "causal mask (True = may attend)" in r.stdout
+
+
+def test_cli_bad_input_is_one_clear_line(capsys):
+    assert main(["translate", "--model", "/nonexistent-model-dir", "hello"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("qkv translate: error:") and "/nonexistent-model-dir" in err
+    assert "Traceback" not in err

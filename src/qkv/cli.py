@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # name of the module under qkv/ that defines add_parser(subparsers) for each subcommand
@@ -19,5 +20,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    return int(args.func(args) or 0)
+    """Run a subcommand. Bad input (a missing file, a wrong option value) prints one line
+    ``qkv: error: ...`` and exits 2; ``QKV_DEBUG=1`` shows the traceback instead."""
+    parser = build_parser()
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        return int(args.func(args) or 0)
+    except (FileNotFoundError, NotADirectoryError, ValueError) as err:
+        if os.environ.get("QKV_DEBUG"):
+            raise
+        print(f"qkv {args.command}: error: {err}", file=sys.stderr)
+        return 2
