@@ -32,6 +32,7 @@ attend**. Internal layout: see :mod:`qkv.kernels._blocks`.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -45,10 +46,12 @@ __all__ = ["flash_attention", "BLOCK_Q", "BLOCK_K"]
 
 # Measured on this repository's 2-core Xeon (AMX) machine, T=2048-4096, h=8, d=64; see README.
 BLOCK_Q = 256
-BLOCK_K = 512
+BLOCK_K = 1024
 BLOCK_Q_WINDOW = 64  # with a window, small query blocks waste less of each key block
+TILE_ELEMENTS = 1 << 18  # scores per block (1 MiB fp32), see _head_chunk
 
 _NEG_INF = float("-inf")
+_EXP_FLOOR = -80.0  # see _sub_exp
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,13 @@ class _Plan:
     @property
     def acc_dtype(self) -> torch.dtype:
         return torch.float64 if self.dtype == torch.float64 else torch.float32
+
+
+@functools.lru_cache(maxsize=64)
+def _blocked(structure: Structure, qs: int, qe: int, ks: int, ke: int, dev: torch.device):
+    """``~block_mask`` (True = blocked), cached: diagonal blocks recur per head chunk."""
+    allowed = structure.block_mask(qs, qe, ks, ke, dev)
+    return None if allowed is None else ~allowed
 
 
 def _scores(
@@ -86,17 +96,89 @@ def _scores(
         s = t * plan.softcap
     if bias5 is not None:
         s.view(-1, plan.shape.h_kv, G, bq, bk).add_(block(bias5, qs, qe, ks, ke))
-    allowed = plan.structure.block_mask(qs, qe, ks, ke, s.device)  # (bq, bk) or None
-    if allowed is not None:
-        s.view(N, G, bq, bk).masked_fill_(~allowed, _NEG_INF)
+    blocked = _blocked(plan.structure, qs, qe, ks, ke, s.device)  # (bq, bk) or None
+    if blocked is not None:
+        s.view(N, G, bq, bk).masked_fill_(blocked, _NEG_INF)
     if mask5 is not None:
         s.view(-1, plan.shape.h_kv, G, bq, bk).masked_fill_(~block(mask5, qs, qe, ks, ke), _NEG_INF)
     return s, t
 
 
-def _sub_exp(s: Tensor, shift: Tensor, acc_dtype: torch.dtype) -> Tensor:
-    """``exp(s - shift)`` in ``acc_dtype`` (converting first: mixed-dtype ops are slow on CPU)."""
-    return s.to(acc_dtype).sub_(shift).exp_()
+def _sub_exp(s: Tensor, shift: Tensor, acc_dtype: torch.dtype, floor: bool) -> Tensor:
+    """``exp(s - shift)`` in ``acc_dtype``, in place when ``s`` has that dtype.
+
+    ``floor``: first clamp at -80, for blocks with masked (-inf) scores. This is for speed,
+    not math: PyTorch's vectorised CPU ``exp`` takes a ~10-40× slower path for inputs that
+    underflow (measured 48 µs vs 489 µs with -inf, 1.9 ms with -200, 256K floats, 1 core).
+    ``e^-80 ≈ 2e-35`` is zero next to the row maximum's ``e^0 = 1``; rows with no visible
+    key are zeroed by the callers. Unmasked blocks skip the extra pass.
+    Converting first: mixed-dtype ops are slow on CPU.
+    """
+    s = s.to(acc_dtype).sub_(shift)
+    return s.clamp_min_(_EXP_FLOOR).exp_() if floor else s.exp_()
+
+
+def _head_chunk(plan: _Plan, n_heads: int, rows: int, cols: int, masked: bool) -> int:
+    """How many of the ``N`` kv heads one block covers, so a score block stays ~L2-sized.
+
+    The elementwise passes over the scores (max, sub, exp, sum) run ~2× faster on a block
+    that stays in the 2 MiB L2 than on one that spills (measured, 1 core). A mask/bias is
+    indexed over all heads at once, so it keeps whole blocks.
+    """
+    if masked:
+        return n_heads
+    return max(1, min(n_heads, TILE_ELEMENTS // max(1, rows * cols)))
+
+
+def _forward(
+    plan: _Plan, q4: Tensor, k3: Tensor, v3: Tensor, bias5: Tensor | None, mask5: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """``q4 (N, G, Tq, d)`` pre-multiplied by ``plan.c`` → out ``(N, G, Tq, d_v)``, lse ``(N, G, Tq)``.
+
+    fp32/fp64 (bf16/fp16: :func:`_forward_low`). The classic online softmax, every pass over
+    a score block in place (measured ~1.3× faster than one fused softmax per block)::
+
+        m' = max(m, rowmax(s));  p = exp(s - m');  α = exp(m - m')
+        l  = α·l + rowsum(p);    acc = α·acc + p v;     finally out = acc / l, lse = m + log l
+    """
+    N, G, Tq, d = q4.shape
+    d_v = v3.shape[-1]
+    acc_dtype, dev = plan.acc_dtype, q4.device
+    out = torch.zeros(N, G, Tq, d_v, dtype=q4.dtype, device=dev)
+    lse_all = torch.full((N, G, Tq), _NEG_INF, dtype=acc_dtype, device=dev)
+    masked = bias5 is not None or mask5 is not None
+    for qs in range(0, Tq, plan.block_q):
+        qe = min(qs + plan.block_q, Tq)
+        lo, hi = plan.structure.key_range(qs, qe)
+        if hi <= lo:
+            continue  # no visible key: zeros, lse = -inf
+        hc = _head_chunk(plan, N, G * (qe - qs), min(plan.block_k, hi - lo), masked)
+        for n0 in range(0, N, hc):
+            n1 = min(n0 + hc, N)
+            n, rows = n1 - n0, G * (qe - qs)
+            qb = q4[n0:n1, :, qs:qe].reshape(n, rows, d)  # (n, G·bq, d)
+            m = l = acc = None  # running max, sum (n, G·bq, 1) and output (n, G·bq, d_v)
+            for ks, ke in plan.structure.key_blocks(qs, qe, plan.block_k):
+                vb = v3[n0:n1, ks:ke]
+                s, _ = _scores(plan, qb, k3[n0:n1, ks:ke], bias5, mask5, qs, qe, ks, ke)
+                m_blk = s.amax(dim=-1, keepdim=True)  # (n, G·bq, 1)
+                m_new = m_blk if m is None else torch.maximum(m, m_blk)
+                floor = masked or plan.structure.block_mask(qs, qe, ks, ke, dev) is not None
+                # a row with no visible key yet has m = -inf: shift by 0 (its p is ~0)
+                shift = m_new.masked_fill(m_new == _NEG_INF, 0.0) if floor else m_new
+                p = _sub_exp(s, shift, acc_dtype, floor)  # (n, G·bq, bk), in place for fp32
+                if m is None:  # first key block: nothing to rescale
+                    l = p.sum(dim=-1, keepdim=True)
+                    acc = torch.bmm(p, vb)
+                else:
+                    alpha = (m - shift).exp_()  # (n, G·bq, 1)
+                    l.mul_(alpha).add_(p.sum(dim=-1, keepdim=True))
+                    acc.mul_(alpha).baddbmm_(p, vb)  # acc += p v without a temporary
+                m = m_new
+            acc.div_(l).masked_fill_(m == _NEG_INF, 0.0)  # rows with no visible key → 0
+            out[n0:n1, :, qs:qe] = acc.view(n, G, -1, d_v)
+            lse_all[n0:n1, :, qs:qe] = (m + l.log()).view(n, G, -1)  # -inf for an empty row
+    return out, lse_all
 
 
 def _block_softmax(s: Tensor, acc_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -116,10 +198,12 @@ def _block_softmax(s: Tensor, acc_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     return p, lse
 
 
-def _forward(
+def _forward_low(
     plan: _Plan, q4: Tensor, k3: Tensor, v3: Tensor, bias5: Tensor | None, mask5: Tensor | None
 ) -> tuple[Tensor, Tensor]:
-    """``q4 (N, G, Tq, d)`` pre-multiplied by ``plan.c`` → out ``(N, G, Tq, d_v)``, lse ``(N, G, Tq)``.
+    """:func:`_forward` for bf16/fp16: one fused ``torch.softmax`` per block on the low-precision
+    scores (it computes in fp32 inside), fewer passes than converting the block to fp32
+    first (measured 0.30× vs 0.25× SDPA, bf16 causal T=1024, 1 core).
 
     The running (max, sum) pair of the online softmax is kept as one number per row, its
     log-sum-exp ``lse = m + log l``, and ``acc`` stays normalised (it is the output so far)::
@@ -139,8 +223,7 @@ def _forward(
         rows = G * (qe - qs)
         qb = q4[:, :, qs:qe].reshape(N, rows, d)  # (N, G·bq, d)
         acc = lse = None
-        for ks in range(lo, hi, plan.block_k):
-            ke = min(ks + plan.block_k, hi)
+        for ks, ke in plan.structure.key_blocks(qs, qe, plan.block_k):
             vb = v3[:, ks:ke]
             s, _ = _scores(plan, qb, k3[:, ks:ke], bias5, mask5, qs, qe, ks, ke)
             p, lse_blk = _block_softmax(s, acc_dtype)  # (N, G·bq, bk), (N, G·bq)
@@ -165,11 +248,15 @@ def _backward(
     """Gradients w.r.t. the pre-scaled ``q4``, ``k3``, ``v3`` (and the 5-D bias)."""
     N, G, Tq, d = q4.shape
     acc_dtype, low = plan.acc_dtype, q4.dtype != plan.acc_dtype
+    # Rows with no visible key: out is constantly 0 there, so their dO must not reach
+    # dQ/dK/dV through the e^-80 floor of _sub_exp.
+    dout = dout.masked_fill((lse == _NEG_INF).unsqueeze(-1), 0.0)
     D = (dout.to(acc_dtype) * out.to(acc_dtype)).sum(-1)  # (N, G, Tq)
     dq = torch.zeros(N, G, Tq, d, dtype=acc_dtype, device=q4.device)
     dk = torch.zeros(k3.shape, dtype=acc_dtype, device=q4.device)
     dv = torch.zeros(v3.shape, dtype=acc_dtype, device=q4.device)
     dbias5 = torch.zeros(bias5.shape, dtype=acc_dtype, device=q4.device) if need_dbias else None
+    masked = bias5 is not None or mask5 is not None
     for qs in range(0, Tq, plan.block_q):
         qe = min(qs + plan.block_q, Tq)
         lo, hi = plan.structure.key_range(qs, qe)
@@ -182,11 +269,11 @@ def _backward(
         lse_b = lse_b.masked_fill(lse_b == _NEG_INF, 0.0)  # empty rows: p = exp(-inf) = 0
         D_b = D[:, :, qs:qe].reshape(N, rows, 1)
         dq_b = torch.zeros(N, rows, d, dtype=acc_dtype, device=q4.device)
-        for ks in range(lo, hi, plan.block_k):
-            ke = min(ks + plan.block_k, hi)
+        for ks, ke in plan.structure.key_blocks(qs, qe, plan.block_k):
             kb, vb = k3[:, ks:ke], v3[:, ks:ke]
             s, t = _scores(plan, qb, kb, bias5, mask5, qs, qe, ks, ke)
-            p = _sub_exp(s, lse_b, acc_dtype)  # (N, G·bq, bk)
+            floor = masked or plan.structure.block_mask(qs, qe, ks, ke, q4.device) is not None
+            p = _sub_exp(s, lse_b, acc_dtype, floor)  # (N, G·bq, bk)
             p_in = p.to(q4.dtype) if low else p
             dv[:, ks:ke].add_(torch.bmm(p_in.transpose(1, 2), dob))
             ds = torch.bmm(dob, vb.transpose(1, 2)).to(acc_dtype).sub_(D_b).mul_(p)  # dS
@@ -209,7 +296,8 @@ class _FlashFunction(torch.autograd.Function):
         shape = plan.shape
         q4, k3, v3 = to_internal(q, k, v, shape)
         q4c = q4 * plan.c  # (N, G, Tq, d_k), scale folded into q once
-        out4, lse4 = _forward(plan, q4c, k3, v3, to_5d(bias, shape), to_5d(mask, shape))
+        fwd = _forward if plan.dtype == plan.acc_dtype else _forward_low
+        out4, lse4 = fwd(plan, q4c, k3, v3, to_5d(bias, shape), to_5d(mask, shape))
         ctx.plan = plan
         ctx.save_for_backward(q, k, v, bias, mask, out4, lse4)
         out = out4.view(*shape.batch, shape.h, shape.Tq, shape.d_v)
