@@ -257,36 +257,46 @@ def _backward(
     dv = torch.zeros(v3.shape, dtype=acc_dtype, device=q4.device)
     dbias5 = torch.zeros(bias5.shape, dtype=acc_dtype, device=q4.device) if need_dbias else None
     masked = bias5 is not None or mask5 is not None
+    lse = lse.masked_fill(lse == _NEG_INF, 0.0)  # empty rows: their dO is 0 (above)
+
+    def add_mm(target: Tensor, x: Tensor, y: Tensor) -> None:
+        """``target += x @ y``: in place for fp32 (no temporary); bf16 matmul, fp32 sum."""
+        if low:
+            target.add_(torch.bmm(x.to(q4.dtype), y))
+        else:
+            target.baddbmm_(x, y)
+
     for qs in range(0, Tq, plan.block_q):
         qe = min(qs + plan.block_q, Tq)
         lo, hi = plan.structure.key_range(qs, qe)
         if hi <= lo:
             continue
         rows = G * (qe - qs)
-        qb = q4[:, :, qs:qe].reshape(N, rows, d)  # (N, G·bq, d)
-        dob = dout[:, :, qs:qe].reshape(N, rows, -1)  # (N, G·bq, d_v)
-        lse_b = lse[:, :, qs:qe].reshape(N, rows, 1)
-        lse_b = lse_b.masked_fill(lse_b == _NEG_INF, 0.0)  # empty rows: p = exp(-inf) = 0
-        D_b = D[:, :, qs:qe].reshape(N, rows, 1)
-        dq_b = torch.zeros(N, rows, d, dtype=acc_dtype, device=q4.device)
-        for ks, ke in plan.structure.key_blocks(qs, qe, plan.block_k):
-            kb, vb = k3[:, ks:ke], v3[:, ks:ke]
-            s, t = _scores(plan, qb, kb, bias5, mask5, qs, qe, ks, ke)
-            floor = masked or plan.structure.block_mask(qs, qe, ks, ke, q4.device) is not None
-            p = _sub_exp(s, lse_b, acc_dtype, floor)  # (N, G·bq, bk)
-            p_in = p.to(q4.dtype) if low else p
-            dv[:, ks:ke].add_(torch.bmm(p_in.transpose(1, 2), dob))
-            ds = torch.bmm(dob, vb.transpose(1, 2)).to(acc_dtype).sub_(D_b).mul_(p)  # dS
-            if dbias5 is not None:
-                ds5 = ds.view(-1, plan.shape.h_kv, G, qe - qs, ke - ks)
-                target = block(dbias5, qs, qe, ks, ke)
-                target.add_(reduce_to(ds5, target.shape))
-            if t is not None:  # d(cap·tanh(x))/dx = cap·(1 - tanh²)
-                ds.mul_(t.square_().neg_().add_(1.0).mul_(plan.softcap))
-            ds_in = ds.to(q4.dtype) if low else ds
-            dq_b.add_(torch.bmm(ds_in, kb))
-            dk[:, ks:ke].add_(torch.bmm(ds_in.transpose(1, 2), qb))
-        dq[:, :, qs:qe] = dq_b.view(N, G, -1, d)
+        hc = _head_chunk(plan, N, rows, min(plan.block_k, hi - lo), masked)
+        for n0 in range(0, N, hc):
+            n1 = min(n0 + hc, N)
+            n = n1 - n0
+            qb = q4[n0:n1, :, qs:qe].reshape(n, rows, d)  # (n, G·bq, d)
+            dob = dout[n0:n1, :, qs:qe].reshape(n, rows, -1)  # (n, G·bq, d_v)
+            lse_b = lse[n0:n1, :, qs:qe].reshape(n, rows, 1)
+            D_b = D[n0:n1, :, qs:qe].reshape(n, rows, 1)
+            dq_b = torch.zeros(n, rows, d, dtype=acc_dtype, device=q4.device)
+            for ks, ke in plan.structure.key_blocks(qs, qe, plan.block_k):
+                kb, vb = k3[n0:n1, ks:ke], v3[n0:n1, ks:ke]
+                s, t = _scores(plan, qb, kb, bias5, mask5, qs, qe, ks, ke)
+                floor = masked or plan.structure.block_mask(qs, qe, ks, ke, q4.device) is not None
+                p = _sub_exp(s, lse_b, acc_dtype, floor)  # (n, G·bq, bk)
+                add_mm(dv[n0:n1, ks:ke], p.transpose(1, 2), dob)  # dV += pᵀ dO
+                ds = torch.bmm(dob, vb.transpose(1, 2)).to(acc_dtype).sub_(D_b).mul_(p)  # dS
+                if dbias5 is not None:  # (masked: one chunk of all N heads)
+                    ds5 = ds.view(-1, plan.shape.h_kv, G, qe - qs, ke - ks)
+                    target = block(dbias5, qs, qe, ks, ke)
+                    target.add_(reduce_to(ds5, target.shape))
+                if t is not None:  # d(cap·tanh(x))/dx = cap·(1 - tanh²)
+                    ds.mul_(t.square_().neg_().add_(1.0).mul_(plan.softcap))
+                add_mm(dq_b, ds, kb)  # dQ += dS K
+                add_mm(dk[n0:n1, ks:ke], ds.transpose(1, 2), qb)  # dK += dSᵀ Q
+            dq[n0:n1, :, qs:qe] = dq_b.view(n, G, -1, d)
     return dq, dk, dv, dbias5
 
 
