@@ -158,6 +158,7 @@ def _forward(
             n, rows = n1 - n0, G * (qe - qs)
             qb = q4[n0:n1, :, qs:qe].reshape(n, rows, d)  # (n, G·bq, d)
             m = l = acc = None  # running max, sum (n, G·bq, 1) and output (n, G·bq, d_v)
+            any_floor = False  # only a masked block can leave a row with no visible key
             for ks, ke in plan.structure.key_blocks(qs, qe, plan.block_k):
                 vb = v3[n0:n1, ks:ke]
                 s, _ = _scores(plan, qb, k3[n0:n1, ks:ke], bias5, mask5, qs, qe, ks, ke)
@@ -167,6 +168,7 @@ def _forward(
                 # a row with no visible key yet has m = -inf: shift by 0 (its p is ~0)
                 shift = m_new.masked_fill(m_new == _NEG_INF, 0.0) if floor else m_new
                 p = _sub_exp(s, shift, acc_dtype, floor)  # (n, G·bq, bk), in place for fp32
+                any_floor |= floor
                 if m is None:  # first key block: nothing to rescale
                     l = p.sum(dim=-1, keepdim=True)
                     acc = torch.bmm(p, vb)
@@ -175,7 +177,9 @@ def _forward(
                     l.mul_(alpha).add_(p.sum(dim=-1, keepdim=True))
                     acc.mul_(alpha).baddbmm_(p, vb)  # acc += p v without a temporary
                 m = m_new
-            acc.div_(l).masked_fill_(m == _NEG_INF, 0.0)  # rows with no visible key → 0
+            acc.div_(l)
+            if any_floor:
+                acc.masked_fill_(m == _NEG_INF, 0.0)  # rows with no visible key → 0
             out[n0:n1, :, qs:qe] = acc.view(n, G, -1, d_v)
             lse_all[n0:n1, :, qs:qe] = (m + l.log()).view(n, G, -1)  # -inf for an empty row
     return out, lse_all
