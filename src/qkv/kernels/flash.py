@@ -47,6 +47,7 @@ __all__ = ["flash_attention", "BLOCK_Q", "BLOCK_K"]
 # Measured on this repository's 2-core Xeon (AMX) machine, T=2048-4096, h=8, d=64; see README.
 BLOCK_Q = 256
 BLOCK_K = 1024
+BLOCK_K_LOW = 512  # bf16/fp16: the fused-softmax path (_forward_low) prefers smaller blocks
 BLOCK_Q_WINDOW = 64  # with a window, small query blocks waste less of each key block
 TILE_ELEMENTS = 1 << 18  # scores per block (1 MiB fp32), see _head_chunk
 
@@ -298,6 +299,7 @@ def _backward(
                     target.add_(reduce_to(ds5, target.shape))
                 if t is not None:  # d(cap·tanh(x))/dx = cap·(1 - tanh²)
                     ds.mul_(t.square_().neg_().add_(1.0).mul_(plan.softcap))
+                ds = ds.to(q4.dtype) if low else ds  # convert once for both matmuls
                 add_mm(dq_b, ds, kb)  # dQ += dS K
                 add_mm(dk[n0:n1, ks:ke], ds.transpose(1, 2), qb)  # dK += dSᵀ Q
             dq[n0:n1, :, qs:qe] = dq_b.view(n, G, -1, d)
@@ -384,7 +386,7 @@ def flash_attention(
         c=scale if softcap is None else scale / softcap,
         softcap=None if softcap is None else float(softcap),
         block_q=block_q or (BLOCK_Q if window is None else BLOCK_Q_WINDOW),
-        block_k=block_k or BLOCK_K,
+        block_k=block_k or (BLOCK_K if q.dtype in (torch.float32, torch.float64) else BLOCK_K_LOW),
         dtype=q.dtype,
     )
     out, lse = _FlashFunction.apply(q, k, v, bias, mask, plan)
