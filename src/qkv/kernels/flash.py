@@ -9,10 +9,12 @@ maximum ``m`` and sum ``l`` of ``exp(s - m)``::
     l     = α·l + rowsum(p);     acc = α·acc + p v_blk
     out   = acc / l;             lse = m + log(l)                   (never Tq×Tk in memory)
 
-Implemented with the pair ``(m, l)`` kept as its log-sum-exp ``m + log l`` and ``acc``
-normalised, so each block is one fused ``torch.softmax`` (plus two row maxima) instead of
-four passes over the scores: ``lse' = logaddexp(lse, lse_blk)``,
-``acc = e^(lse - lse')·acc + e^(lse_blk - lse')·(p_blk v_blk)`` (see ``_forward``).
+fp32/fp64 (``_forward``) run exactly this, each pass over a score block in place, on blocks
+of a few heads sized to stay in L2 (``TILE_ELEMENTS``); only the key blocks on a causal/window
+edge are masked. bf16/fp16 (``_forward_low``) keep ``(m, l)`` as the log-sum-exp and ``acc``
+normalised, so each block is one fused ``torch.softmax`` on the bf16 scores (fp32 inside):
+``lse' = logaddexp(lse, lse_blk)``, ``acc = e^(lse - lse')·acc + e^(lse_blk - lse')·(p v)``.
+Speed vs PyTorch's SDPA: ``bench/flash_vs_sdpa.py`` and README ``## Speed (issue 3)``.
 
 Backward recomputes ``p = exp(s - lse)`` block by block from the saved log-sum-exp:
 ``D = rowsum(dO∘O)``, ``dV += pᵀ dO``, ``dP = dO vᵀ``, ``dS = p∘(dP − D)``, ``dQ += dS k``,
@@ -44,7 +46,8 @@ from qkv.kernels._blocks import Structure, block, from_5d_grad, reduce_to, to_5d
 
 __all__ = ["flash_attention", "BLOCK_Q", "BLOCK_K"]
 
-# Measured on this repository's 2-core Xeon (AMX) machine, T=2048-4096, h=8, d=64; see README.
+# Measured on this repository's 2-core Xeon (AMX) machine, T=1024-4096, h=8, d=64, 1 thread
+# (bench/flash_vs_sdpa.py); see README.
 BLOCK_Q = 256
 BLOCK_K = 1024
 BLOCK_K_LOW = 512  # bf16/fp16: the fused-softmax path (_forward_low) prefers smaller blocks
