@@ -21,7 +21,7 @@ case (first matching row wins)                     backend  why (measured)
 ``softcap``                                        flash    torch SDPA has no soft-capping
 ``window``, ``Tk >= 4·window`` (fp32)              flash    1.4× (T=1024) to 6.2× (T=4096), w=256
 ``window``, ``Tk >= 16·window`` (bf16/fp16)        flash    2.0× at T=4096 (0.5× at T=1024), w=256
-everything else (dense, causal, masks, bias)       torch    flash is 0.5× (fp32) / 0.3× (bf16) of it
+everything else (dense, causal, masks, bias)       torch    flash is 0.7× (fp32) / 0.3× (bf16) of it
 =================================================  =======  ==========================================
 
 "torch" is rejected for: ``softcap``; weights/lse requested (it returns neither); a bias that

@@ -12,6 +12,7 @@ Queries and keys are aligned bottom-right: query ``i`` sits at key position ``Tk
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -42,6 +43,32 @@ class Structure:
                 hi = min(hi, off + qe - 1 + self.window)
         return lo, hi
 
+    def key_blocks(self, qs: int, qe: int, block_k: int) -> list[tuple[int, int]]:
+        """Key blocks ``(ks, ke)`` of at most ``block_k`` covering :meth:`key_range`.
+
+        The keys that *every* query of ``[qs, qe)`` may see are cut apart from the partly
+        visible ones, so only the small band along a causal/window edge needs a mask; the
+        rest skips masking (and the kernels' -inf handling) entirely.
+        """
+        lo, hi = self.key_range(qs, qe)
+        off, w = self.Tk - self.Tq, self.window
+        flo, fhi = lo, hi  # keys every query in the block sees
+        if self.causal:
+            fhi = min(fhi, off + qs)  # (off + qs itself goes with the diagonal block)
+        if w is not None:
+            flo = max(flo, off + qe - w)
+            if not self.causal:
+                fhi = min(fhi, off + qs + w)
+        cuts = [lo, hi] if fhi <= flo else [lo, flo, fhi, hi]
+        return [
+            (ks, min(ks + block_k, b))
+            for a, b in zip(cuts, cuts[1:])
+            for ks in range(a, b, block_k)
+        ]
+
+    # Cached: the kernels revisit each diagonal block once per head chunk (and in the
+    # backward); the masks are never written to.
+    @functools.lru_cache(maxsize=64)  # noqa: B019 (Structure is small, frozen and hashable)
     def block_mask(self, qs: int, qe: int, ks: int, ke: int, device: torch.device) -> Tensor | None:
         """``(bq, bk)`` bool mask (True = may attend) for a block, or None if it is all True."""
         off = self.Tk - self.Tq
