@@ -104,6 +104,13 @@ class _Ring:
     def length(self, rank: int) -> int:
         return local_length(self.T, rank, self.world, self.layout)
 
+    def error(self, what: str, step: int, e: Exception) -> RingAttentionError:
+        return RingAttentionError(
+            f"ring_attention: rank {self.rank}/{self.world} failed {what} at "
+            f"step {step} (sending to rank {self.next}, receiving from rank {self.prev}); "
+            f"a peer raised, died or stalled (timeout={self.timeout}): {e}"
+        )
+
     def wait(self, works: list, what: str, step: int) -> float:
         """Wait for ``works``; return the seconds waited. Any failure → RingAttentionError."""
         t0 = time.perf_counter()
@@ -114,18 +121,21 @@ class _Ring:
                 else:
                     w.wait(self.timeout)
         except Exception as e:  # gloo/nccl raise RuntimeError subclasses (DistBackendError, ...)
-            raise RingAttentionError(
-                f"ring_attention: rank {self.rank}/{self.world} failed waiting for {what} at "
-                f"step {step} (sending to rank {self.next}, receiving from rank {self.prev}); "
-                f"a peer raised, died or stalled (timeout={self.timeout}): {e}"
-            ) from e
+            raise self.error(f"waiting for {what}", step, e) from e
         return time.perf_counter() - t0
 
     def exchange(self, send: list[Tensor], recv: list[Tensor]) -> list:
-        """Start sending ``send`` to the next rank and receiving ``recv`` from the previous."""
+        """Start sending ``send`` to the next rank and receiving ``recv`` from the previous.
+
+        Starting can fail too (gloo raises at once when a peer has already closed its
+        connection): that is reported as a RingAttentionError like a failed wait.
+        """
         ops = [dist.P2POp(dist.isend, t, group=self.group, group_peer=self.next) for t in send]
         ops += [dist.P2POp(dist.irecv, t, group=self.group, group_peer=self.prev) for t in recv]
-        return dist.batch_isend_irecv(ops)
+        try:
+            return dist.batch_isend_irecv(ops)
+        except Exception as e:
+            raise self.error("starting a K/V exchange", -1, e) from e
 
 
 def _make_ring(
@@ -146,7 +156,11 @@ def _make_ring(
             mine = mine.cuda()
         got = [torch.zeros_like(mine) for _ in range(world)]
         ring = _Ring(group, world, rank, -1, layout, timeout)
-        ring.wait([dist.all_gather(got, mine, group=group, async_op=True)], "shard lengths", 0)
+        try:
+            work = dist.all_gather(got, mine, group=group, async_op=True)
+        except Exception as e:
+            raise ring.error("starting the shard-length exchange", 0, e) from e
+        ring.wait([work], "shard lengths", 0)
         lengths = [int(t) for t in got]
         seq_len = sum(lengths)
     else:
