@@ -8,8 +8,9 @@ import torch
 from hypothesis import given, settings
 from torch import nn
 
-from qkv import MultiHeadAttention, masks
+from qkv import MultiHeadAttention
 from qkv.functional import explain_dispatch, scaled_dot_product_attention
+from strategies import draw_mask_and_bias
 
 settings.register_profile("qkv", deadline=None, max_examples=60, derandomize=True)
 settings.load_profile("qkv")
@@ -25,15 +26,8 @@ def case(draw):
     k = torch.randn(B, h_kv, Tk, 8, generator=g, dtype=torch.float64)
     v = torch.randn(B, h_kv, Tk, 4, generator=g, dtype=torch.float64)
     kw = dict(causal=draw(st.booleans()), window=draw(st.none() | st.integers(1, 8)))
-    mask_kind = draw(st.sampled_from(["none", "2d", "padding", "full"]))
-    if mask_kind == "2d":
-        kw["mask"] = torch.rand(Tq, Tk, generator=g) > 0.3
-    elif mask_kind == "padding":
-        kw["mask"] = masks.padding(torch.randint(0, Tk + 1, (B,), generator=g), Tk)
-    elif mask_kind == "full":
-        kw["mask"] = torch.rand(B, h, Tq, Tk, generator=g) > 0.3
-    if draw(st.booleans()):
-        kw["bias"] = torch.randn(1, h, Tq, Tk, generator=g, dtype=torch.float64)
+    mask, bias = draw_mask_and_bias(draw, g, B, h, Tq, Tk, torch.float64)
+    kw.update({n: t for n, t in (("mask", mask), ("bias", bias)) if t is not None})
     return q, k, v, kw
 
 

@@ -16,6 +16,7 @@ from qkv.kernels._blocks import Structure
 from qkv.kernels.flash import flash_attention
 from qkv.kernels.varlen import packed_mask, varlen_attention
 from qkv.kernels.weights import weights_from_lse
+from strategies import draw_mask_and_bias
 
 settings.register_profile("qkv", deadline=None, max_examples=60, derandomize=True)
 settings.load_profile("qkv")
@@ -38,15 +39,8 @@ def flash_case(draw):
         softcap=draw(st.none() | st.floats(0.5, 5.0)),
         scale=draw(st.none() | st.floats(0.1, 2.0)),
     )
-    mask_kind = draw(st.sampled_from(["none", "2d", "padding", "full"]))
-    if mask_kind == "2d":
-        kw["mask"] = torch.rand(Tq, Tk, generator=g) > 0.3
-    elif mask_kind == "padding":
-        kw["mask"] = masks.padding(torch.randint(0, Tk + 1, (B,), generator=g), Tk)
-    elif mask_kind == "full":
-        kw["mask"] = torch.rand(B, h, Tq, Tk, generator=g) > 0.3
-    if draw(st.booleans()):
-        kw["bias"] = torch.randn(1, h, Tq, Tk, generator=g, dtype=torch.float64)
+    mask, bias = draw_mask_and_bias(draw, g, B, h, Tq, Tk, torch.float64)
+    kw.update({n: t for n, t in (("mask", mask), ("bias", bias)) if t is not None})
     blocks = dict(block_q=draw(st.integers(1, 16)), block_k=draw(st.integers(1, 16)))
     return q, k, v, kw, blocks
 

@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as TF
 from hypothesis import given, settings
 
-from qkv import masks
 from qkv.functional import attention_steps, scaled_dot_product_attention
+from strategies import draw_mask_and_bias
 
 settings.register_profile("qkv", deadline=None, max_examples=60, derandomize=True)
 settings.load_profile("qkv")
@@ -48,14 +48,7 @@ def attention_case(draw):
     q = torch.randn(B, h, Tq, d_k, generator=g, dtype=dt)
     k = torch.randn(B, h_kv, Tk, d_k, generator=g, dtype=dt)
     v = torch.randn(B, h_kv, Tk, d_v, generator=g, dtype=dt)
-    mask_kind = draw(st.sampled_from(["none", "2d", "padding", "full"]))
-    mask = {
-        "none": None,
-        "2d": torch.rand(Tq, Tk, generator=g) > 0.3,
-        "padding": masks.padding(torch.randint(0, Tk + 1, (B,), generator=g), Tk),
-        "full": torch.rand(B, h, Tq, Tk, generator=g) > 0.4,
-    }[mask_kind]
-    bias = torch.randn(1, h, Tq, Tk, generator=g, dtype=dt) if draw(st.booleans()) else None
+    mask, bias = draw_mask_and_bias(draw, g, B, h, Tq, Tk, dt)
     causal = draw(st.booleans())
     window = draw(st.one_of(st.none(), st.integers(1, 5)))
     scale = draw(st.one_of(st.none(), st.floats(0.1, 2.0)))
