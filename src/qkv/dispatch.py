@@ -43,6 +43,7 @@ from torch import Tensor
 
 from qkv import masks
 from qkv._validate import AttentionShape, check_qkv
+from qkv.kernels.flash import fused_kernel_rejects
 
 __all__ = ["BACKENDS", "Case", "Decision", "choose", "describe", "explain_dispatch", "torch_sdpa"]
 
@@ -71,6 +72,7 @@ class Case:
     dropout_p: float
     return_weights: bool
     weights_heads: tuple[int, ...] | None
+    device: str = "cpu"
 
 
 @dataclass
@@ -80,9 +82,12 @@ class Decision:
     backend: str
     requested: str
     reasons: dict[str, str] = field(default_factory=dict)
+    kernel: str | None = None  # for "flash": which of its two kernels runs, and why
 
     def __str__(self) -> str:
         lines = [f"backend={self.backend!r} (requested {self.requested!r})"]
+        if self.kernel is not None:
+            lines.append(f"  flash kernel: {self.kernel}")
         for name in _SPEED_ORDER:
             if name != self.backend and name in self.reasons:
                 lines.append(f"  not {name!r}: {self.reasons[name]}")
@@ -117,6 +122,7 @@ def describe(
         dropout_p=float(dropout_p),
         return_weights=bool(return_weights),
         weights_heads=None if weights_heads is None else tuple(int(i) for i in weights_heads),
+        device=q.device.type,
     )
 
 
@@ -163,7 +169,8 @@ def choose(case: Case, backend: str = "auto") -> Decision:
     if backend != "auto":
         if backend in bad:
             raise ValueError(f"backend={backend!r} cannot run this call: {bad[backend]}")
-        return Decision(backend, backend, {n: "not requested" for n in BACKENDS if n != backend})
+        reasons = {n: "not requested" for n in BACKENDS if n != backend}
+        return Decision(backend, backend, reasons, _flash_kernel(case, backend))
     preferred, why = _rule(case)
     if preferred in bad:  # e.g. dropout with softcap
         preferred, why = "math", "the only backend valid for this combination"
@@ -173,7 +180,17 @@ def choose(case: Case, backend: str = "auto") -> Decision:
             slow = "the reference: slowest, holds (Tq, Tk) per head"
             reasons[name] = slow if name == "math" else f"rule: {why}"
     reasons.pop(preferred, None)
-    return Decision(preferred, "auto", reasons)
+    return Decision(preferred, "auto", reasons, _flash_kernel(case, preferred))
+
+
+def _flash_kernel(case: Case, backend: str) -> str | None:
+    if backend != "flash":
+        return None
+    why = fused_kernel_rejects(
+        case.device, case.dtype, has_mask=case.has_mask, has_bias=case.has_bias,
+        softcap=case.softcap,
+    )  # fmt: skip
+    return "fused C++ kernel" if why is None else f"PyTorch-ops kernel ({why})"
 
 
 def explain_dispatch(

@@ -43,8 +43,9 @@ from torch import Tensor
 
 from qkv._validate import AttentionShape, check_bias, check_mask, check_options, check_qkv
 from qkv.kernels._blocks import Structure, block, from_5d_grad, reduce_to, to_5d, to_internal
+from qkv.kernels._native import native_ops, native_status
 
-__all__ = ["flash_attention", "BLOCK_Q", "BLOCK_K"]
+__all__ = ["flash_attention", "fused_kernel_rejects", "BLOCK_Q", "BLOCK_K"]
 
 # Measured on this repository's 2-core Xeon (AMX) machine, T=1024-4096, h=8, d=64, 1 thread
 # (bench/flash_vs_sdpa.py); see README.
@@ -52,6 +53,10 @@ BLOCK_Q = 256
 BLOCK_K = 1024
 BLOCK_K_LOW = 512  # bf16/fp16: the fused-softmax path (_forward_low) prefers smaller blocks
 BLOCK_Q_WINDOW = 64  # with a window, small query blocks waste less of each key block
+# The fused C++ kernel (qkv/csrc/flash_cpu.cpp): tiles measured best for fwd and fwd+bwd,
+# fp32 and bf16, T=1024-4096 (bench/flash_vs_sdpa.py)
+NATIVE_BLOCK_Q = 256
+NATIVE_BLOCK_K = 256
 TILE_ELEMENTS = 1 << 18  # scores per block (1 MiB fp32), see _head_chunk
 
 _NEG_INF = float("-inf")
@@ -67,6 +72,8 @@ class _Plan:
     block_q: int
     block_k: int
     dtype: torch.dtype  # of q, k, v
+    native: bool  # run the fused C++ kernel (see _native_ok)
+    scale: float
 
     @property
     def acc_dtype(self) -> torch.dtype:
@@ -317,14 +324,57 @@ def _backward(
     return dq, dk, dv, dbias5
 
 
+def fused_kernel_rejects(
+    device: torch.device | str, dtype: torch.dtype, *, has_mask: bool = False,
+    has_bias: bool = False, softcap: float | None = None, scale: float | None = None,
+) -> str | None:  # fmt: skip
+    """Why the fused C++ kernel cannot run a call (``None``: it runs; see :mod:`._native`).
+
+    It covers fp32/bf16 on the CPU with causal/window structure; masks, biases, soft-capping,
+    fp64/fp16 run on the PyTorch-ops kernel of this module.
+    """
+    if torch.device(device).type != "cpu":
+        return f"device {torch.device(device).type}: the fused kernel is CPU-only"
+    if dtype not in (torch.float32, torch.bfloat16):
+        return f"dtype {dtype}: the fused kernel takes float32/bfloat16"
+    for name, present in (("mask", has_mask), ("bias", has_bias), ("softcap", softcap is not None)):
+        if present:
+            return f"{name} given: the fused kernel handles causal/window structure only"
+    if scale is not None and scale <= 0:
+        return f"scale={scale} <= 0"
+    if native_ops() is None:
+        return f"fused kernel {native_status()}"
+    return None
+
+
+def _native_ok(q: Tensor, k: Tensor, v: Tensor, mask, bias, softcap, scale: float) -> bool:
+    empty = min(q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]) == 0
+    reason = fused_kernel_rejects(
+        q.device, q.dtype, has_mask=mask is not None, has_bias=bias is not None,
+        softcap=softcap, scale=scale,
+    )  # fmt: skip
+    return reason is None and not empty and k.dtype == v.dtype == q.dtype
+
+
+def _window_arg(structure: Structure) -> int:
+    return -1 if structure.window is None else structure.window
+
+
 class _FlashFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, bias, mask, plan):  # type: ignore[override]
         shape = plan.shape
         q4, k3, v3 = to_internal(q, k, v, shape)
-        q4c = q4 * plan.c  # (N, G, Tq, d_k), scale folded into q once
-        fwd = _forward if plan.dtype == plan.acc_dtype else _forward_low
-        out4, lse4 = fwd(plan, q4c, k3, v3, to_5d(bias, shape), to_5d(mask, shape))
+        if plan.native:
+            st = plan.structure
+            out4, lse4 = native_ops().fwd(
+                q4.contiguous(), k3.contiguous(), v3.contiguous(), plan.scale, st.causal,
+                _window_arg(st), plan.block_q, plan.block_k,
+            )  # fmt: skip
+        else:
+            q4c = q4 * plan.c  # (N, G, Tq, d_k), scale folded into q once
+            fwd = _forward if plan.dtype == plan.acc_dtype else _forward_low
+            out4, lse4 = fwd(plan, q4c, k3, v3, to_5d(bias, shape), to_5d(mask, shape))
         ctx.plan = plan
         ctx.save_for_backward(q, k, v, bias, mask, out4, lse4)
         out = out4.view(*shape.batch, shape.h, shape.Tq, shape.d_v)
@@ -338,8 +388,18 @@ class _FlashFunction(torch.autograd.Function):
         plan: _Plan = ctx.plan
         shape = plan.shape
         q4, k3, v3 = to_internal(q, k, v, shape)
-        bias5 = to_5d(bias, shape)
         dout4 = dout.reshape(out4.shape)
+        if plan.native:
+            st = plan.structure
+            dq, dk, dv = native_ops().bwd(
+                q4.contiguous(), k3.contiguous(), v3.contiguous(), out4, dout4.contiguous(),
+                lse4, plan.scale, st.causal, _window_arg(st), plan.block_q, plan.block_k,
+            )  # fmt: skip
+            return (
+                dq.to(q.dtype).view(q.shape), dk.to(k.dtype).view(k.shape),
+                dv.to(v.dtype).view(v.shape), None, None, None,
+            )  # fmt: skip
+        bias5 = to_5d(bias, shape)
         need_dbias = bias is not None and ctx.needs_input_grad[3]
         dq, dk, dv, dbias5 = _backward(
             plan, dout4, q4 * plan.c, k3, v3, out4, lse4, bias5, to_5d(mask, shape), need_dbias
@@ -391,14 +451,22 @@ def flash_attention(
         if b is not None and (not isinstance(b, int) or b < 1):
             raise ValueError(f"{name} must be an int >= 1 or None, got {b!r}")
     scale = 1.0 / math.sqrt(shape.d_k) if scale is None else float(scale)
+    native = _native_ok(q, k, v, mask, bias, softcap, scale)
+    if native:
+        default_q, default_k = NATIVE_BLOCK_Q, NATIVE_BLOCK_K
+    else:
+        default_q = BLOCK_Q if window is None else BLOCK_Q_WINDOW
+        default_k = BLOCK_K if q.dtype in (torch.float32, torch.float64) else BLOCK_K_LOW
     plan = _Plan(
         shape=shape,
         structure=Structure(shape.Tq, shape.Tk, bool(causal), window),
         c=scale if softcap is None else scale / softcap,
         softcap=None if softcap is None else float(softcap),
-        block_q=block_q or (BLOCK_Q if window is None else BLOCK_Q_WINDOW),
-        block_k=block_k or (BLOCK_K if q.dtype in (torch.float32, torch.float64) else BLOCK_K_LOW),
+        block_q=block_q or default_q,
+        block_k=block_k or default_k,
         dtype=q.dtype,
+        native=native,
+        scale=scale,
     )
     out, lse = _FlashFunction.apply(q, k, v, bias, mask, plan)
     return (out, lse) if return_lse else out

@@ -1,0 +1,474 @@
+// qkv's fused CPU flash-attention kernel (forward and backward), fp32 and bf16.
+//
+// The algorithm is the one of qkv/kernels/flash.py (FlashAttention's online softmax,
+// FlashAttention-2's backward), written as one pass per score block instead of a chain of
+// PyTorch ops: block matmuls go to PyTorch's own BLAS micro-kernels (cpublas::brgemm, which
+// is oneDNN with AMX tiles on CPUs that have them), the softmax of a block (max, exp, sum,
+// rescale, rounding to bf16) is one vectorised loop per row that stays in L1/L2.
+//
+// Only the structural masks run here (causal bottom-right, sliding window): each query row
+// sees one contiguous key range, so no mask tensor is read. Bool masks, biases, soft-capping
+// and fp64 stay on the PyTorch-ops kernel. Layout (qkv/kernels/_blocks.py):
+//   q (N, G, Tq, d)   k (N, Tk, d)   v (N, Tk, dv)   out (N, G, Tq, dv)   lse (N, G, Tq) fp32
+// with N = batch * kv heads and G query heads per kv head (GQA without repeating K/V).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
+#include <torch/library.h>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using at::BFloat16;
+using at::Tensor;
+namespace cpublas = at::native::cpublas;
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr int64_t kPack = 64;  // oneDNN's VNNI pack takes blocks of 64 columns
+
+// 2^t for t <= 0 (0 below 2^-126): round-to-nearest split t = n + f, |f| <= 1/2, degree-7
+// Taylor polynomial of 2^f (relative error < 1e-8), 2^n from the exponent bits. Branch-free
+// so that `omp simd` vectorises it; faster than libm's expf and exact enough for fp32.
+static inline float exp2_neg(float t) {
+  const float tc = t < -126.f ? -126.f : t;
+  const float n = (tc + 12582912.f) - 12582912.f;  // round to nearest (1.5 * 2^23 trick)
+  const float f = tc - n;
+  float p = 1.525273380405984e-05f;
+  p = p * f + 1.5403530393381608e-04f;
+  p = p * f + 1.3333558146428443e-03f;
+  p = p * f + 9.618129107628477e-03f;
+  p = p * f + 5.550410866482158e-02f;
+  p = p * f + 2.402265069591007e-01f;
+  p = p * f + 6.931471805599453e-01f;
+  p = p * f + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return t < -126.f ? 0.f : p * scale;
+}
+
+#ifdef __AVX512F__
+// exp2_neg for 16 lanes (lanes off in k give 0): 2^n by scalef, no exponent-bit tricks.
+static inline __m512 exp2_v(__m512 t, __mmask16 k) {
+  const __mmask16 live = _mm512_mask_cmp_ps_mask(k, t, _mm512_set1_ps(-126.f), _CMP_GE_OQ);
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.525273380405984e-05f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393381608e-04f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-03f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129107628477e-03f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550410866482158e-02f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402265069591007e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931471805599453e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_maskz_scalef_ps(live, p, n);
+}
+#endif
+
+// fp32 -> bf16, round to nearest even (inputs are finite here).
+static inline uint16_t to_bf16_bits(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof(u));
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+// max of x[0:n]
+static inline float row_max(const float* x, int64_t n) {
+  float mx = kNegInf;
+  int64_t c = 0;
+#ifdef __AVX512F__
+  __m512 acc = _mm512_set1_ps(kNegInf);
+  for (; c + 16 <= n; c += 16) acc = _mm512_max_ps(acc, _mm512_loadu_ps(x + c));
+  mx = _mm512_reduce_max_ps(acc);
+#endif
+  for (; c < n; ++c) mx = x[c] > mx ? x[c] : mx;
+  return mx;
+}
+
+template <typename T> static inline void store(T* dst, float x);
+template <> inline void store<float>(float* dst, float x) { *dst = x; }
+template <> inline void store<BFloat16>(BFloat16* dst, float x) {
+  *reinterpret_cast<uint16_t*>(dst) = to_bf16_bits(x);
+}
+
+// p[c] = 2^(s[c]·c2 - shift) for c in [c0, c1), 0 elsewhere in [0, width); returns the sum
+// of the fp32 values (before any rounding of p to bf16).
+template <typename T>
+static inline float exp_row(const float* s, T* p, int64_t c0, int64_t c1, int64_t width,
+                            float c2, float shift) {
+  for (int64_t c = 0; c < c0; ++c) store<T>(p + c, 0.f);
+  for (int64_t c = c1; c < width; ++c) store<T>(p + c, 0.f);
+  int64_t c = c0;
+  float sum = 0.f;
+#ifdef __AVX512F__
+  const __m512 vc2 = _mm512_set1_ps(c2), vshift = _mm512_set1_ps(shift);
+  __m512 vsum = _mm512_setzero_ps();
+  for (; c < c1; c += 16) {
+    const __mmask16 k = c + 16 <= c1 ? __mmask16(0xffff) : __mmask16((1u << (c1 - c)) - 1u);
+    const __m512 t = _mm512_fmsub_ps(_mm512_maskz_loadu_ps(k, s + c), vc2, vshift);
+    const __m512 e = exp2_v(t, k);
+    vsum = _mm512_add_ps(vsum, e);
+    if constexpr (std::is_same_v<T, float>) {
+      _mm512_mask_storeu_ps(p + c, k, e);
+    } else {
+#ifdef __AVX512BF16__
+      const __m256i b = (__m256i)_mm512_cvtneps_pbh(e);
+#else
+      __m512i u = _mm512_castps_si512(e);  // round to nearest even
+      u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                               _mm512_and_si512(_mm512_srli_epi32(u, 16),
+                                                                _mm512_set1_epi32(1))));
+      const __m256i b = _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16));
+#endif
+      _mm256_mask_storeu_epi16(p + c, k, b);
+    }
+  }
+  sum = _mm512_reduce_add_ps(vsum);
+#else
+#pragma omp simd reduction(+ : sum)
+  for (c = c0; c < c1; ++c) {
+    const float e = exp2_neg(s[c] * c2 - shift);
+    sum += e;
+    store<T>(p + c, e);
+  }
+#endif
+  return sum;
+}
+
+// Which keys query row i (0-based, aligned bottom-right: position Tk - Tq + i) may see.
+struct Structure {
+  int64_t Tq, Tk;
+  bool causal;
+  int64_t window;  // <= 0: none
+  int64_t lo(int64_t i) const {
+    const int64_t pos = Tk - Tq + i;
+    return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+  }
+  int64_t hi(int64_t i) const {
+    const int64_t pos = Tk - Tq + i;
+    if (causal) return std::min<int64_t>(Tk, pos + 1);
+    if (window > 0) return std::min<int64_t>(Tk, pos + window);
+    return Tk;
+  }
+};
+
+// C (M x N, ld_c) (+)= A (M x K, ld_a) @ B (K x N, ld_b), all row-major, C in fp32.
+template <typename T>
+static inline void mm(int64_t M, int64_t N, int64_t K, const T* A, int64_t ld_a, const T* B,
+                      int64_t ld_b, float* C, int64_t ld_c, bool add) {
+  cpublas::brgemm(M, N, K, ld_a, ld_b, ld_c, add, A, B, C, /*is_vnni=*/false);
+}
+
+// out = transpose(in): in (R x C, ld_in) -> out (C x R, ld_out)
+template <typename T>
+static void transpose(const T* in, int64_t R, int64_t C, int64_t ld_in, T* out, int64_t ld_out) {
+  constexpr int64_t b = 16;
+  for (int64_t r0 = 0; r0 < R; r0 += b)
+    for (int64_t c0 = 0; c0 < C; c0 += b)
+      for (int64_t r = r0; r < std::min(R, r0 + b); ++r)
+        for (int64_t c = c0; c < std::min(C, c0 + b); ++c) out[c * ld_out + r] = in[r * ld_in + c];
+}
+
+// K and V of one kv head, prepared for the forward's two block matmuls. Plain: K transposed
+// (d x Tk). VNNI (bf16 with AMX): every key block j is packed for oneDNN's brgemm, Kᵀ in
+// chunks of 64 keys and V (keys padded to even) in chunks of 64 value columns.
+template <typename T>
+struct PreparedKV {
+  std::vector<T> kt, vp;
+  int64_t d, dv, Tk, bk, rdv;
+  bool vnni;
+  void prepare(const T* k, const T* v, int64_t d_, int64_t dv_, int64_t Tk_, int64_t bk_,
+               bool vnni_) {
+    d = d_, dv = dv_, Tk = Tk_, bk = bk_, vnni = vnni_;
+    rdv = vnni ? (dv + kPack - 1) / kPack * kPack : dv;
+    if (!vnni) {
+      kt.resize(d * Tk);
+      transpose(k, Tk, d, d, kt.data(), Tk);
+      return;
+    }
+    const int64_t nb = (Tk + bk - 1) / bk;
+    const int64_t rbk = (bk + kPack - 1) / kPack * kPack, ebk = bk + (bk & 1);
+    kt.assign(nb * d * rbk, T(0));
+    vp.assign(nb * ebk * rdv, T(0));
+    std::vector<T> tmp(std::max(d * kPack, ebk * kPack));
+    for (int64_t j = 0; j < nb; ++j) {
+      const int64_t ks = j * bk, n = std::min(bk, Tk - ks), en = n + (n & 1);
+      for (int64_t c = 0; c < n; c += kPack) {  // Kᵀ chunk (d x 64), zero-padded keys
+        std::fill(tmp.begin(), tmp.end(), T(0));
+        transpose(k + (ks + c) * d, std::min(kPack, n - c), d, d, tmp.data(), kPack);
+        cpublas::pack(d, kPack, kPack, kPack, c10::CppTypeToScalarType<T>::value,
+                      c10::CppTypeToScalarType<T>::value, tmp.data(),
+                      kt.data() + j * d * rbk + c * d);
+      }
+      for (int64_t c = 0; c < dv; c += kPack) {  // V chunk (even keys x 64)
+        std::fill(tmp.begin(), tmp.end(), T(0));
+        for (int64_t r = 0; r < n; ++r)
+          for (int64_t x = 0; x < std::min(kPack, dv - c); ++x)
+            tmp[r * kPack + x] = v[(ks + r) * dv + c + x];
+        cpublas::pack(en, kPack, kPack, kPack, c10::CppTypeToScalarType<T>::value,
+                      c10::CppTypeToScalarType<T>::value, tmp.data(),
+                      vp.data() + j * ebk * rdv + c * en);
+      }
+    }
+  }
+};
+
+template <typename T>
+static void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
+                         Tensor& lse, double scale_d, const Structure& st, int64_t bq,
+                         int64_t bk, bool vnni) {
+  const int64_t N = q.size(0), G = q.size(1), Tq = q.size(2), d = q.size(3);
+  const int64_t Tk = k.size(1), dv = v.size(2);
+  const float scale = static_cast<float>(scale_d), c2 = scale * kLog2e;
+  const T* qd = q.const_data_ptr<T>();
+  const T* kd = k.const_data_ptr<T>();
+  const T* vd = v.const_data_ptr<T>();
+  T* od = out.data_ptr<T>();
+  float* ld = lse.data_ptr<float>();
+
+  std::vector<PreparedKV<T>> prep(N);
+  at::parallel_for(0, N, 1, [&](int64_t b, int64_t e) {
+    for (int64_t n = b; n < e; ++n)
+      prep[n].prepare(kd + n * Tk * d, vd + n * Tk * dv, d, dv, Tk, bk, vnni);
+  });
+
+  const int64_t nqb = (Tq + bq - 1) / bq;
+  const int64_t rbk = vnni ? (bk + kPack - 1) / kPack * kPack : bk;  // row length of S, P
+  at::parallel_for(0, N * G * nqb, 1, [&](int64_t begin, int64_t end) {
+    const int64_t rdv = prep[0].rdv;
+    std::vector<float> S(bq * rbk), acc(bq * rdv), m(bq), l(bq), alpha(bq);
+    std::vector<T> Pbuf(std::is_same_v<T, float> ? 0 : bq * rbk);
+    for (int64_t idx = begin; idx < end; ++idx) {
+      const int64_t n = idx / (G * nqb), g = (idx / nqb) % G, qb = idx % nqb;
+      const int64_t qs = qb * bq, rows = std::min(bq, Tq - qs);
+      const PreparedKV<T>& kv = prep[n];
+      const T* Q = qd + ((n * G + g) * Tq + qs) * d;
+      std::fill(m.begin(), m.begin() + rows, kNegInf);
+      std::fill(l.begin(), l.begin() + rows, 0.f);
+      std::fill(acc.begin(), acc.begin() + rows * rdv, 0.f);
+      const int64_t lo = st.lo(qs), hi = st.hi(qs + rows - 1);
+      // key blocks on the global grid of bk (the VNNI packs are per grid block)
+      for (int64_t j = lo / bk; j * bk < hi; ++j) {
+        const int64_t ks = j * bk, nk = std::min(bk, Tk - ks);
+        if (vnni) {
+          const int64_t rnk = (nk + kPack - 1) / kPack * kPack;
+          for (int64_t c = 0; c < rnk; c += kPack)
+            cpublas::brgemm(rows, kPack, d, d, kPack, rbk, false, Q,
+                            kv.kt.data() + j * d * ((bk + kPack - 1) / kPack * kPack) + c * d,
+                            S.data() + c, true);
+        } else {
+          mm<T>(rows, nk, d, Q, d, kv.kt.data() + ks, Tk, S.data(), rbk, false);
+        }
+        const int64_t enk = vnni ? nk + (nk & 1) : nk;  // P's columns the PV matmul reads
+        T* P = std::is_same_v<T, float> ? reinterpret_cast<T*>(S.data()) : Pbuf.data();
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t c0 = std::clamp<int64_t>(st.lo(qs + r) - ks, 0, nk);
+          const int64_t c1 = std::clamp<int64_t>(st.hi(qs + r) - ks, 0, nk);
+          float* s = S.data() + r * rbk;
+          T* p = P + r * rbk;
+          if (c1 <= c0) {  // nothing visible in this block for this row
+            for (int64_t c = 0; c < enk; ++c) store<T>(p + c, 0.f);
+            alpha[r] = 1.f;
+            continue;
+          }
+          const float mx = row_max(s + c0, c1 - c0);
+          const float m_new = std::max(m[r], mx);
+          const float a = exp2_neg((m[r] - m_new) * c2);  // m = -inf at first: a = 0
+          const float shift = m_new * c2;
+          const float sum = exp_row<T>(s, p, c0, c1, enk, c2, shift);
+          l[r] = l[r] * a + sum;
+          m[r] = m_new;
+          alpha[r] = a;
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+          if (alpha[r] == 1.f) continue;
+          float* o = acc.data() + r * rdv;
+          const float a = alpha[r];
+#pragma omp simd
+          for (int64_t c = 0; c < rdv; ++c) o[c] *= a;
+        }
+        if (vnni) {
+          const int64_t ebk = bk + (bk & 1);
+          for (int64_t c = 0; c < dv; c += kPack)
+            cpublas::brgemm(rows, kPack, enk, rbk, kPack, rdv, true, P,
+                            kv.vp.data() + j * ebk * rdv + c * enk, acc.data() + c, true);
+        } else {
+          mm<T>(rows, dv, nk, P, rbk, vd + (n * Tk + ks) * dv, dv, acc.data(), rdv, true);
+        }
+      }
+      T* O = od + ((n * G + g) * Tq + qs) * dv;
+      float* L = ld + (n * G + g) * Tq + qs;
+      for (int64_t r = 0; r < rows; ++r) {
+        const bool empty = l[r] == 0.f;  // no visible key: zeros, lse = -inf
+        const float inv = empty ? 0.f : 1.f / l[r];
+        const float* a = acc.data() + r * rdv;
+        for (int64_t c = 0; c < dv; ++c) store<T>(O + r * dv + c, a[c] * inv);
+        L[r] = empty ? kNegInf : m[r] * scale + std::log(l[r]);
+      }
+    }
+    if (vnni) cpublas::brgemm_release(true);
+  });
+}
+
+std::tuple<Tensor, Tensor> flash_fwd(const Tensor& q, const Tensor& k, const Tensor& v,
+                                     double scale, bool causal, int64_t window, int64_t block_q,
+                                     int64_t block_k) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 3 && v.dim() == 3, "qkv flash_fwd: bad ranks");
+  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(),
+              "qkv flash_fwd: inputs must be contiguous");
+  TORCH_CHECK(scale > 0, "qkv flash_fwd: scale must be > 0");
+  const Structure st{q.size(2), k.size(1), causal, window};
+  Tensor out = at::empty({q.size(0), q.size(1), q.size(2), v.size(2)}, q.options());
+  Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
+  if (q.scalar_type() == at::kFloat) {
+    forward_impl<float>(q, k, v, out, lse, scale, st, block_q, block_k, false);
+  } else {
+    TORCH_CHECK(q.scalar_type() == at::kBFloat16, "qkv flash_fwd: fp32 or bf16 only");
+    const bool vnni = cpublas::could_pack(at::kBFloat16) && q.size(3) % 2 == 0;
+    forward_impl<BFloat16>(q, k, v, out, lse, scale, st, block_q, block_k, vnni);
+  }
+  return {out, lse};
+}
+
+// Backward, FlashAttention-2 style, parallel over kv heads (each owns its dK, dV and the dQ
+// rows of its G query heads, so no two threads write the same memory). Per (q block, key
+// block): S = Q Kᵀ, P = exp(S·scale - lse), dVᵀ += dOᵀ P, dP = dO Vᵀ, dS = P∘(dP - D),
+// dKᵀ += Qᵀ dS, dQ += dS K; dK and dQ are multiplied by the scale once at the end. Every
+// matmul is a plain row-major brgemm thanks to per-head transposed copies of Q, K, V, dO.
+template <typename T>
+static void backward_impl(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                          const Tensor& dout, const Tensor& lse, Tensor& dq, Tensor& dk,
+                          Tensor& dv_, double scale_d, const Structure& st, int64_t bq,
+                          int64_t bk) {
+  const int64_t N = q.size(0), G = q.size(1), Tq = q.size(2), d = q.size(3);
+  const int64_t Tk = k.size(1), dv = v.size(2);
+  const float scale = static_cast<float>(scale_d), c2 = scale * kLog2e;
+  const T* qd = q.const_data_ptr<T>();
+  const T* kd = k.const_data_ptr<T>();
+  const T* vd = v.const_data_ptr<T>();
+  const T* od = out.const_data_ptr<T>();
+  const T* dod = dout.const_data_ptr<T>();
+  const float* lsed = lse.const_data_ptr<float>();
+  float* dqd = dq.data_ptr<float>();
+  float* dkd = dk.data_ptr<float>();
+  float* dvd = dv_.data_ptr<float>();
+  constexpr bool low = !std::is_same_v<T, float>;
+
+  at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
+    std::vector<T> kt(d * Tk), vt(dv * Tk), qt(d * bq), dot(dv * bq);
+    std::vector<float> dkt(d * Tk), dvt(dv * Tk), S(bq * bk), dP(bq * bk), lse2(bq), D(bq);
+    std::vector<T> Plow(low ? bq * bk : 0), dSlow(low ? bq * bk : 0);
+    for (int64_t n = begin; n < end; ++n) {
+      const T* K = kd + n * Tk * d;
+      const T* V = vd + n * Tk * dv;
+      transpose(K, Tk, d, d, kt.data(), Tk);
+      transpose(V, Tk, dv, dv, vt.data(), Tk);
+      std::fill(dkt.begin(), dkt.end(), 0.f);
+      std::fill(dvt.begin(), dvt.end(), 0.f);
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t h = n * G + g;
+        for (int64_t qs = 0; qs < Tq; qs += bq) {
+          const int64_t rows = std::min(bq, Tq - qs);
+          const int64_t lo = st.lo(qs), hi = st.hi(qs + rows - 1);
+          if (hi <= lo) continue;
+          const T* Q = qd + (h * Tq + qs) * d;
+          const T* dO = dod + (h * Tq + qs) * dv;
+          float* dQ = dqd + (h * Tq + qs) * d;
+          transpose(Q, rows, d, d, qt.data(), bq);
+          transpose(dO, rows, dv, dv, dot.data(), bq);
+          for (int64_t r = 0; r < rows; ++r) {
+            const float L = lsed[h * Tq + qs + r];
+            lse2[r] = L == kNegInf ? std::numeric_limits<float>::infinity() : L * kLog2e;
+            const T* o = od + (h * Tq + qs + r) * dv;
+            const T* go = dO + r * dv;
+            float acc = 0.f;
+            for (int64_t c = 0; c < dv; ++c)
+              acc += static_cast<float>(o[c]) * static_cast<float>(go[c]);
+            D[r] = acc;
+          }
+          for (int64_t ks = lo - lo % bk; ks < hi; ks += bk) {
+            const int64_t nk = std::min(bk, Tk - ks);
+            mm<T>(rows, nk, d, Q, d, kt.data() + ks, Tk, S.data(), bk, false);
+            mm<T>(rows, nk, dv, dO, dv, vt.data() + ks, Tk, dP.data(), bk, false);
+            for (int64_t r = 0; r < rows; ++r) {
+              const int64_t c0 = std::clamp<int64_t>(st.lo(qs + r) - ks, 0, nk);
+              const int64_t c1 = std::clamp<int64_t>(st.hi(qs + r) - ks, 0, nk);
+              float* s = S.data() + r * bk;  // becomes P
+              float* dp = dP.data() + r * bk;  // becomes dS
+              const float sh = lse2[r], Dr = D[r];
+#pragma omp simd
+              for (int64_t c = 0; c < nk; ++c) {
+                const bool vis = c >= c0 && c < c1;
+                const float p = vis ? exp2_neg(s[c] * c2 - sh) : 0.f;
+                s[c] = p;
+                dp[c] = p * (dp[c] - Dr);
+              }
+              if constexpr (low) {
+                for (int64_t c = 0; c < nk; ++c) {
+                  store<T>(Plow.data() + r * bk + c, s[c]);
+                  store<T>(dSlow.data() + r * bk + c, dp[c]);
+                }
+              }
+            }
+            const T* P = low ? Plow.data() : reinterpret_cast<const T*>(S.data());
+            const T* dS = low ? dSlow.data() : reinterpret_cast<const T*>(dP.data());
+            mm<T>(dv, nk, rows, dot.data(), bq, P, bk, dvt.data() + ks, Tk, true);  // dVᵀ
+            mm<T>(d, nk, rows, qt.data(), bq, dS, bk, dkt.data() + ks, Tk, true);  // dKᵀ
+            mm<T>(rows, d, nk, dS, bk, K + ks * d, d, dQ, d, true);  // dQ
+          }
+          for (int64_t i = 0; i < rows * d; ++i) dQ[i] *= scale;
+        }
+      }
+      transpose(dkt.data(), d, Tk, Tk, dkd + n * Tk * d, d);
+      transpose(dvt.data(), dv, Tk, Tk, dvd + n * Tk * dv, dv);
+      for (int64_t i = 0; i < Tk * d; ++i) dkd[n * Tk * d + i] *= scale;
+    }
+  });
+}
+
+std::tuple<Tensor, Tensor, Tensor> flash_bwd(const Tensor& q, const Tensor& k, const Tensor& v,
+                                             const Tensor& out, const Tensor& dout,
+                                             const Tensor& lse, double scale, bool causal,
+                                             int64_t window, int64_t block_q, int64_t block_k) {
+  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous() &&
+                  out.is_contiguous() && dout.is_contiguous() && lse.is_contiguous(),
+              "qkv flash_bwd: inputs must be contiguous");
+  TORCH_CHECK(lse.scalar_type() == at::kFloat, "qkv flash_bwd: lse must be fp32");
+  const Structure st{q.size(2), k.size(1), causal, window};
+  auto f32 = q.options().dtype(at::kFloat);
+  Tensor dq = at::zeros(q.sizes(), f32), dk = at::empty(k.sizes(), f32);
+  Tensor dv = at::empty(v.sizes(), f32);
+  if (q.scalar_type() == at::kFloat) {
+    backward_impl<float>(q, k, v, out, dout, lse, dq, dk, dv, scale, st, block_q, block_k);
+  } else {
+    TORCH_CHECK(q.scalar_type() == at::kBFloat16, "qkv flash_bwd: fp32 or bf16 only");
+    backward_impl<BFloat16>(q, k, v, out, dout, lse, dq, dk, dv, scale, st, block_q, block_k);
+  }
+  return {dq, dk, dv};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(qkv_flash, m) {
+  m.def("fwd(Tensor q, Tensor k, Tensor v, float scale, bool causal, int window, int block_q, "
+        "int block_k) -> (Tensor, Tensor)");
+  m.def("bwd(Tensor q, Tensor k, Tensor v, Tensor out, Tensor dout, Tensor lse, float scale, "
+        "bool causal, int window, int block_q, int block_k) -> (Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(qkv_flash, CPU, m) {
+  m.impl("fwd", &flash_fwd);
+  m.impl("bwd", &flash_bwd);
+}

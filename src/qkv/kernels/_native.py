@@ -1,0 +1,68 @@
+"""qkv's fused CPU kernel (``qkv/csrc/flash_cpu.cpp``), compiled on first use.
+
+The C++ source is built once per machine with PyTorch's extension builder (gcc + ninja,
+~15 s; cached under ``~/.cache/torch_extensions``, or ``$TORCH_EXTENSIONS_DIR``) and registers
+``torch.ops.qkv_flash.fwd`` / ``.bwd``. Where it cannot be built (no compiler, another OS) the
+flash backend keeps working on its PyTorch-ops kernel, and :func:`native_status` says why.
+``QKV_NATIVE=0`` turns the fused kernel off.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+__all__ = ["native_ops", "native_status"]
+
+logger = logging.getLogger("qkv.kernels")
+
+SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "flash_cpu.cpp"
+_status = "not loaded yet"
+
+
+def _flags() -> list[str]:
+    # -march=native: the build is per machine (the cache lives on it). No -ffast-math: the
+    # kernel relies on IEEE infinities; its reductions are vectorised by hand or `omp simd`.
+    flags = ["-O3", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math"]
+    if platform.machine() in ("x86_64", "AMD64"):
+        flags += ["-march=native", "-mprefer-vector-width=512"]
+    return flags
+
+
+@functools.cache
+def native_ops() -> object | None:
+    """``torch.ops.qkv_flash`` once the kernel is built and loaded, else ``None``."""
+    global _status
+    if os.environ.get("QKV_NATIVE", "1") == "0":
+        _status = "off (QKV_NATIVE=0)"
+        return None
+    try:
+        from torch.utils import cpp_extension
+
+        logger.info("qkv: loading the fused CPU kernel (the first build takes ~15 s)")
+        cpp_extension.load(
+            name="qkv_flash_cpu",
+            sources=[str(SOURCE)],
+            extra_cflags=_flags(),
+            is_python_module=False,
+            verbose=False,
+        )
+        ops = torch.ops.qkv_flash
+        ops.fwd  # noqa: B018 (raises if the library did not register its ops)
+    except Exception as e:  # no compiler/ninja, unsupported platform, failed build
+        _status = f"unavailable: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        logger.warning("qkv: fused CPU kernel %s; flash uses its PyTorch-ops kernel", _status)
+        return None
+    _status = f"loaded ({' '.join(_flags())})"
+    return ops
+
+
+def native_status() -> str:
+    """Whether the fused kernel is in use, and if not, why (loads it if not tried yet)."""
+    native_ops()
+    return _status

@@ -1,0 +1,152 @@
+"""The fused C++ flash kernel (qkv/csrc/flash_cpu.cpp) against the reference math and SDPA.
+
+The kernel runs for fp32/bf16 CPU inputs with causal/window structure and no mask, bias or
+soft-cap; everything else stays on the PyTorch-ops kernel (tests/test_flash.py). Both kernels
+are checked here on the same inputs: the PyTorch-ops one with the fused kernel switched off.
+"""
+
+import os
+
+import hypothesis.strategies as st
+import pytest
+import torch
+import torch.nn.functional as TF
+from hypothesis import given, settings
+
+import qkv.kernels.flash as flash_mod
+from qkv import masks
+from qkv.functional import attention_steps, explain_dispatch
+from qkv.kernels._native import native_ops, native_status
+from qkv.kernels.flash import flash_attention
+
+settings.register_profile("qkv", deadline=None, max_examples=60, derandomize=True)
+settings.load_profile("qkv")
+
+if native_ops() is None:
+    if os.environ.get("CI"):  # CI has gcc: a kernel that fails to build is a failure there
+        pytest.fail(f"fused CPU kernel: {native_status()}", pytrace=False)
+    pytest.skip(f"fused CPU kernel: {native_status()}", allow_module_level=True)
+
+
+@pytest.fixture
+def ops_kernel(monkeypatch):
+    """Run flash_attention on its PyTorch-ops kernel (the fused one switched off)."""
+    monkeypatch.setattr(flash_mod, "native_ops", lambda: None)
+
+
+def _ref(q, k, v, **kw):
+    """fp64 reference output, lse and gradients for upstream gradient ``g``."""
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    steps = attention_steps(q64, k64, v64, **kw)
+    return steps, (q64, k64, v64)
+
+
+@st.composite
+def native_case(draw):
+    B, h_kv, G = draw(st.integers(1, 2)), draw(st.integers(1, 2)), draw(st.integers(1, 3))
+    Tq, Tk = draw(st.integers(1, 90)), draw(st.integers(1, 90))
+    d, d_v = draw(st.integers(1, 40)), draw(st.integers(1, 40))
+    seed = draw(st.integers(0, 2**16))
+    kw = dict(
+        causal=draw(st.booleans()),
+        window=draw(st.none() | st.integers(1, 30)),
+        scale=draw(st.none() | st.floats(0.05, 2.0)),
+    )
+    blocks = dict(block_q=draw(st.integers(1, 40)), block_k=draw(st.integers(1, 70)))
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, h_kv * G, Tq, d, generator=g)
+    k = torch.randn(B, h_kv, Tk, d, generator=g)
+    v = torch.randn(B, h_kv, Tk, d_v, generator=g)
+    return q, k, v, kw, blocks
+
+
+@given(native_case())
+def test_fused_fp32_equals_math_values_lse_gradients(case):
+    q, k, v, kw, blocks = case
+    inputs = [t.requires_grad_() for t in (q, k, v)]
+    out, lse = flash_attention(q, k, v, **kw, **blocks, return_lse=True)
+    ref, ref_inputs = _ref(q, k, v, **kw)
+    torch.testing.assert_close(out.double(), ref.output, atol=2e-5, rtol=1e-4)
+    assert torch.equal(lse == float("-inf"), ref.lse == float("-inf"))
+    finite = ref.lse > float("-inf")
+    torch.testing.assert_close(lse.double()[finite], ref.lse[finite], atol=2e-5, rtol=1e-4)
+    g = torch.randn_like(out)
+    ours = torch.autograd.grad(out, inputs, g)
+    theirs = torch.autograd.grad(ref.output, ref_inputs, g.double())
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a.double(), b, atol=2e-4, rtol=1e-3)
+
+
+@pytest.mark.parametrize("kernel", ["fused", "ops"])
+@pytest.mark.parametrize(
+    "shape",
+    [
+        dict(B=2, h=4, h_kv=4, Tq=300, Tk=300, d=64, d_v=64, causal=False, window=None),
+        dict(B=1, h=6, h_kv=2, Tq=257, Tk=300, d=64, d_v=32, causal=True, window=None),
+        dict(B=1, h=2, h_kv=1, Tq=200, Tk=200, d=33, d_v=17, causal=True, window=40),
+        dict(B=2, h=2, h_kv=2, Tq=130, Tk=70, d=16, d_v=16, causal=False, window=25),
+    ],
+)
+def test_bf16_error_within_pytorch_bf16_error(shape, kernel, request):
+    """bf16 against fp64 math, bounded by PyTorch's own bf16 SDPA error (with the same mask).
+
+    Covers both bf16 matmul layouts of the fused kernel: packed for AMX (even d) and plain.
+    """
+    if kernel == "ops":
+        request.getfixturevalue("ops_kernel")
+    s = dict(shape)
+    causal, window = s.pop("causal"), s.pop("window")
+    torch.manual_seed(4)
+    q = torch.randn(s["B"], s["h"], s["Tq"], s["d"]).bfloat16().requires_grad_()
+    k = torch.randn(s["B"], s["h_kv"], s["Tk"], s["d"]).bfloat16().requires_grad_()
+    v = torch.randn(s["B"], s["h_kv"], s["Tk"], s["d_v"]).bfloat16().requires_grad_()
+    ref, ref_inputs = _ref(q, k, v, causal=causal, window=window)
+    g = torch.randn_like(ref.output)
+    ref_grads = torch.autograd.grad(ref.output, ref_inputs, g)
+    ours = flash_attention(q, k, v, causal=causal, window=window)
+    allowed = masks.sliding_window(s["Tq"], s["Tk"], window, causal=causal) if window else None
+    if allowed is None and causal:
+        allowed = masks.causal(s["Tq"], s["Tk"])
+    theirs = TF.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True)
+    live = allowed.any(-1) if allowed is not None else slice(None)  # torch: NaN on empty rows
+    err_ours = (ours.double() - ref.output)[..., live, :].abs().max()
+    err_theirs = (theirs.double() - ref.output)[..., live, :].abs().max()
+    assert err_ours <= 4 * err_theirs + 1e-3, (err_ours, err_theirs)
+    ours_g = torch.autograd.grad(ours, (q, k, v), g.bfloat16())
+    scale = max(t.abs().max() for t in ref_grads)
+    for a, r in zip(ours_g, ref_grads):
+        # bf16 rounding of the inputs to the block matmuls: a few bf16 ulps of the largest grad
+        assert (a.double() - r).abs().max() <= 0.05 * scale, ((a.double() - r).abs().max(), scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_with_no_visible_key_are_zero_with_zero_grads(dtype):
+    """Causal with Tq > Tk (bottom-right): the first Tq - Tk queries see nothing."""
+    torch.manual_seed(5)
+    q = torch.randn(1, 2, 12, 8, dtype=dtype, requires_grad=True)
+    k = torch.randn(1, 2, 5, 8, dtype=dtype, requires_grad=True)
+    v = torch.randn(1, 2, 5, 8, dtype=dtype, requires_grad=True)
+    out, lse = flash_attention(q, k, v, causal=True, return_lse=True, block_q=4, block_k=2)
+    assert torch.all(out[:, :, :7] == 0) and torch.all(lse[:, :, :7] == float("-inf"))
+    assert lse[:, :, 7:].isfinite().all()
+    out.sum().backward()
+    assert not any(t.grad.isnan().any() for t in (q, k, v))
+    assert torch.all(q.grad[:, :, :7] == 0)
+
+
+def test_fused_and_ops_kernels_agree(monkeypatch):
+    torch.manual_seed(6)
+    q, k, v = (torch.randn(2, 4, 333, 48) for _ in range(3))
+    fused = flash_attention(q, k, v, causal=True, window=100, return_lse=True)
+    monkeypatch.setattr(flash_mod, "native_ops", lambda: None)
+    ops = flash_attention(q, k, v, causal=True, window=100, return_lse=True)
+    for a, b in zip(fused, ops):
+        torch.testing.assert_close(a, b, atol=2e-6, rtol=1e-5)
+
+
+def test_explain_dispatch_names_the_flash_kernel():
+    q = torch.randn(1, 2, 64, 16)
+    assert explain_dispatch(q, q, q, causal=True, backend="flash").kernel == "fused C++ kernel"
+    mask = torch.ones(64, 64, dtype=torch.bool)
+    why = str(explain_dispatch(q, q, q, mask=mask, backend="flash"))
+    assert "PyTorch-ops kernel" in why and "mask" in why
