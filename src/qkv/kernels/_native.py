@@ -28,7 +28,7 @@ _status = "not loaded yet"
 def _flags() -> list[str]:
     # -march=native: the build is per machine (the cache lives on it). No -ffast-math: the
     # kernel relies on IEEE infinities; its reductions are vectorised by hand or `omp simd`.
-    flags = ["-O3", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math"]
+    flags = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
     if platform.machine() in ("x86_64", "AMD64"):
         flags += ["-march=native", "-mprefer-vector-width=512"]
     return flags
