@@ -150,3 +150,40 @@ def test_explain_dispatch_names_the_flash_kernel():
     mask = torch.ones(64, 64, dtype=torch.bool)
     why = str(explain_dispatch(q, q, q, mask=mask, backend="flash"))
     assert "PyTorch-ops kernel" in why and "mask" in why
+
+
+def _qkv(T, dtype, grad):
+    return [torch.randn(1, 2, T, 8, dtype=dtype, requires_grad=grad) for _ in range(3)]
+
+
+@pytest.mark.parametrize(
+    "T, dtype, grad, kw, expected",
+    [
+        (64, torch.bfloat16, True, {}, "flash"),  # training, bf16: fused flash
+        (64, torch.float32, True, {}, "torch"),  # training, fp32, short: torch
+        (2048, torch.float32, True, {"causal": True}, "flash"),
+        (2048, torch.float32, False, {}, "torch"),  # fp32 inference below 4096²
+        (4096, torch.float32, False, {}, "flash"),
+        (512, torch.bfloat16, False, {"causal": True, "window": 256}, "flash"),
+        (512, torch.bfloat16, False, {"causal": True}, "torch"),  # bf16 inference
+        (2048, torch.bfloat16, True, {"mask": "padding"}, "torch"),  # mask: not fused
+    ],
+)
+def test_auto_rules_for_the_fused_kernel(T, dtype, grad, kw, expected):
+    q, k, v = _qkv(T, dtype, grad)
+    if kw.get("mask") == "padding":
+        kw = {"mask": masks.padding(torch.tensor([T - 3]), T)}
+    decision = explain_dispatch(q, k, v, **kw)
+    assert decision.backend == expected, str(decision)
+    if expected == "flash":
+        assert decision.kernel == "fused C++ kernel"
+
+
+def test_auto_grad_rule_follows_no_grad_and_kernel_availability(monkeypatch):
+    q, k, v = _qkv(64, torch.bfloat16, True)
+    assert explain_dispatch(q, k, v).backend == "flash"
+    with torch.no_grad():
+        assert explain_dispatch(q, k, v).backend == "torch"
+    monkeypatch.setattr(flash_mod, "native_ops", lambda: None)
+    decision = explain_dispatch(q, k, v)
+    assert decision.backend == "torch"

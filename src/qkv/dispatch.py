@@ -9,20 +9,26 @@ Backends of :func:`qkv.functional.scaled_dot_product_attention`:
 - ``"auto"`` (default): the first valid backend of the rule table below.
 
 ``"auto"`` rules, measured on the 2-core Xeon (AVX-512 + AMX) this repository is developed on
-(``python bench/attention.py``, 1 thread, B=1 h=8 d=64; the ratio is the chosen backend's
-forward speed over the other's; full numbers in README ``## Speed (issue 3)``):
+(``python bench/flash_vs_sdpa.py`` and ``bench/attention.py``, 1 and 2 threads, B=1 h=8 d=64;
+the ratio is the chosen backend's speed over the other's; full numbers in README
+``## Speed (issue 3)``). "fused" means flash runs its fused C++ kernel (fp32/bf16 on the CPU,
+no mask, bias or soft-cap; :func:`qkv.kernels.flash.fused_kernel_rejects`):
 
-=================================================  =======  ==========================================
-case (first matching row wins)                     backend  why (measured)
-=================================================  =======  ==========================================
-``return_weights`` for all heads                   math     the weights are materialised anyway
-``return_weights`` with ``weights_heads``          flash    weights of those heads from the saved lse
-``dropout_p > 0``                                  torch    flash has no dropout (math if softcap)
-``softcap``                                        flash    torch SDPA has no soft-capping
-``window``, ``Tk >= 4·window`` (fp32)              flash    1.4× (T=1024) to 6.2× (T=4096), w=256
-``window``, ``Tk >= 16·window`` (bf16/fp16)        flash    2.0× at T=4096 (0.5× at T=1024), w=256
-everything else (dense, causal, masks, bias)       torch    flash is 0.7× (fp32) / 0.3× (bf16) of it
-=================================================  =======  ==========================================
+==================================================  =======  =======================================
+case (first matching row wins)                      backend  why (measured)
+==================================================  =======  =======================================
+``return_weights`` for all heads                    math     the weights are materialised anyway
+``return_weights`` with ``weights_heads``           flash    those heads' weights from the saved lse
+``dropout_p > 0``                                   torch    flash has no dropout (math if softcap)
+``softcap``                                         flash    torch SDPA has no soft-capping
+fused, gradients needed, bf16                       flash    fwd+bwd 1.5-2.5× (T=16-4096)
+fused, gradients needed, fp32, ``Tk >= 1024``       flash    fwd+bwd 1.1-1.2× (0.5-1.0× below)
+fused, ``window``, ``Tk >= 2·window``               flash    1.5× (T=512) to 4.5× (T=2048), w=256
+fused, fp32, ``Tq·Tk >= 4096²``                     flash    forward 1.09-1.11× at T=4096
+``window``, ``Tk >= 4·window`` (not fused, fp32/64)  flash    1.4× (T=1024) to 6.2× (T=4096), w=256
+``window``, ``Tk >= 16·window`` (not fused, 16-bit)  flash    2.0× at T=4096 (0.5× at T=1024)
+everything else (masks, bias, short inference)      torch    flash's forward is 0.2-1.0× of it there
+==================================================  =======  =======================================
 
 "torch" is rejected for: ``softcap``; weights/lse requested (it returns neither); a bias that
 requires grad. "flash" is rejected for ``dropout_p > 0``. Fully masked rows: PyTorch 2.13's CPU
@@ -55,6 +61,10 @@ BACKENDS = ("math", "torch", "flash")
 _SPEED_ORDER = ("torch", "flash", "math")
 WINDOW_RATIO = 4  # fp32/fp64: flash beats torch+dense mask from Tk >= 4·window (1.4× at 1024/256)
 WINDOW_RATIO_LOW = 16  # bf16/fp16: from Tk >= 16·window (0.5× at 1024/256, 2.0× at 4096/256)
+# with flash's fused C++ kernel (see the table above)
+FUSED_GRAD_TK = 1024
+FUSED_WINDOW_RATIO = 2
+FUSED_FP32_AREA = 4096 * 4096
 
 
 @dataclass(frozen=True)
@@ -73,6 +83,7 @@ class Case:
     return_weights: bool
     weights_heads: tuple[int, ...] | None
     device: str = "cpu"
+    grad: bool = False  # autograd will need gradients of q, k or v
 
 
 @dataclass
@@ -123,6 +134,7 @@ def describe(
         return_weights=bool(return_weights),
         weights_heads=None if weights_heads is None else tuple(int(i) for i in weights_heads),
         device=q.device.type,
+        grad=torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)),
     )
 
 
@@ -151,14 +163,31 @@ def _rule(case: Case) -> tuple[str, str]:
         return "torch", "dropout: torch SDPA has it"
     if case.softcap is not None:
         return "flash", "softcap: flash supports it without materialising Tq×Tk"
+    fused = _fused(case)
+    if fused and case.grad and case.dtype == torch.bfloat16:
+        return "flash", "gradients needed, bf16: flash's fused kernel is 1.5-2.5× torch SDPA"
+    if fused and case.grad and s.Tk >= FUSED_GRAD_TK:
+        return "flash", f"gradients needed, Tk >= {FUSED_GRAD_TK}: fused flash is 1.1-1.2× torch"
+    if fused and case.window is not None and FUSED_WINDOW_RATIO * case.window <= s.Tk:
+        return "flash", f"window={case.window} <= Tk/{FUSED_WINDOW_RATIO}: fused flash skips blocks"
+    if fused and case.dtype == torch.float32 and s.Tq * s.Tk >= FUSED_FP32_AREA:
+        return "flash", "fp32, Tq·Tk >= 4096²: fused flash forward is 1.09-1.11× torch"
     low = case.dtype in (torch.bfloat16, torch.float16)
     ratio = WINDOW_RATIO_LOW if low else WINDOW_RATIO
     if case.window is not None and ratio * case.window <= s.Tk:
         return "flash", f"window={case.window} <= Tk/{ratio}: flash skips empty blocks, O(T·w)"
     return (
         "torch",
-        "dense/causal/masked: PyTorch's fused kernel is fastest (flash: 0.5× fp32, 0.3× bf16)",
+        "PyTorch's fused kernel is fastest here (masks/bias, short or bf16 inference)",
     )
+
+
+def _fused(case: Case) -> bool:
+    why = fused_kernel_rejects(
+        case.device, case.dtype, has_mask=case.has_mask, has_bias=case.has_bias,
+        softcap=case.softcap,
+    )  # fmt: skip
+    return why is None
 
 
 def choose(case: Case, backend: str = "auto") -> Decision:
