@@ -4,7 +4,9 @@ The C++ source is built once per machine with PyTorch's extension builder (gcc +
 ~15 s; cached under ``~/.cache/torch_extensions``, or ``$TORCH_EXTENSIONS_DIR``) and registers
 ``torch.ops.qkv_flash.fwd`` / ``.bwd``. Where it cannot be built (no compiler, another OS) the
 flash backend keeps working on its PyTorch-ops kernel, and :func:`native_status` says why.
-``QKV_NATIVE=0`` turns the fused kernel off.
+``QKV_NATIVE=0`` turns the fused kernel off; ``QKV_NATIVE_PORTABLE=1`` builds it without
+``-march=native`` (plain C++ loops instead of the AVX-512 ones; used by the tests to check
+that path on machines that have AVX-512).
 """
 
 from __future__ import annotations
@@ -25,11 +27,16 @@ SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "flash_cpu.cpp"
 _status = "not loaded yet"
 
 
+def _portable() -> bool:
+    return os.environ.get("QKV_NATIVE_PORTABLE", "0") == "1"
+
+
 def _flags() -> list[str]:
     # -march=native: the build is per machine (the cache lives on it). No -ffast-math: the
     # kernel relies on IEEE infinities; its reductions are vectorised by hand or `omp simd`.
+    # -fopenmp: its threads are PyTorch's own OpenMP runtime (libtorch links libgomp).
     flags = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
-    if platform.machine() in ("x86_64", "AMD64"):
+    if platform.machine() in ("x86_64", "AMD64") and not _portable():
         flags += ["-march=native", "-mprefer-vector-width=512"]
     return flags
 
@@ -46,7 +53,7 @@ def native_ops() -> object | None:
 
         logger.info("qkv: loading the fused CPU kernel (the first build takes ~15 s)")
         cpp_extension.load(
-            name="qkv_flash_cpu",
+            name="qkv_flash_cpu_portable" if _portable() else "qkv_flash_cpu",
             sources=[str(SOURCE)],
             extra_cflags=_flags(),
             is_python_module=False,
