@@ -192,11 +192,10 @@ static inline float exp_row(const float* s, T* p, int64_t c0, int64_t c1, int64_
   return sum;
 }
 
-// Runs f(first, end, step) once on each of at::get_num_threads() OpenMP threads; thread t
-// takes items t, t + nt, t + 2·nt, ... (interleaved: causal query blocks grow in cost along
-// the sequence). Not at::parallel_for: it marks its body as a parallel region
-// (c10::ParallelGuard), and PyTorch's BLAS then ran our small matmuls 1.3-1.9x slower
-// (measured, even with one thread).
+// Runs f(first, end, step) once on each of at::get_num_threads() OpenMP threads (PyTorch's
+// own runtime: libtorch links libgomp); thread t takes items t, t + nt, t + 2·nt, ...
+// Interleaved rather than at::parallel_for's contiguous chunks: causal query blocks grow in
+// cost along the sequence. Each thread allocates its scratch buffers once.
 template <typename F>
 static void parallel_strided(int64_t n, const F& f) {
 #ifdef _OPENMP
@@ -341,16 +340,22 @@ struct PreparedKV {
   }
 };
 
+// Sizes in the kernel's layout: q (N, G, Tq, d), k (N, Tk, d), v (N, Tk, dv).
+struct Dims {
+  int64_t N, G, Tq, d, Tk, dv;
+  static Dims of(const Tensor& q, const Tensor& k, const Tensor& v) {
+    return {q.size(0), q.size(1), q.size(2), q.size(3), k.size(1), v.size(2)};
+  }
+};
+
 template <typename T>
 static void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
                          Tensor& lse, double scale_d, const Structure& st, int64_t bq,
                          int64_t bk, bool vnni) {
-  const int64_t N = q.size(0), G = q.size(1), Tq = q.size(2), d = q.size(3);
-  const int64_t Tk = k.size(1), dv = v.size(2);
+  const Dims D0 = Dims::of(q, k, v);
+  const int64_t N = D0.N, G = D0.G, Tq = D0.Tq, d = D0.d, Tk = D0.Tk, dv = D0.dv;
   const float scale = static_cast<float>(scale_d), c2 = scale * kLog2e;
-  const T* qd = q.const_data_ptr<T>();
-  const T* kd = k.const_data_ptr<T>();
-  const T* vd = v.const_data_ptr<T>();
+  const T *qd = q.const_data_ptr<T>(), *kd = k.const_data_ptr<T>(), *vd = v.const_data_ptr<T>();
   T* od = out.data_ptr<T>();
   float* ld = lse.data_ptr<float>();
 
@@ -485,12 +490,10 @@ static void backward_impl(const Tensor& q, const Tensor& k, const Tensor& v, con
                           const Tensor& dout, const Tensor& lse, Tensor& dq, Tensor& dk,
                           Tensor& dv_, double scale_d, const Structure& st, int64_t bq,
                           int64_t bk) {
-  const int64_t N = q.size(0), G = q.size(1), Tq = q.size(2), d = q.size(3);
-  const int64_t Tk = k.size(1), dv = v.size(2);
+  const Dims D0 = Dims::of(q, k, v);
+  const int64_t N = D0.N, G = D0.G, Tq = D0.Tq, d = D0.d, Tk = D0.Tk, dv = D0.dv;
   const float scale = static_cast<float>(scale_d), c2 = scale * kLog2e;
-  const T* qd = q.const_data_ptr<T>();
-  const T* kd = k.const_data_ptr<T>();
-  const T* vd = v.const_data_ptr<T>();
+  const T *qd = q.const_data_ptr<T>(), *kd = k.const_data_ptr<T>(), *vd = v.const_data_ptr<T>();
   const T* od = out.const_data_ptr<T>();
   const T* dod = dout.const_data_ptr<T>();
   const float* lsed = lse.const_data_ptr<float>();

@@ -1,4 +1,9 @@
-"""Tiled ("flash") attention in PyTorch ops: online softmax, O(T) memory, block skipping.
+"""Tiled ("flash") attention: online softmax, O(T) memory, block skipping.
+
+Two kernels behind one function. fp32/bf16 CPU calls with causal/window structure and no
+mask, bias or soft-cap run the fused C++ kernel (``qkv/csrc/flash_cpu.cpp``, loaded by
+:mod:`qkv.kernels._native`; :func:`fused_kernel_rejects` says when it does not apply). All
+other calls run the PyTorch-ops kernel of this module, described below.
 
 FlashAttention's algorithm (Dao et al. 2022; backward of FlashAttention-2), written with block
 matmuls. For each query block the keys are visited in blocks, keeping per row a running
