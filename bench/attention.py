@@ -147,6 +147,7 @@ def measure_row(method, structure, T, dtype_name, peaks, args) -> dict:
     pairs = Structure(T, T, structure != "full", WINDOW if structure == "window" else None)
     n_pairs = pairs.visible_pairs()
     reps, warm = repeats_for(T, args.quick)
+    reps = args.reps or reps
     row = {"structure": structure, "dtype": dtype_name, "T": T, "method": method}
     if method == "qkv auto":
         q = torch.empty(B, H, T, D, dtype=dtype)
@@ -230,6 +231,7 @@ def main() -> None:
     p.add_argument("--structures", nargs="+", default=["full", "causal", "window"])
     p.add_argument("--methods", nargs="+", default=METHODS)
     p.add_argument("--no-backward", action="store_true", help="forward only")
+    p.add_argument("--reps", type=int, default=None, help="timed runs per cell (default by T)")
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (default 1: on the shared 2-core machine, 2 OpenMP threads "
