@@ -162,8 +162,8 @@ def _qkv(T, dtype, grad):
         (64, torch.bfloat16, True, {}, "flash"),  # training, bf16: fused flash
         (64, torch.float32, True, {}, "torch"),  # training, fp32, short: torch
         (2048, torch.float32, True, {"causal": True}, "flash"),
-        (2048, torch.float32, False, {}, "torch"),  # fp32 inference below 4096²
-        (4096, torch.float32, False, {}, "flash"),
+        (512, torch.float32, False, {}, "torch"),  # short fp32 inference
+        (1024, torch.float32, False, {}, "flash"),
         (512, torch.bfloat16, False, {"causal": True, "window": 256}, "flash"),
         (512, torch.bfloat16, False, {"causal": True}, "torch"),  # short bf16 inference
         (4096, torch.bfloat16, False, {"causal": True}, "flash"),

@@ -24,7 +24,7 @@ case (first matching row wins)                      backend  why (measured)
 fused, gradients needed, bf16                       flash    fwd+bwd 1.5-2.5× (T=16-4096)
 fused, gradients needed, fp32, ``Tk >= 1024``       flash    fwd+bwd 1.1-1.2× (0.5-1.0× below)
 fused, ``window``, ``Tk >= 2·window``               flash    1.5× (T=512) to 4.5× (T=2048), w=256
-fused, ``Tq·Tk >= 4096²``                           flash    forward 1.1× (fp32), 1.1-1.5× (bf16)
+fused, ``Tq·Tk >= 1024²``                           flash    forward 1.0-1.2× (fp32), 1.3-1.7× (bf16)
 ``window``, ``Tk >= 4·window`` (not fused, fp32/64)  flash    1.4× (T=1024) to 6.2× (T=4096), w=256
 ``window``, ``Tk >= 16·window`` (not fused, 16-bit)  flash    2.0× at T=4096 (0.5× at T=1024)
 everything else (masks, bias, shorter inference)    torch    flash's forward is 0.2-1.1× of it there
@@ -64,7 +64,7 @@ WINDOW_RATIO_LOW = 16  # bf16/fp16: from Tk >= 16·window (0.5× at 1024/256, 2.
 # with flash's fused C++ kernel (see the table above)
 FUSED_GRAD_TK = 1024
 FUSED_WINDOW_RATIO = 2
-FUSED_AREA = 4096 * 4096
+FUSED_AREA = 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -171,7 +171,7 @@ def _rule(case: Case) -> tuple[str, str]:
     if fused and case.window is not None and FUSED_WINDOW_RATIO * case.window <= s.Tk:
         return "flash", f"window={case.window} <= Tk/{FUSED_WINDOW_RATIO}: fused flash skips blocks"
     if fused and s.Tq * s.Tk >= FUSED_AREA:
-        return "flash", "Tq·Tk >= 4096²: fused flash forward is 1.1× (fp32), 1.1-1.5× (bf16) torch"
+        return "flash", "Tq·Tk >= 1024²: fused flash forward is 1.0-1.2× (fp32), 1.3-1.7× (bf16)"
     low = case.dtype in (torch.bfloat16, torch.float16)
     ratio = WINDOW_RATIO_LOW if low else WINDOW_RATIO
     if case.window is not None and ratio * case.window <= s.Tk:

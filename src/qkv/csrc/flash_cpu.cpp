@@ -300,39 +300,61 @@ static void transpose(const T* in, int64_t R, int64_t C, int64_t ld_in, T* out, 
         for (int64_t c = c0; c < std::min(C, c0 + b); ++c) out[c * ld_out + r] = in[r * ld_in + c];
 }
 
-// A zero-filled buffer of n T's, 2 MiB-aligned and marked for transparent huge pages: the
-// prepared K/V of a head are read once per query block, and with 4 KiB pages their TLB misses
-// made long-sequence calls swing between 1.1 s and 1.9 s (bf16, T=16384).
+// A buffer of n T's (zero-filled by assign), 2 MiB-aligned and marked for transparent huge
+// pages: the prepared K/V of a head are read once per query block, and with 4 KiB pages
+// long-sequence calls swung between 1.1 s and 1.9 s (bf16, T=16384). The memory is kept for
+// the next call (the buffers live in thread_local caches): freeing and re-faulting fresh huge
+// pages on every call cost ~4 ms per call at T=1024. Buffers above kKeepBytes are released
+// after each call so that one long call does not pin its memory.
+constexpr size_t kKeepBytes = size_t(64) << 20;
+
 template <typename T>
 struct HugeBuffer {
   T* ptr = nullptr;
-  size_t n = 0;
+  size_t n = 0, cap_bytes = 0;
   HugeBuffer() = default;
   HugeBuffer(const HugeBuffer&) = delete;
   HugeBuffer& operator=(const HugeBuffer&) = delete;
+  HugeBuffer(HugeBuffer&& o) noexcept : ptr(o.ptr), n(o.n), cap_bytes(o.cap_bytes) {
+    o.ptr = nullptr, o.n = o.cap_bytes = 0;
+  }
   ~HugeBuffer() { std::free(ptr); }
-  void assign(size_t count) {
+  void release() {
     std::free(ptr);
-    ptr = nullptr;
-    n = count;
-    const size_t align = size_t(2) << 20, bytes = (count * sizeof(T) + align - 1) / align * align;
-    if (count && posix_memalign(reinterpret_cast<void**>(&ptr), align, bytes) != 0)
-      throw std::bad_alloc();
+    ptr = nullptr, n = cap_bytes = 0;
+  }
+  void assign(size_t count) {  // n = count zeros
+    // huge pages only pay off for big buffers; small ones (many short heads) stay small
+    const size_t huge = size_t(2) << 20, raw = count * sizeof(T);
+    const size_t align = raw >= huge / 2 ? huge : 4096;
+    const size_t bytes = (raw + align - 1) / align * align;
+    if (bytes > cap_bytes) {
+      release();
+      if (bytes && posix_memalign(reinterpret_cast<void**>(&ptr), align, bytes) != 0)
+        throw std::bad_alloc();
 #ifdef MADV_HUGEPAGE
-    if (ptr) madvise(ptr, bytes, MADV_HUGEPAGE);
+      if (ptr && align == huge) madvise(ptr, bytes, MADV_HUGEPAGE);
 #endif
+      cap_bytes = bytes;
+    }
+    n = count;
     if (ptr) std::memset(ptr, 0, count * sizeof(T));
+  }
+  void trim() {  // after a call
+    if (cap_bytes > kKeepBytes) release();
   }
   T* data() const { return ptr; }
 };
 
-// A thread's scratch arrays carved out of one HugeBuffer, each starting on a 4 KiB page:
-// their cache placement is then the same from run to run (with separate malloc'ed vectors,
-// bf16 T=16384 forwards swung between 1.04 s and 1.46 s; now 0.98 s each time).
+// A thread's scratch arrays carved out of one (thread_local, reused) HugeBuffer, each
+// starting on a 4 KiB page: their cache placement is then the same from run to run (with
+// separate malloc'ed vectors, bf16 T=16384 forwards swung between 1.04 s and 1.46 s; now
+// ~0.98 s each time).
 class Scratch {
  public:
   static size_t pages(size_t bytes) { return (bytes + 4095) / 4096 * 4096; }
-  explicit Scratch(size_t bytes) { buf_.assign(bytes); }
+  explicit Scratch(size_t bytes) : buf_(tls_buffer()) { buf_.assign(bytes); }
+  ~Scratch() { buf_.trim(); }
   template <typename U>
   U* take(size_t n) {
     U* p = reinterpret_cast<U*>(buf_.data() + used_);
@@ -342,7 +364,11 @@ class Scratch {
   }
 
  private:
-  HugeBuffer<char> buf_;
+  static HugeBuffer<char>& tls_buffer() {
+    static thread_local HugeBuffer<char> buf;
+    return buf;
+  }
+  HugeBuffer<char>& buf_;
   size_t used_ = 0;
 };
 
@@ -409,7 +435,10 @@ static void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tens
   T* od = out.data_ptr<T>();
   float* ld = lse.data_ptr<float>();
 
-  std::vector<PreparedKV<T>> prep(N);
+  // K/V copies, cached per calling thread between calls (see HugeBuffer)
+  static thread_local std::vector<PreparedKV<T>> prep_cache;
+  if (static_cast<int64_t>(prep_cache.size()) < N) prep_cache.resize(N);
+  std::vector<PreparedKV<T>>& prep = prep_cache;
   parallel_strided(N, [&](int64_t first, int64_t e, int64_t step) {
     for (int64_t n = first; n < e; n += step)
       prep[n].prepare(kd + n * Tk * d, vd + n * Tk * dv, d, dv, Tk, bk, vnni);
@@ -509,6 +538,10 @@ static void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tens
     }
     if (vnni) cpublas::brgemm_release(true);
   });
+  size_t kept = 0;
+  for (const auto& p : prep) kept += p.kt.cap_bytes + p.vp.cap_bytes;
+  if (kept > kKeepBytes)
+    for (auto& p : prep) p.kt.release(), p.vp.release();
 }
 
 std::tuple<Tensor, Tensor> flash_fwd(const Tensor& q, const Tensor& k, const Tensor& v,
@@ -558,8 +591,9 @@ static void backward_impl(const Tensor& q, const Tensor& k, const Tensor& v, con
 
   parallel_strided(N, [&](int64_t first, int64_t end, int64_t step) {
     const int64_t nkb = (Tk + bk - 1) / bk;
-    HugeBuffer<T> kt, vt;  // per head, read once per query block (see HugeBuffer)
-    HugeBuffer<float> dkt, dvt;
+    // per head, read once per query block; cached per thread between calls (see HugeBuffer)
+    static thread_local HugeBuffer<T> kt, vt;
+    static thread_local HugeBuffer<float> dkt, dvt;
     kt.assign(nkb * d * bk), vt.assign(nkb * dv * bk), dkt.assign(nkb * d * bk);
     dvt.assign(nkb * dv * bk);
     const size_t blk = bq * bk, lowb = low ? blk : 0;
@@ -634,6 +668,8 @@ static void backward_impl(const Tensor& q, const Tensor& k, const Tensor& v, con
       }
       for (int64_t i = 0; i < Tk * d; ++i) dkd[n * Tk * d + i] *= scale;
     }
+    if (kt.cap_bytes + vt.cap_bytes + dkt.cap_bytes + dvt.cap_bytes > kKeepBytes)
+      kt.release(), vt.release(), dkt.release(), dvt.release();
   });
 }
 
