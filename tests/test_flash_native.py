@@ -18,6 +18,7 @@ from qkv import masks
 from qkv.functional import attention_steps, explain_dispatch
 from qkv.kernels._native import native_ops, native_status
 from qkv.kernels.flash import flash_attention
+from strategies import draw_mask_and_bias
 
 settings.register_profile("qkv", deadline=None, max_examples=60, derandomize=True)
 settings.load_profile("qkv")
@@ -57,12 +58,18 @@ def native_case(draw):
     q = torch.randn(B, h_kv * G, Tq, d, generator=g)
     k = torch.randn(B, h_kv, Tk, d, generator=g)
     v = torch.randn(B, h_kv, Tk, d_v, generator=g)
+    mask, _ = draw_mask_and_bias(draw, g, B, h_kv * G, Tq, Tk, torch.float32)  # bool masks
+    if mask is not None:
+        kw["mask"] = mask
     return q, k, v, kw, blocks
 
 
 @given(native_case())
 def test_fused_fp32_equals_math_values_lse_gradients(case):
+    """Random shapes, GQA, causal, windows, scales, block sizes and bool masks (all kinds)."""
     q, k, v, kw, blocks = case
+    if "mask" in kw and kw["mask"].shape[-1] > 1:  # the fused kernel runs (not the fallback)
+        assert flash_mod._native_ok(q, k, v, kw["mask"], None, None, 1.0)
     inputs = [t.requires_grad_() for t in (q, k, v)]
     out, lse = flash_attention(q, k, v, **kw, **blocks, return_lse=True)
     ref, ref_inputs = _ref(q, k, v, **kw)
@@ -85,6 +92,18 @@ def test_fused_fp32_equals_math_values_lse_gradients(case):
         dict(B=1, h=6, h_kv=2, Tq=257, Tk=300, d=64, d_v=32, causal=True, window=None),
         dict(B=1, h=2, h_kv=1, Tq=200, Tk=200, d=33, d_v=17, causal=True, window=40),
         dict(B=2, h=2, h_kv=2, Tq=130, Tk=70, d=16, d_v=16, causal=False, window=25),
+        dict(
+            B=2,
+            h=4,
+            h_kv=2,
+            Tq=200,
+            Tk=200,
+            d=64,
+            d_v=64,
+            causal=True,
+            window=None,
+            padding=(150, 37),
+        ),
     ],
 )
 def test_bf16_error_within_pytorch_bf16_error(shape, kernel, request):
@@ -95,22 +114,25 @@ def test_bf16_error_within_pytorch_bf16_error(shape, kernel, request):
     if kernel == "ops":
         request.getfixturevalue("ops_kernel")
     s = dict(shape)
-    causal, window = s.pop("causal"), s.pop("window")
+    causal, window, padding = s.pop("causal"), s.pop("window"), s.pop("padding", None)
     torch.manual_seed(4)
     q = torch.randn(s["B"], s["h"], s["Tq"], s["d"]).bfloat16().requires_grad_()
     k = torch.randn(s["B"], s["h_kv"], s["Tk"], s["d"]).bfloat16().requires_grad_()
     v = torch.randn(s["B"], s["h_kv"], s["Tk"], s["d_v"]).bfloat16().requires_grad_()
-    ref, ref_inputs = _ref(q, k, v, causal=causal, window=window)
+    pad = None if padding is None else masks.padding(torch.tensor(padding), s["Tk"])
+    ref, ref_inputs = _ref(q, k, v, causal=causal, window=window, mask=pad)
     g = torch.randn_like(ref.output)
     ref_grads = torch.autograd.grad(ref.output, ref_inputs, g)
-    ours = flash_attention(q, k, v, causal=causal, window=window)
+    ours = flash_attention(q, k, v, causal=causal, window=window, mask=pad)
     allowed = masks.sliding_window(s["Tq"], s["Tk"], window, causal=causal) if window else None
     if allowed is None and causal:
         allowed = masks.causal(s["Tq"], s["Tk"])
+    allowed = masks.combine(pad, allowed)
     theirs = TF.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True)
-    live = allowed.any(-1) if allowed is not None else slice(None)  # torch: NaN on empty rows
-    err_ours = (ours.double() - ref.output)[..., live, :].abs().max()
-    err_theirs = (theirs.double() - ref.output)[..., live, :].abs().max()
+    # rows with no visible key: torch gives NaN there (qkv gives 0, checked elsewhere)
+    dead = ~allowed.any(-1, keepdim=True) if allowed is not None else torch.tensor(False)
+    err_ours = (ours.double() - ref.output).masked_fill(dead, 0).abs().max()
+    err_theirs = (theirs.double() - ref.output).masked_fill(dead, 0).abs().max()
     assert err_ours <= 4 * err_theirs + 1e-3, (err_ours, err_theirs)
     ours_g = torch.autograd.grad(ours, (q, k, v), g.bfloat16())
     scale = max(t.abs().max() for t in ref_grads)
@@ -148,8 +170,9 @@ def test_explain_dispatch_names_the_flash_kernel():
     q = torch.randn(1, 2, 64, 16)
     assert explain_dispatch(q, q, q, causal=True, backend="flash").kernel == "fused C++ kernel"
     mask = torch.ones(64, 64, dtype=torch.bool)
-    why = str(explain_dispatch(q, q, q, mask=mask, backend="flash"))
-    assert "PyTorch-ops kernel" in why and "mask" in why
+    assert explain_dispatch(q, q, q, mask=mask, backend="flash").kernel == "fused C++ kernel"
+    why = str(explain_dispatch(q, q, q, bias=torch.zeros(64, 64), backend="flash"))
+    assert "PyTorch-ops kernel" in why and "bias" in why
 
 
 def _qkv(T, dtype, grad):
@@ -167,13 +190,16 @@ def _qkv(T, dtype, grad):
         (512, torch.bfloat16, False, {"causal": True, "window": 256}, "flash"),
         (512, torch.bfloat16, False, {"causal": True}, "torch"),  # short bf16 inference
         (4096, torch.bfloat16, False, {"causal": True}, "flash"),
-        (2048, torch.bfloat16, True, {"mask": "padding"}, "torch"),  # mask: not fused
+        (2048, torch.bfloat16, True, {"mask": "padding"}, "flash"),  # masks are fused too
+        (2048, torch.bfloat16, True, {"bias": "zeros"}, "torch"),  # bias: not fused
     ],
 )
 def test_auto_rules_for_the_fused_kernel(T, dtype, grad, kw, expected):
     q, k, v = _qkv(T, dtype, grad)
     if kw.get("mask") == "padding":
         kw = {"mask": masks.padding(torch.tensor([T - 3]), T)}
+    if kw.get("bias") == "zeros":
+        kw = {"bias": torch.zeros(T, T, dtype=dtype)}
     decision = explain_dispatch(q, k, v, **kw)
     assert decision.backend == expected, str(decision)
     if expected == "flash":

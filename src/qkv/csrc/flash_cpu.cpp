@@ -32,6 +32,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <new>
+#include <optional>
 
 #include <sys/mman.h>
 #include <limits>
@@ -150,11 +151,45 @@ static inline void store16(T* p, __m512 e, __mmask16 k) {
 }
 #endif
 
+#ifdef __AVX512F__
+// lanes of k whose mask byte is nonzero (True = may attend)
+static inline __mmask16 mask_bits(const uint8_t* m, __mmask16 k) {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+  return _mm_mask_cmpneq_epi8_mask(k, _mm_maskz_loadu_epi8(k, m), _mm_setzero_si128());
+#else
+  unsigned bits = 0;
+  for (int i = 0; i < 16; ++i)
+    if (((k >> i) & 1u) && m[i]) bits |= 1u << i;
+  return __mmask16(bits);
+#endif
+}
+#endif
+
+// max of x[c] over the allowed c in [0, n) (all of them without a mask m); -inf if none
+static inline float row_max_masked(const float* x, const uint8_t* m, int64_t n) {
+  if (!m) return row_max(x, n);
+  float mx = kNegInf;
+  int64_t c = 0;
+#ifdef __AVX512F__
+  __m512 acc = _mm512_set1_ps(kNegInf);
+  for (; c < n; c += 16) {
+    const __mmask16 k = c + 16 <= n ? __mmask16(0xffff) : __mmask16((1u << (n - c)) - 1u);
+    acc = _mm512_max_ps(acc, _mm512_mask_loadu_ps(_mm512_set1_ps(kNegInf), mask_bits(m + c, k),
+                                                  x + c));
+  }
+  mx = _mm512_reduce_max_ps(acc);
+#endif
+  for (; c < n; ++c)
+    if (m[c]) mx = x[c] > mx ? x[c] : mx;
+  return mx;
+}
+
 // p[c] = 2^(s[c]·c2 - shift) for c in [c0, c1), 0 elsewhere in [0, width); returns the sum
 // of the fp32 values (before any rounding of p to bf16). With smax, also the max of s[c0:c1].
 template <typename T>
 static inline float exp_row(const float* s, T* p, int64_t c0, int64_t c1, int64_t width,
-                            float c2, float shift, float* smax = nullptr) {
+                            float c2, float shift, float* smax = nullptr,
+                            const uint8_t* m = nullptr) {
   for (int64_t c = 0; c < c0; ++c) store<T>(p + c, 0.f);
   for (int64_t c = c1; c < width; ++c) store<T>(p + c, 0.f);
   int64_t c = c0;
@@ -164,7 +199,7 @@ static inline float exp_row(const float* s, T* p, int64_t c0, int64_t c1, int64_
   const __m512 vc2 = _mm512_set1_ps(c2), vshift = _mm512_set1_ps(shift);
   __m512 vsum = _mm512_setzero_ps(), vsum2 = vsum;
   __m512 vmax = _mm512_set1_ps(kNegInf), vmax2 = vmax;
-  for (; c + 32 <= c1; c += 32) {  // two independent chains
+  for (; !m && c + 32 <= c1; c += 32) {  // two independent chains (no mask)
     const __m512 s0 = _mm512_loadu_ps(s + c), s1 = _mm512_loadu_ps(s + c + 16);
     const __m512 e0 = exp2_v<kLowT>(_mm512_fmsub_ps(s0, vc2, vshift), 0xffff);
     const __m512 e1 = exp2_v<kLowT>(_mm512_fmsub_ps(s1, vc2, vshift), 0xffff);
@@ -176,8 +211,9 @@ static inline float exp_row(const float* s, T* p, int64_t c0, int64_t c1, int64_
   }
   for (; c < c1; c += 16) {
     const __mmask16 k = c + 16 <= c1 ? __mmask16(0xffff) : __mmask16((1u << (c1 - c)) - 1u);
-    const __m512 x = _mm512_mask_loadu_ps(_mm512_set1_ps(kNegInf), k, s + c);
-    const __m512 e = exp2_v<kLowT>(_mm512_fmsub_ps(x, vc2, vshift), k);
+    const __mmask16 vis = m ? mask_bits(m + c, k) : k;  // masked-out lanes: p = 0
+    const __m512 x = _mm512_mask_loadu_ps(_mm512_set1_ps(kNegInf), vis, s + c);
+    const __m512 e = exp2_v<kLowT>(_mm512_fmsub_ps(x, vc2, vshift), vis);
     vsum = _mm512_add_ps(vsum, e);
     if (smax) vmax = _mm512_max_ps(vmax, x);
     store16<T>(p + c, e, k);
@@ -185,13 +221,15 @@ static inline float exp_row(const float* s, T* p, int64_t c0, int64_t c1, int64_
   sum = _mm512_reduce_add_ps(_mm512_add_ps(vsum, vsum2));
   if (smax) *smax = _mm512_reduce_max_ps(_mm512_max_ps(vmax, vmax2));
 #else
-#pragma omp simd reduction(+ : sum)
+  float mx = kNegInf;
   for (c = c0; c < c1; ++c) {
-    const float e = exp2_neg(s[c] * c2 - shift);
+    const bool allowed = !m || m[c];
+    const float e = allowed ? exp2_neg(s[c] * c2 - shift) : 0.f;
     sum += e;
     store<T>(p + c, e);
+    if (allowed) mx = s[c] > mx ? s[c] : mx;
   }
-  if (smax) *smax = row_max(s + c0, c1 - c0);
+  if (smax) *smax = mx;
 #endif
   return sum;
 }
@@ -227,7 +265,7 @@ static void parallel_strided(int64_t n, const F& f) {
 // dS = p∘(dP - D), in place in s and dp; bf16: also rounded copies for the matmuls.
 template <typename T>
 static inline void grad_row(float* s, float* dp, T* p_low, T* ds_low, int64_t c0, int64_t c1,
-                            int64_t nk, float c2, float sh, float Dr) {
+                            int64_t nk, float c2, float sh, float Dr, const uint8_t* m) {
   if (c1 <= c0) {  // no visible key (also every row with lse = -inf)
     for (int64_t c = 0; c < nk; ++c) {
       s[c] = dp[c] = 0.f;
@@ -241,7 +279,8 @@ static inline void grad_row(float* s, float* dp, T* p_low, T* ds_low, int64_t c0
     const __mmask16 in = c + 16 <= nk ? __mmask16(0xffff) : __mmask16((1u << (nk - c)) - 1u);
     // visible lanes: c0 <= c + i < c1
     const int64_t a = std::clamp<int64_t>(c0 - c, 0, 16), b = std::clamp<int64_t>(c1 - c, 0, 16);
-    const __mmask16 vis = __mmask16(((1u << b) - 1u) & ~((1u << a) - 1u));
+    __mmask16 vis = __mmask16(((1u << b) - 1u) & ~((1u << a) - 1u));
+    if (m) vis = mask_bits(m + c, vis);
     const __m512 t = _mm512_fmsub_ps(_mm512_maskz_loadu_ps(vis, s + c), vc2, vsh);
     const __m512 p = exp2_v<false>(t, vis);
     const __m512 ds = _mm512_mul_ps(p, _mm512_sub_ps(_mm512_maskz_loadu_ps(in, dp + c), vD));
@@ -255,7 +294,7 @@ static inline void grad_row(float* s, float* dp, T* p_low, T* ds_low, int64_t c0
 #else
 #pragma omp simd
   for (int64_t c = 0; c < nk; ++c) {
-    const bool visible = c >= c0 && c < c1;
+    const bool visible = c >= c0 && c < c1 && (!m || m[c]);
     const float p = visible ? exp2_neg(s[c] * c2 - sh) : 0.f;
     s[c] = p;
     dp[c] = p * (dp[c] - Dr);
@@ -416,6 +455,28 @@ struct PreparedKV {
   }
 };
 
+// A bool mask (True = may attend) as a strided view (Nb, h_kv, G, Tq, Tk) with unit stride
+// over keys (Python passes the broadcast view, never a copy); kv head n = b·h_kv + hk.
+struct MaskView {
+  const uint8_t* base = nullptr;
+  int64_t h_kv = 1, s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+  const uint8_t* row(int64_t n, int64_t g, int64_t i, int64_t ks) const {
+    if (!base) return nullptr;
+    return base + (n / h_kv) * s0 + (n % h_kv) * s1 + g * s2 + i * s3 + ks;
+  }
+  static MaskView of(const std::optional<Tensor>& mask) {
+    MaskView v;
+    if (!mask.has_value() || !mask->defined()) return v;
+    const Tensor& t = *mask;
+    TORCH_CHECK(t.scalar_type() == at::kBool && t.dim() == 5 && t.stride(4) == 1,
+                "qkv flash: mask must be a bool (Nb, h_kv, G, Tq, Tk) view with unit key stride");
+    v.base = reinterpret_cast<const uint8_t*>(t.const_data_ptr<bool>());
+    v.h_kv = t.size(1), v.s0 = t.stride(0), v.s1 = t.stride(1), v.s2 = t.stride(2);
+    v.s3 = t.stride(3);
+    return v;
+  }
+};
+
 // Sizes in the kernel's layout: q (N, G, Tq, d), k (N, Tk, d), v (N, Tk, dv).
 struct Dims {
   int64_t N, G, Tq, d, Tk, dv;
@@ -427,7 +488,7 @@ struct Dims {
 template <typename T>
 static void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
                          Tensor& lse, double scale_d, const Structure& st, int64_t bq,
-                         int64_t bk, bool vnni) {
+                         int64_t bk, bool vnni, const MaskView& mk) {
   const Dims D0 = Dims::of(q, k, v);
   const int64_t N = D0.N, G = D0.G, Tq = D0.Tq, d = D0.d, Tk = D0.Tk, dv = D0.dv;
   const float scale = static_cast<float>(scale_d), c2 = scale * kLog2e;
@@ -482,29 +543,32 @@ static void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tens
           const int64_t c1 = std::clamp<int64_t>(st.hi(qs + r) - ks, 0, nk);
           float* s = S + r * rbk;
           T* p = P + r * rbk;
-          if (c1 <= c0) {  // nothing visible in this block for this row
+          const uint8_t* mr = mk.row(n, g, qs + r, ks);  // mask bytes of this block's keys
+          float m_new, a, sum;
+          const float bmax = c1 <= c0 || m[r] != kNegInf
+                                 ? kNegInf
+                                 : row_max_masked(s + c0, mr ? mr + c0 : nullptr, c1 - c0);
+          if (c1 <= c0 || (m[r] == kNegInf && bmax == kNegInf)) {  // nothing visible yet
             for (int64_t c = 0; c < enk; ++c) store<T>(p + c, 0.f);
             alpha[r] = 1.f;
             continue;
           }
-          float m_new, a, sum;
           if (m[r] != kNegInf) {
             // One pass with the running max kept ("lazy" rescaling, as in FlashAttention-4),
             // redone only if this block's max exceeds it by more than kLazyLog2 in log2 units
             // (p stays below 2^kLazyLog2, harmless in fp32 sums and in bf16). Measured 1.2-1.5x
             // on the bf16 forward at T=4096 (no separate max pass, no rescaling of acc).
             float mx;
-            sum = exp_row<T>(s, p, c0, c1, enk, c2, m[r] * c2, &mx);
-            if ((mx - m[r]) * c2 <= kLazyLog2) {
+            sum = exp_row<T>(s, p, c0, c1, enk, c2, m[r] * c2, &mx, mr);
+            if (!(mx - m[r] > kLazyLog2 / c2)) {  // (also when the mask hid every key: mx = -inf)
               m_new = m[r], a = 1.f;
             } else {
               m_new = mx, a = exp2_neg((m[r] - m_new) * c2);
-              sum = exp_row<T>(s, p, c0, c1, enk, c2, m_new * c2);
+              sum = exp_row<T>(s, p, c0, c1, enk, c2, m_new * c2, nullptr, mr);
             }
           } else {
-            m_new = std::max(m[r], row_max(s + c0, c1 - c0));
-            a = exp2_neg((m[r] - m_new) * c2);  // m = -inf at first: a = 0
-            sum = exp_row<T>(s, p, c0, c1, enk, c2, m_new * c2);
+            m_new = bmax, a = 0.f;  // first visible key: nothing to rescale
+            sum = exp_row<T>(s, p, c0, c1, enk, c2, m_new * c2, nullptr, mr);
           }
           l[r] = l[r] * a + sum;
           m[r] = m_new;
@@ -545,8 +609,10 @@ static void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tens
 }
 
 std::tuple<Tensor, Tensor> flash_fwd(const Tensor& q, const Tensor& k, const Tensor& v,
-                                     double scale, bool causal, int64_t window, int64_t block_q,
+                                     const std::optional<Tensor>& mask, double scale,
+                                     bool causal, int64_t window, int64_t block_q,
                                      int64_t block_k) {
+  const MaskView mk = MaskView::of(mask);
   TORCH_CHECK(q.dim() == 4 && k.dim() == 3 && v.dim() == 3, "qkv flash_fwd: bad ranks");
   TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(),
               "qkv flash_fwd: inputs must be contiguous");
@@ -555,11 +621,11 @@ std::tuple<Tensor, Tensor> flash_fwd(const Tensor& q, const Tensor& k, const Ten
   Tensor out = at::empty({q.size(0), q.size(1), q.size(2), v.size(2)}, q.options());
   Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
   if (q.scalar_type() == at::kFloat) {
-    forward_impl<float>(q, k, v, out, lse, scale, st, block_q, block_k, false);
+    forward_impl<float>(q, k, v, out, lse, scale, st, block_q, block_k, false, mk);
   } else {
     TORCH_CHECK(q.scalar_type() == at::kBFloat16, "qkv flash_fwd: fp32 or bf16 only");
     const bool vnni = cpublas::could_pack(at::kBFloat16) && q.size(3) % 2 == 0;
-    forward_impl<BFloat16>(q, k, v, out, lse, scale, st, block_q, block_k, vnni);
+    forward_impl<BFloat16>(q, k, v, out, lse, scale, st, block_q, block_k, vnni, mk);
   }
   return {out, lse};
 }
@@ -576,7 +642,7 @@ template <typename T>
 static void backward_impl(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
                           const Tensor& dout, const Tensor& lse, Tensor& dq, Tensor& dk,
                           Tensor& dv_, double scale_d, const Structure& st, int64_t bq,
-                          int64_t bk) {
+                          int64_t bk, const MaskView& mk) {
   const Dims D0 = Dims::of(q, k, v);
   const int64_t N = D0.N, G = D0.G, Tq = D0.Tq, d = D0.d, Tk = D0.Tk, dv = D0.dv;
   const float scale = static_cast<float>(scale_d), c2 = scale * kLog2e;
@@ -650,7 +716,7 @@ static void backward_impl(const Tensor& q, const Tensor& k, const Tensor& v, con
               const float sh = lse2[r], Dr = D[r];
               T* pl = low ? Plow + r * bk : nullptr;
               T* dsl = low ? dSlow + r * bk : nullptr;
-              grad_row<T>(s, dp, pl, dsl, c0, c1, nk, c2, sh, Dr);
+              grad_row<T>(s, dp, pl, dsl, c0, c1, nk, c2, sh, Dr, mk.row(n, g, qs + r, ks));
             }
             const T* P = low ? Plow : reinterpret_cast<const T*>(S);
             const T* dS = low ? dSlow : reinterpret_cast<const T*>(dP);
@@ -675,8 +741,10 @@ static void backward_impl(const Tensor& q, const Tensor& k, const Tensor& v, con
 
 std::tuple<Tensor, Tensor, Tensor> flash_bwd(const Tensor& q, const Tensor& k, const Tensor& v,
                                              const Tensor& out, const Tensor& dout,
-                                             const Tensor& lse, double scale, bool causal,
-                                             int64_t window, int64_t block_q, int64_t block_k) {
+                                             const Tensor& lse, const std::optional<Tensor>& mask,
+                                             double scale, bool causal, int64_t window,
+                                             int64_t block_q, int64_t block_k) {
+  const MaskView mk = MaskView::of(mask);
   TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous() &&
                   out.is_contiguous() && dout.is_contiguous() && lse.is_contiguous(),
               "qkv flash_bwd: inputs must be contiguous");
@@ -686,10 +754,11 @@ std::tuple<Tensor, Tensor, Tensor> flash_bwd(const Tensor& q, const Tensor& k, c
   Tensor dq = at::zeros(q.sizes(), f32), dk = at::empty(k.sizes(), f32);
   Tensor dv = at::empty(v.sizes(), f32);
   if (q.scalar_type() == at::kFloat) {
-    backward_impl<float>(q, k, v, out, dout, lse, dq, dk, dv, scale, st, block_q, block_k);
+    backward_impl<float>(q, k, v, out, dout, lse, dq, dk, dv, scale, st, block_q, block_k, mk);
   } else {
     TORCH_CHECK(q.scalar_type() == at::kBFloat16, "qkv flash_bwd: fp32 or bf16 only");
-    backward_impl<BFloat16>(q, k, v, out, dout, lse, dq, dk, dv, scale, st, block_q, block_k);
+    backward_impl<BFloat16>(q, k, v, out, dout, lse, dq, dk, dv, scale, st, block_q, block_k,
+                            mk);
   }
   return {dq, dk, dv};
 }
@@ -697,10 +766,11 @@ std::tuple<Tensor, Tensor, Tensor> flash_bwd(const Tensor& q, const Tensor& k, c
 }  // namespace
 
 TORCH_LIBRARY(qkv_flash, m) {
-  m.def("fwd(Tensor q, Tensor k, Tensor v, float scale, bool causal, int window, int block_q, "
-        "int block_k) -> (Tensor, Tensor)");
-  m.def("bwd(Tensor q, Tensor k, Tensor v, Tensor out, Tensor dout, Tensor lse, float scale, "
-        "bool causal, int window, int block_q, int block_k) -> (Tensor, Tensor, Tensor)");
+  m.def("fwd(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, bool causal, int window, "
+        "int block_q, int block_k) -> (Tensor, Tensor)");
+  m.def("bwd(Tensor q, Tensor k, Tensor v, Tensor out, Tensor dout, Tensor lse, Tensor? mask, "
+        "float scale, bool causal, int window, int block_q, int block_k) -> "
+        "(Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(qkv_flash, CPU, m) {

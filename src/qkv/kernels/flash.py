@@ -1,7 +1,7 @@
 """Tiled ("flash") attention: online softmax, O(T) memory, block skipping.
 
-Two kernels behind one function. fp32/bf16 CPU calls with causal/window structure and no
-mask, bias or soft-cap run the fused C++ kernel (``qkv/csrc/flash_cpu.cpp``, loaded by
+Two kernels behind one function. fp32/bf16 CPU calls with causal/window structure, maybe a
+bool mask, and no bias or soft-cap run the fused C++ kernel (``qkv/csrc/flash_cpu.cpp``, loaded by
 :mod:`qkv.kernels._native`; :func:`fused_kernel_rejects` says when it does not apply). All
 other calls run the PyTorch-ops kernel of this module, described below.
 
@@ -335,16 +335,16 @@ def fused_kernel_rejects(
 ) -> str | None:  # fmt: skip
     """Why the fused C++ kernel cannot run a call (``None``: it runs; see :mod:`._native`).
 
-    It covers fp32/bf16 on the CPU with causal/window structure; masks, biases, soft-capping,
-    fp64/fp16 run on the PyTorch-ops kernel of this module.
+    It covers fp32/bf16 on the CPU with causal/window structure and bool masks (True = may
+    attend); biases, soft-capping, fp64/fp16 run on the PyTorch-ops kernel of this module.
     """
     if torch.device(device).type != "cpu":
         return f"device {torch.device(device).type}: the fused kernel is CPU-only"
     if dtype not in (torch.float32, torch.bfloat16):
         return f"dtype {dtype}: the fused kernel takes float32/bfloat16"
-    for name, present in (("mask", has_mask), ("bias", has_bias), ("softcap", softcap is not None)):
+    for name, present in (("bias", has_bias), ("softcap", softcap is not None)):
         if present:
-            return f"{name} given: the fused kernel handles causal/window structure only"
+            return f"{name} given: the fused kernel takes causal/window structure and bool masks"
     if scale is not None and scale <= 0:
         return f"scale={scale} <= 0"
     if native_ops() is None:
@@ -358,7 +358,20 @@ def _native_ok(q: Tensor, k: Tensor, v: Tensor, mask, bias, softcap, scale: floa
         q.device, q.dtype, has_mask=mask is not None, has_bias=bias is not None,
         softcap=softcap, scale=scale,
     )  # fmt: skip
-    return reason is None and not empty and k.dtype == v.dtype == q.dtype
+    # a mask broadcast over the keys (last dim 1) is left to the PyTorch-ops kernel
+    mask_ok = mask is None or (mask.dtype == torch.bool and mask.shape[-1] == k.shape[-2] > 1)
+    return reason is None and not empty and mask_ok and k.dtype == v.dtype == q.dtype
+
+
+def _mask_view(mask: Tensor | None, shape: AttentionShape) -> Tensor | None:
+    """The mask as the fused kernel reads it: a broadcast view ``(Nb, h_kv, G, Tq, Tk)``."""
+    if mask is None:
+        return None
+    if mask.stride(-1) != 1:
+        mask = mask.contiguous()  # the kernel reads each row's key bytes in one run
+    m5 = to_5d(mask, shape)  # (Nb|1, h_kv|1, G|1, Tq|1, Tk)
+    nb = math.prod(shape.batch)
+    return m5.expand(nb, shape.h_kv, shape.group, shape.Tq, shape.Tk)
 
 
 def _window_arg(structure: Structure) -> int:
@@ -373,8 +386,8 @@ class _FlashFunction(torch.autograd.Function):
         if plan.native:
             st = plan.structure
             out4, lse4 = native_ops().fwd(
-                q4.contiguous(), k3.contiguous(), v3.contiguous(), plan.scale, st.causal,
-                _window_arg(st), plan.block_q, plan.block_k,
+                q4.contiguous(), k3.contiguous(), v3.contiguous(), _mask_view(mask, shape),
+                plan.scale, st.causal, _window_arg(st), plan.block_q, plan.block_k,
             )  # fmt: skip
         else:
             q4c = q4 * plan.c  # (N, G, Tq, d_k), scale folded into q once
@@ -398,7 +411,8 @@ class _FlashFunction(torch.autograd.Function):
             st = plan.structure
             dq, dk, dv = native_ops().bwd(
                 q4.contiguous(), k3.contiguous(), v3.contiguous(), out4, dout4.contiguous(),
-                lse4, plan.scale, st.causal, _window_arg(st), plan.block_q, plan.block_k,
+                lse4, _mask_view(mask, shape), plan.scale, st.causal, _window_arg(st),
+                plan.block_q, plan.block_k,
             )  # fmt: skip
             return (
                 dq.to(q.dtype).view(q.shape), dk.to(k.dtype).view(k.shape),
