@@ -226,12 +226,14 @@ torch.manual_seed(0)
 for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
     q = torch.randn(2, 4, 70, 16).to(dtype).requires_grad_()
     k, v = (torch.randn(2, 2, 90, 16).to(dtype).requires_grad_() for _ in range(2))
-    out = flash_attention(q, k, v, causal=True, window=30, block_q=16, block_k=32)
-    ref = attention_steps(*(t.double() for t in (q, k, v)), causal=True, window=30).output
-    assert (out.double() - ref).abs().max() < tol, dtype
-    g = torch.autograd.grad(out.sum(), (q, k, v))
-    r = torch.autograd.grad(ref.sum(), (q, k, v))
-    assert max((a.double() - b.double()).abs().max() for a, b in zip(g, r)) < 10 * tol, dtype
+    for mask in (None, torch.rand(70, 90) > 0.3):
+        kw = dict(causal=True, window=30, mask=mask)
+        out = flash_attention(q, k, v, **kw, block_q=16, block_k=32)
+        ref = attention_steps(*(t.double() for t in (q, k, v)), **kw).output
+        assert (out.double() - ref).abs().max() < tol, dtype
+        g = torch.autograd.grad(out.sum(), (q, k, v))
+        r = torch.autograd.grad(ref.sum(), (q, k, v))
+        assert max((a.double() - b.double()).abs().max() for a, b in zip(g, r)) < 10 * tol
 print("ok")
 """
 
