@@ -6,9 +6,10 @@
 // is oneDNN with AMX tiles on CPUs that have them), the softmax of a block (max, exp, sum,
 // rescale, rounding to bf16) is one vectorised loop per row that stays in L1/L2.
 //
-// Only the structural masks run here (causal bottom-right, sliding window): each query row
-// sees one contiguous key range, so no mask tensor is read. Bool masks, biases, soft-capping
-// and fp64 stay on the PyTorch-ops kernel. Layout (qkv/kernels/_blocks.py):
+// Causal (bottom-right) and sliding windows give each query row one contiguous key range,
+// so empty blocks are skipped without reading any mask; a bool mask (True = may attend), if
+// given, is read in place as a broadcast view (MaskView). Biases, soft-capping and fp64 stay
+// on the PyTorch-ops kernel. Layout (qkv/kernels/_blocks.py):
 //   q (N, G, Tq, d)   k (N, Tk, d)   v (N, Tk, dv)   out (N, G, Tq, dv)   lse (N, G, Tq) fp32
 // with N = batch * kv heads and G query heads per kv head (GQA without repeating K/V).
 #include <ATen/ATen.h>
