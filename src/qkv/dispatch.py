@@ -153,7 +153,7 @@ def invalid(case: Case) -> dict[str, str]:
     return out
 
 
-def _rule(case: Case) -> tuple[str, str]:
+def _rule(case: Case, fused: bool) -> tuple[str, str]:
     """The measured rule for ``"auto"``: (preferred backend, why)."""
     s = case.shape
     if case.return_weights and case.weights_heads is None:
@@ -164,7 +164,6 @@ def _rule(case: Case) -> tuple[str, str]:
         return "torch", "dropout: torch SDPA has it"
     if case.softcap is not None:
         return "flash", "softcap: flash supports it without materialising Tq×Tk"
-    fused = _fused(case)
     if fused and case.grad and case.dtype == torch.bfloat16:
         return "flash", "gradients needed, bf16: flash's fused kernel is 1.5-2.5× torch SDPA"
     if fused and case.grad and s.Tk >= FUSED_GRAD_TK:
@@ -183,12 +182,12 @@ def _rule(case: Case) -> tuple[str, str]:
     )
 
 
-def _fused(case: Case) -> bool:
-    why = fused_kernel_rejects(
+def _fused_reason(case: Case) -> str | None:
+    """Why flash's fused C++ kernel cannot run this case (``None``: it can)."""
+    return fused_kernel_rejects(
         case.device, case.dtype, has_mask=case.has_mask, has_bias=case.has_bias,
         softcap=case.softcap,
     )  # fmt: skip
-    return why is None
 
 
 def choose(case: Case, backend: str = "auto") -> Decision:
@@ -196,12 +195,14 @@ def choose(case: Case, backend: str = "auto") -> Decision:
     if backend not in (*BACKENDS, "auto"):
         raise ValueError(f"backend must be 'auto' or one of {BACKENDS}, got {backend!r}")
     bad = invalid(case)
+    # only "auto" and "flash" look at flash's kernels (the first look may build the fused one)
+    fused_why = _fused_reason(case) if backend in ("auto", "flash") else None
     if backend != "auto":
         if backend in bad:
             raise ValueError(f"backend={backend!r} cannot run this call: {bad[backend]}")
         reasons = {n: "not requested" for n in BACKENDS if n != backend}
-        return Decision(backend, backend, reasons, _flash_kernel(case, backend))
-    preferred, why = _rule(case)
+        return Decision(backend, backend, reasons, _flash_kernel(backend, fused_why))
+    preferred, why = _rule(case, fused_why is None)
     if preferred in bad:  # e.g. dropout with softcap
         preferred, why = "math", "the only backend valid for this combination"
     reasons = dict(bad)
@@ -210,17 +211,13 @@ def choose(case: Case, backend: str = "auto") -> Decision:
             slow = "the reference: slowest, holds (Tq, Tk) per head"
             reasons[name] = slow if name == "math" else f"rule: {why}"
     reasons.pop(preferred, None)
-    return Decision(preferred, "auto", reasons, _flash_kernel(case, preferred))
+    return Decision(preferred, "auto", reasons, _flash_kernel(preferred, fused_why))
 
 
-def _flash_kernel(case: Case, backend: str) -> str | None:
+def _flash_kernel(backend: str, fused_why: str | None) -> str | None:
     if backend != "flash":
         return None
-    why = fused_kernel_rejects(
-        case.device, case.dtype, has_mask=case.has_mask, has_bias=case.has_bias,
-        softcap=case.softcap,
-    )  # fmt: skip
-    return "fused C++ kernel" if why is None else f"PyTorch-ops kernel ({why})"
+    return "fused C++ kernel" if fused_why is None else f"PyTorch-ops kernel ({fused_why})"
 
 
 def explain_dispatch(

@@ -415,22 +415,29 @@ class Scratch {
 // K and V of one kv head, prepared for the forward's two block matmuls. Plain: K transposed
 // (d x Tk). VNNI (bf16 with AMX): every key block j is packed for oneDNN's brgemm, Kᵀ in
 // chunks of 64 keys and V (keys padded to even) in chunks of 64 value columns.
+// The packed layout lives here only: the forward reads it through k_block/v_block.
 template <typename T>
 struct PreparedKV {
   HugeBuffer<T> kt, vp;
-  int64_t d, dv, Tk, bk, rdv;
+  int64_t d, dv, Tk, bk, rdv, rbk, ebk;  // rdv, rbk: dv, bk rounded up to 64; ebk: bk to even
   bool vnni;
+  // Kᵀ of key block j: VNNI (d x rbk) in 64-key chunks of d·64 each; plain: column j·bk of
+  // Kᵀ (d x Tk, row stride Tk)
+  const T* k_block(int64_t j) const { return kt.data() + (vnni ? j * d * rbk : j * bk); }
+  // V of key block j, VNNI only: chunk c (of 64 value columns) at + c·(keys of the block, even)
+  const T* v_block(int64_t j) const { return vp.data() + j * ebk * rdv; }
   void prepare(const T* k, const T* v, int64_t d_, int64_t dv_, int64_t Tk_, int64_t bk_,
                bool vnni_) {
     d = d_, dv = dv_, Tk = Tk_, bk = bk_, vnni = vnni_;
     rdv = vnni ? (dv + kPack - 1) / kPack * kPack : dv;
+    rbk = vnni ? (bk + kPack - 1) / kPack * kPack : bk;
+    ebk = vnni ? bk + (bk & 1) : bk;
     if (!vnni) {
       kt.assign(d * Tk);
       transpose(k, Tk, d, d, kt.data(), Tk);
       return;
     }
     const int64_t nb = (Tk + bk - 1) / bk;
-    const int64_t rbk = (bk + kPack - 1) / kPack * kPack, ebk = bk + (bk & 1);
     kt.assign(nb * d * rbk);
     vp.assign(nb * ebk * rdv);
     std::vector<T> tmp(std::max(d * kPack, ebk * kPack));
@@ -441,7 +448,7 @@ struct PreparedKV {
         transpose(k + (ks + c) * d, std::min(kPack, n - c), d, d, tmp.data(), kPack);
         cpublas::pack(d, kPack, kPack, kPack, c10::CppTypeToScalarType<T>::value,
                       c10::CppTypeToScalarType<T>::value, tmp.data(),
-                      kt.data() + j * d * rbk + c * d);
+                      const_cast<T*>(k_block(j)) + c * d);
       }
       for (int64_t c = 0; c < dv; c += kPack) {  // V chunk (even keys x 64)
         std::fill(tmp.begin(), tmp.end(), T(0));
@@ -450,7 +457,7 @@ struct PreparedKV {
             tmp[r * kPack + x] = v[(ks + r) * dv + c + x];
         cpublas::pack(en, kPack, kPack, kPack, c10::CppTypeToScalarType<T>::value,
                       c10::CppTypeToScalarType<T>::value, tmp.data(),
-                      vp.data() + j * ebk * rdv + c * en);
+                      const_cast<T*>(v_block(j)) + c * en);
       }
     }
   }
@@ -507,13 +514,12 @@ static void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tens
   });
 
   const int64_t nqb = (Tq + bq - 1) / bq;
-  const int64_t rbk = vnni ? (bk + kPack - 1) / kPack * kPack : bk;  // row length of S, P
+  const int64_t rbk = prep[0].rbk, rdv = prep[0].rdv;  // row lengths of S and P, of acc
   parallel_strided(N * G * nqb, [&](int64_t first, int64_t end, int64_t step) {
-    const int64_t rdv = prep[0].rdv;
     Scratch sc(Scratch::pages(bq * rbk * 4) + Scratch::pages(bq * rbk * sizeof(T)) +
                Scratch::pages(bq * rdv * 4));
     float* S = sc.take<float>(bq * rbk);
-    T* Pbuf = sc.take<T>(bq * rbk);  // p of a block (its own buffer: see the lazy max below)
+    T* P = sc.take<T>(bq * rbk);  // p of a block (its own buffer: see the lazy max below)
     float* acc = sc.take<float>(bq * rdv);
     std::vector<float> m(bq), l(bq), alpha(bq);
     for (int64_t idx = first; idx < end; idx += step) {
@@ -531,14 +537,12 @@ static void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tens
         if (vnni) {
           const int64_t rnk = (nk + kPack - 1) / kPack * kPack;
           for (int64_t c = 0; c < rnk; c += kPack)
-            cpublas::brgemm(rows, kPack, d, d, kPack, rbk, false, Q,
-                            kv.kt.data() + j * d * ((bk + kPack - 1) / kPack * kPack) + c * d,
+            cpublas::brgemm(rows, kPack, d, d, kPack, rbk, false, Q, kv.k_block(j) + c * d,
                             S + c, true);
         } else {
-          mm<T>(rows, nk, d, Q, d, kv.kt.data() + ks, Tk, S, rbk, false);
+          mm<T>(rows, nk, d, Q, d, kv.k_block(j), Tk, S, rbk, false);
         }
         const int64_t enk = vnni ? nk + (nk & 1) : nk;  // P's columns the PV matmul reads
-        T* P = Pbuf;
         for (int64_t r = 0; r < rows; ++r) {
           const int64_t c0 = std::clamp<int64_t>(st.lo(qs + r) - ks, 0, nk);
           const int64_t c1 = std::clamp<int64_t>(st.hi(qs + r) - ks, 0, nk);
@@ -583,10 +587,9 @@ static void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tens
           for (int64_t c = 0; c < rdv; ++c) o[c] *= a;
         }
         if (vnni) {
-          const int64_t ebk = bk + (bk & 1);
           for (int64_t c = 0; c < dv; c += kPack)
-            cpublas::brgemm(rows, kPack, enk, rbk, kPack, rdv, true, P,
-                            kv.vp.data() + j * ebk * rdv + c * enk, acc + c, true);
+            cpublas::brgemm(rows, kPack, enk, rbk, kPack, rdv, true, P, kv.v_block(j) + c * enk,
+                            acc + c, true);
         } else {
           mm<T>(rows, dv, nk, P, rbk, vd + (n * Tk + ks) * dv, dv, acc, rdv, true);
         }
