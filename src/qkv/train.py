@@ -130,6 +130,21 @@ def build_config(args, vocab_size: int) -> TransformerConfig:
     )  # fmt: skip
 
 
+def save_epoch(model: nn.Module, directory: Path, epoch: int, *, keep: int) -> Path:
+    """Weights at the end of ``epoch`` as ``directory/epoch-NNN.safetensors`` (the last
+    ``keep`` are kept): the inputs of checkpoint averaging (:func:`qkv.models.average`)."""
+    from safetensors.torch import save_model
+
+    directory.mkdir(parents=True, exist_ok=True)
+    target = directory / f"epoch-{epoch:03d}.safetensors"
+    tmp = target.with_name(target.name + ".tmp")
+    save_model(model, str(tmp))  # handles the tied embeddings
+    os.replace(tmp, target)
+    for old in sorted(directory.glob("epoch-*.safetensors"))[:-keep]:
+        old.unlink()
+    return target
+
+
 class _Stop:
     """Set by SIGINT/SIGTERM; the loop checkpoints at the next step boundary and exits."""
 
@@ -299,6 +314,8 @@ def train(args: argparse.Namespace) -> dict:
             with open(out / "log.jsonl", "a") as f:
                 f.write(json.dumps(record) + "\n")
             print(json.dumps(record), flush=True)
+            if getattr(args, "keep_epochs", 0):
+                save_epoch(model, out / "epochs", epoch, keep=args.keep_epochs)
         checkpoint()
         last_ckpt = time.monotonic()
         world.barrier()
@@ -377,6 +394,8 @@ def add_parser(sub) -> None:
         action="store_true",
         help="validate (and maybe keep as best) when the budget ends mid-epoch",
     )
+    r.add_argument("--keep-epochs", type=int, default=0,
+                   help="keep the weights of the last N epochs in OUT/epochs (for averaging)")
     r.add_argument("--device", default=None, help="cpu (default) or cuda; DDP uses LOCAL_RANK")
     r.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     r.add_argument("--no-progress", action="store_true", default=None)
