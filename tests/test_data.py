@@ -16,6 +16,7 @@ from qkv.data import (
     multi30k,
     read_parallel,
 )
+from qkv.data.corpus import splits
 
 # Tiny models: extra threads only add synchronisation on this shared 2-core machine.
 torch.set_num_threads(1)
@@ -87,13 +88,28 @@ def test_multi30k_splits_and_languages():
 
 
 def test_missing_files_are_named(tmp_path):
-    with pytest.raises(FileNotFoundError, match=r"missing data file: .*val\.fr\.gz"):
-        (tmp_path / "val.en.gz").write_bytes(gzip.compress(b"a\n"))
+    (tmp_path / "val.en.gz").write_bytes(gzip.compress(b"a\n"))
+    (tmp_path / "test_2016_flickr.en.gz").write_bytes(gzip.compress(b"a\n"))
+    (tmp_path / "test_2016_flickr.fr.gz").write_bytes(gzip.compress(b"b\n"))
+    with pytest.raises(FileNotFoundError, match=r"no split 'val' .*present: test_2016_flickr"):
         multi30k("val", "en", "fr", tmp_path)
     with pytest.raises(FileNotFoundError, match="missing data directory"):
         multi30k("val", "en", "fr", tmp_path / "nope")
-    with pytest.raises(ValueError, match="split must be one of"):
-        multi30k("dev", "en", "fr", tmp_path)
+    for bad in ("../val", "a/b", ""):
+        with pytest.raises(ValueError, match="split must be a plain name"):
+            multi30k(bad, "en", "fr", tmp_path)
+
+
+def test_any_present_split_is_read(tmp_path):
+    """Official test sets beyond the usual four (test_2018_flickr, test_2017_mscoco) work."""
+    for split in ("test_2018_flickr", "test_2017_mscoco"):
+        (tmp_path / f"{split}.en").write_text("A dog.\nA cat.\n", encoding="utf-8")
+        (tmp_path / f"{split}.fr.gz").write_bytes(gzip.compress(b"Un chien.\nUn chat.\n"))
+        assert multi30k(split, "en", "fr", tmp_path) == [
+            ("A dog.", "Un chien."),
+            ("A cat.", "Un chat."),
+        ]
+    assert splits(tmp_path, "en", "fr") == ["test_2017_mscoco", "test_2018_flickr"]
 
 
 def test_plain_parallel_files(tmp_path):

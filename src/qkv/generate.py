@@ -10,6 +10,8 @@ Shapes: ``src (B, S)`` → generated ids ``(B, T)`` (after ``<s>``; ``</s>`` the
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import Tensor
 
@@ -165,8 +167,13 @@ def translate(
         raise TypeError("sentences must be a list of str, not a single str")
     model.eval()
     dev = next(model.parameters()).device
-    ids = [s + [tokenizer.eos_id] for s in tokenizer.encode_batch(list(sentences))]
-    ids = [s[: model.cfg.max_len // 2] for s in ids]
+    limit = model.cfg.max_len // 2 - 1  # source tokens before </s>; the output fits the rest
+    ids = tokenizer.encode_batch(list(sentences))
+    if any(len(s) > limit for s in ids):  # qkv.translate.Translator splits such text instead
+        n = sum(len(s) > limit for s in ids)
+        warnings.warn(f"{n} sentence(s) longer than {limit} tokens were cut to {limit}",
+                      stacklevel=2)  # fmt: skip
+    ids = [s[:limit] + [tokenizer.eos_id] for s in ids]
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
     out: list[str] = [""] * len(ids)
     batches, cur = [], []

@@ -30,6 +30,7 @@ from qkv.data.corpus import read_parallel
 from qkv.distributed.ddp import World, all_reduce_sum, init_distributed
 from qkv.models import Seq2SeqTransformer, TransformerConfig, save_pretrained
 from qkv.models.io import resolve_dir
+from qkv.translate import GENERATION_FILE
 
 __all__ = ["train", "train_step", "lr_at", "evaluate_loss", "add_parser", "parse_args"]
 
@@ -145,6 +146,48 @@ def save_epoch(model: nn.Module, directory: Path, epoch: int, *, keep: int) -> P
     return target
 
 
+def average_epochs(model: nn.Module, files: list[Path]) -> nn.Module:
+    """A copy of ``model`` holding the mean of the weights in ``files`` (checkpoint averaging:
+    the mean of the last epochs usually translates better than any one of them)."""
+    import copy
+
+    from safetensors.torch import load_model
+
+    avg = copy.deepcopy(model)
+    total = {k: torch.zeros_like(v, dtype=torch.float64) for k, v in avg.state_dict().items()}
+    for f in files:
+        load_model(avg, str(f))
+        for k, v in avg.state_dict().items():
+            total[k] += v.double()
+    with torch.no_grad():
+        for k, v in avg.state_dict().items():
+            v.copy_(total[k] / len(files))
+    return avg
+
+
+def summary(result: dict, out: Path, seconds: float, per_epoch: int) -> str:
+    """What a person wants to read when training ends."""
+    why = {"max_minutes": "the time budget ended", "max_steps": "--max-steps reached",
+           "epochs": "all epochs done", "signal": "interrupted", "peer": "a peer stopped"}  # fmt: skip
+    epochs = result["epoch"] + result["pos"] / max(per_epoch, 1)
+    lines = [f"qkv train: done ({why.get(result['stopped'], result['stopped'])}): "
+             f"{result['step']} steps, {epochs:.1f} epochs, {seconds / 60:.1f} min"]  # fmt: skip
+    b = result["best"]
+    if b.get("bleu", -1.0) >= 0:
+        at = f"epoch {b['epoch']}" if "epoch" in b else "a validation"
+        avg = f", average of the last {b['averaged']} epochs" if b.get("averaged") else ""
+        lines.append(f"  best validation BLEU {b['bleu']:.1f} (greedy) at {at}{avg}")
+    elif math.isfinite(b.get("val_loss", math.inf)):
+        lines.append(f"  best validation loss {b['val_loss']:.3f}")
+    else:
+        lines.append("  not validated (no epoch ended and --no-final-validate)")
+    lines.append(f"  model: {out / 'best'}")
+    if result["stopped"] in ("max_minutes", "max_steps", "signal"):
+        lines.append(f"  continue: qkv train --resume {out} --max-minutes N")
+    lines.append(f'  translate: qkv translate --model {out} "The boy trains the puppy."')
+    return "\n".join(lines)
+
+
 class _Stop:
     """Set by SIGINT/SIGTERM; the loop checkpoints at the next step boundary and exits."""
 
@@ -201,7 +244,7 @@ def train(args: argparse.Namespace) -> dict:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", world.rank)))
         torch.cuda.set_device(device)
     step, epoch, pos, elapsed_before = 0, 0, 0, 0.0
-    best = {"bleu": -1.0, "val_loss": float("inf")}
+    best: dict = {"bleu": -1.0, "val_loss": float("inf")}
     if state is not None:
         from safetensors.torch import load_model
 
@@ -232,17 +275,40 @@ def train(args: argparse.Namespace) -> dict:
         extra = {STATE_FILE: lambda p: torch.save(snapshot, p)}
         save_pretrained(model, out / "last", tokenizer=tokenizer, extra=extra)
 
-    def validate() -> dict:
-        val_loss = evaluate_loss(model, val_ex, val_batches)
+    def validate(m: nn.Module) -> dict:
+        val_loss = evaluate_loss(m, val_ex, val_batches)
         record = {"epoch": epoch, "step": step, "val_loss": round(val_loss, 4)}
         if args.val_bleu:
             from qkv.generate import translate
 
             n = args.val_bleu if args.val_bleu > 0 else len(val_pairs)
-            hyps = translate(model, tokenizer, [s for s, _ in val_pairs[:n]])
+            hyps = translate(m, tokenizer, [s for s, _ in val_pairs[:n]])
             record["val_bleu"], record["val_chrf"] = bleu_chrf(hyps, [t for _, t in val_pairs[:n]])
-            model.train()
+            record["val_bleu_sentences"] = min(n, len(val_pairs))
+            m.train()
         return record
+
+    def save_best(m: nn.Module) -> None:
+        gen = {"src": args.src, "tgt": args.tgt, "beam": 1, "length_penalty": 1.0}
+        write = lambda p: p.write_text(json.dumps(gen, indent=2) + "\n")  # noqa: E731
+        save_pretrained(m, out / "best", tokenizer=tokenizer, extra={GENERATION_FILE: write})
+
+    def keep_if_best(m: nn.Module, record: dict) -> None:
+        nonlocal best
+        if "val_bleu" in record:
+            better = record["val_bleu"] > best["bleu"]
+        else:
+            better = record["val_loss"] < best["val_loss"]
+        if better:
+            best = {"bleu": record.get("val_bleu", -1.0), "val_loss": record["val_loss"],
+                    "epoch": record["epoch"], "step": record["step"],
+                    "averaged": len(record.get("averaged", []))}  # fmt: skip
+            save_best(m)
+
+    def log(record: dict) -> None:
+        with open(out / "log.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+        print(json.dumps(record), flush=True)
 
     if world.is_main:
         out.mkdir(parents=True, exist_ok=True)
@@ -300,60 +366,58 @@ def train(args: argparse.Namespace) -> dict:
             break
         epoch, pos = epoch + 1, 0
         if world.is_main:
-            record = validate()
+            record = validate(model)
             record["train_loss"] = round(loss_acc / max(tok_acc, 1), 4)
             record["elapsed_min"] = round((elapsed_before + time.monotonic() - t0) / 60, 2)
-            score = record.get("val_bleu", -record["val_loss"])
-            if (
-                score > best["bleu"]
-                if "val_bleu" in record
-                else record["val_loss"] < best["val_loss"]
-            ):
-                best = {"bleu": record.get("val_bleu", -1.0), "val_loss": record["val_loss"]}
-                save_pretrained(model, out / "best", tokenizer=tokenizer)
-            with open(out / "log.jsonl", "a") as f:
-                f.write(json.dumps(record) + "\n")
-            print(json.dumps(record), flush=True)
+            keep_if_best(model, record)
+            log(record)
             if getattr(args, "keep_epochs", 0):
                 save_epoch(model, out / "epochs", epoch, keep=args.keep_epochs)
         checkpoint()
         last_ckpt = time.monotonic()
         world.barrier()
     if pos > 0 and reason in ("max_minutes", "max_steps") and world.is_main and args.final_validate:
-        record = validate()  # the budget ended mid-epoch: the model may beat the last best
+        record = validate(model)  # the budget ended mid-epoch: the model may beat the last best
         record["elapsed_min"] = round((elapsed_before + time.monotonic() - t0) / 60, 2)
-        if (
-            record.get("val_bleu", -record["val_loss"]) > best["bleu"]
-            if "val_bleu" in record
-            else record["val_loss"] < best["val_loss"]
-        ):
-            best = {"bleu": record.get("val_bleu", -1.0), "val_loss": record["val_loss"]}
-            save_pretrained(model, out / "best", tokenizer=tokenizer)
-        with open(out / "log.jsonl", "a") as f:
-            f.write(json.dumps({**record, "final": True}) + "\n")
-        print(json.dumps(record), flush=True)
+        keep_if_best(model, record)
+        log({**record, "final": True})
     if pos > 0 or reason != "epochs":
         checkpoint()
+    n_avg = getattr(args, "average", 0)
+    snapshots = sorted((out / "epochs").glob("epoch-*.safetensors"))[-n_avg:] if n_avg > 1 else []
+    if world.is_main and len(snapshots) > 1 and reason != "signal":
+        averaged = average_epochs(model, snapshots)
+        record = {**validate(averaged), "averaged": [p.stem for p in snapshots]}
+        keep_if_best(averaged, record)
+        log(record)
     if world.is_main and not (out / "best").exists():
-        save_pretrained(model, out / "best", tokenizer=tokenizer)
+        save_best(model)
     world.barrier()
     result = {**record, "step": step, "epoch": epoch, "pos": pos, "stopped": reason, "best": best}
     if world.is_main:
-        print(json.dumps({"done": result}), flush=True)
+        print(summary(result, out, elapsed_before + time.monotonic() - t0, per_epoch), flush=True)
         signal.signal(signal.SIGINT, previous[0])
         signal.signal(signal.SIGTERM, previous[1])
     return result
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("train", help="train an encoder-decoder translation model (Multi30k)")
+    p = sub.add_parser(
+        "train",
+        help="train an encoder-decoder translation model (Multi30k)",
+        description="Train a translation model. The defaults are the recipe of the models "
+        "qkv ships; --max-minutes sets the budget.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     d = p.add_argument_group("data")
     d.add_argument("--data", help="Multi30k directory (default ../shared/data/multi30k)")
     d.add_argument("--src", default="en")
     d.add_argument("--tgt", default="fr")
     d.add_argument("--train-files", nargs=2, metavar=("SRC", "TGT"), help="plain parallel text")
     d.add_argument("--val-files", nargs=2, metavar=("SRC", "TGT"))
-    d.add_argument("--train-limit", type=int, help="use only the first N training pairs")
+    d.add_argument(
+        "--train-limit", type=int, help="use only the first N training pairs (default: all)"
+    )
     d.add_argument("--val-limit", type=int, help="use only the first N validation pairs")
     d.add_argument("--vocab-size", type=int, default=8000, help="joint BPE vocabulary")
     m = p.add_argument_group("model")
@@ -364,41 +428,45 @@ def add_parser(sub) -> None:
     m.add_argument("--layers", type=int, default=3, help="encoder and decoder layers")
     m.add_argument("--enc-layers", type=int)
     m.add_argument("--dec-layers", type=int)
-    m.add_argument("--dropout", type=float, default=0.1)
+    m.add_argument("--dropout", type=float, default=0.2)
     m.add_argument("--post-ln", action="store_true", help="post-LN (paper) instead of pre-LN")
     m.add_argument("--positional", default="sinusoidal", choices=["sinusoidal", "learned", "rope"])
     o = p.add_argument_group("optimisation")
-    o.add_argument("--lr", type=float, default=7e-4)
-    o.add_argument("--warmup", type=int, default=800, help="warmup steps")
+    o.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
+    o.add_argument("--warmup", type=int, default=150, help="warmup steps")
     o.add_argument("--weight-decay", type=float, default=1e-4)
     o.add_argument("--label-smoothing", type=float, default=0.1)
     o.add_argument("--clip", type=float, default=1.0)
-    o.add_argument("--max-tokens", type=int, default=4096, help="tokens per batch (per rank)")
+    o.add_argument("--max-tokens", type=int, default=3072, help="tokens per batch (per rank)")
     o.add_argument("--bf16", action="store_true", help="bfloat16 autocast for the forward pass")
     o.add_argument("--seed", type=int, default=1)
     r = p.add_argument_group("run")
     r.add_argument("--out", help="run directory (OUT/last, OUT/best, OUT/log.jsonl)")
     r.add_argument("--resume", help="continue the run in this directory exactly")
     r.add_argument("--epochs", type=int, default=None, help="default 100")
-    r.add_argument("--max-steps", type=int, default=None)
+    r.add_argument("--max-steps", type=int, default=None, help="stop after N updates")
     r.add_argument("--max-minutes", type=float, default=None, help="wall-clock budget")
     r.add_argument("--checkpoint-minutes", type=float, default=None, help="default 5")
     r.add_argument(
         "--val-bleu",
         type=int,
-        default=-1,
-        help="validation sentences decoded for BLEU each epoch (-1 all, 0 none)",
+        default=300,
+        help="validation sentences decoded (greedy) for BLEU each epoch (-1 all, 0 none)",
     )
     r.add_argument(
         "--final-validate",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=True,
         help="validate (and maybe keep as best) when the budget ends mid-epoch",
     )
-    r.add_argument("--keep-epochs", type=int, default=0,
-                   help="keep the weights of the last N epochs in OUT/epochs (for averaging)")
+    r.add_argument("--keep-epochs", type=int, default=8,
+                   help="keep the weights of the last N epochs in OUT/epochs (0: none)")  # fmt: skip
+    r.add_argument("--average", type=int, default=5,
+                   help="at the end, average the last N epochs' weights; the average becomes "
+                   "OUT/best if its val BLEU is higher (0: off)")  # fmt: skip
     r.add_argument("--device", default=None, help="cpu (default) or cuda; DDP uses LOCAL_RANK")
     r.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
-    r.add_argument("--no-progress", action="store_true", default=None)
+    r.add_argument("--no-progress", action="store_true", default=None, help="no progress bar")
     p.set_defaults(func=_main)
 
 

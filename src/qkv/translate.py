@@ -1,48 +1,199 @@
-"""``qkv translate`` and ``qkv evaluate``: use a trained translation model directory.
+"""Translation with a trained model, by name or directory: ``qkv translate``, ``qkv evaluate``.
 
-qkv translate --model runs/enfr/best "The boy trains the puppy."
-echo "A dog runs." | qkv translate --model runs/enfr/best --beam 5
-qkv evaluate --model runs/enfr/best --split test_2016_flickr --beam 5
+qkv ships two models trained on Multi30k with ``qkv train`` (``en-fr``, the default, and
+``fr-en``); any ``qkv train`` run directory works too.
+
+    qkv translate "The boy trains the puppy."
+    echo "Un chien court." | qkv translate --model fr-en
+    qkv evaluate --model en-fr --split test_2016_flickr --beam 5
+
+>>> import qkv.translate
+>>> tr = qkv.translate.load("en-fr")                          # doctest: +SKIP
+>>> tr("The boy trains the puppy.")                          # doctest: +SKIP
+'Le garçon entraîne le chiot.'
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
+import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from qkv.data import Tokenizer, multi30k
 from qkv.data.corpus import read_lines, read_parallel
-from qkv.generate import translate
+from qkv.generate import translate as _decode
 from qkv.models import load_pretrained
 from qkv.models.io import resolve_dir
+from qkv.models.shipped import DEFAULT, shipped, shipped_dir
 
-__all__ = ["load_translator", "add_parser"]
+__all__ = ["Translator", "load", "load_translator", "split_pieces", "add_parser"]
+
+GENERATION_FILE = "generation.json"  # {"src", "tgt", "beam", "length_penalty"}: decoding defaults
+# a sentence boundary: after . ! ? ; (and their CJK forms), before the next sentence
+_SENTENCE_END = re.compile(r"(?<=[.!?;。！？；])\s+|(?<=[。！？；])")
 
 
-def load_translator(path: str | Path):
-    """``(model, tokenizer)`` from a model directory, or a run directory holding ``best/``."""
-    path = Path(path)
+def _model_dir(spec: str | Path) -> Path:
+    """A shipped model's name, a model directory, or a run directory holding ``best/``."""
+    if isinstance(spec, str) and spec in shipped():
+        return shipped_dir(spec)
+    path = Path(spec)
+    if not path.exists():
+        names = ", ".join(shipped()) or "none in this install"
+        raise FileNotFoundError(f"--model {spec}: no such directory, and not a shipped model "
+                                f"name ({names})")  # fmt: skip
     if not (resolve_dir(path) / "config.json").exists() and (path / "best").exists():
         path = path / "best"
-    path = resolve_dir(path)
-    return load_pretrained(path), Tokenizer.load(path / "tokenizer.json")
+    return resolve_dir(path)
+
+
+def load_translator(path: str | Path) -> tuple[nn.Module, Tokenizer]:
+    """``(model, tokenizer)`` from a shipped model's name or a (run) directory."""
+    path = _model_dir(path)
+    return load_pretrained(path).float(), Tokenizer.load(path / "tokenizer.json")
+
+
+def split_pieces(text: str, n_tokens, limit: int) -> list[str]:
+    """Cut ``text`` into pieces of at most ``limit`` tokens (``n_tokens(str) -> int``):
+    whole sentences where they fit, else words, else characters. Joined with spaces, the
+    pieces give back the text up to whitespace."""
+    if n_tokens(text) <= limit:
+        return [text]
+    units: list[str] = []
+    for sentence in (s for s in _SENTENCE_END.split(text) if s.strip()):
+        if n_tokens(sentence) <= limit:
+            units.append(sentence)
+            continue
+        for word in sentence.split():
+            if n_tokens(word) <= limit:
+                units.append(word)
+            else:  # one overlong "word" (unspaced script): characters, ≤ 4 byte-tokens each
+                step = max(limit // 4, 1)
+                units += [word[i : i + step] for i in range(0, len(word), step)]
+    pieces: list[str] = []
+    for unit in units:  # greedy packing: consecutive units while they fit
+        joined = f"{pieces[-1]} {unit}" if pieces else unit
+        if pieces and n_tokens(joined) <= limit:
+            pieces[-1] = joined
+        else:
+            pieces.append(unit)
+    return pieces
+
+
+@dataclass
+class Translator:
+    """A translation model with its tokenizer and decoding defaults; call it on text.
+
+    ``tr(text)`` → str, ``tr([texts])`` → list of str (empty lines stay empty). A text longer
+    than the model's positions is translated sentence by sentence (or in pieces) and joined,
+    with a :class:`UserWarning` saying so: never cut silently.
+    """
+
+    model: nn.Module
+    tokenizer: Tokenizer
+    name: str = ""
+    path: Path | None = None
+    src: str | None = None
+    tgt: str | None = None
+    beam: int = 1
+    length_penalty: float = 1.0
+    notes: list[str] = field(default_factory=list)  # what the last call had to do (pieces)
+
+    @property
+    def max_source_tokens(self) -> int:
+        """Source tokens one piece may have (``</s>`` excluded): half the positions, so the
+        output (up to ``2·source + 10`` tokens) fits the decoder's positions too."""
+        return self.model.cfg.max_len // 2 - 1
+
+    @property
+    def card(self) -> str:
+        """The model card (``README.md`` of the model directory), or ``""``."""
+        p = self.path / "README.md" if self.path else None
+        return p.read_text(encoding="utf-8") if p is not None and p.is_file() else ""
+
+    def __call__(
+        self, text: str | list[str], *, beam: int | None = None,
+        length_penalty: float | None = None, progress: bool = False,
+    ) -> str | list[str]:  # fmt: skip
+        single = isinstance(text, str)
+        lines = [text] if single else list(text)
+        if not all(isinstance(t, str) for t in lines):
+            raise TypeError("text must be a str or a list of str")
+        beam = self.beam if beam is None else beam
+        lenpen = self.length_penalty if length_penalty is None else length_penalty
+        if beam < 1:
+            raise ValueError(f"beam must be >= 1, got {beam}")
+        self.notes = []
+        limit = self.max_source_tokens
+        pieces, owner = [], []  # every non-empty piece, and the line it belongs to
+        for i, line in enumerate(lines):
+            if not line.strip():
+                continue
+            parts = split_pieces(line.strip(), lambda s: len(self.tokenizer.encode(s)), limit)
+            if len(parts) > 1:
+                self.notes.append(f"line {i + 1} is longer than the model's {limit} source "
+                                  f"tokens: translated in {len(parts)} pieces")  # fmt: skip
+            pieces += parts
+            owner += [i] * len(parts)
+        for note in self.notes:
+            warnings.warn(note, stacklevel=2)
+        out = _decode(self.model, self.tokenizer, pieces, beam_size=beam,
+                      length_penalty=lenpen, progress=progress) if pieces else []  # fmt: skip
+        result = [""] * len(lines)
+        for i, hyp in zip(owner, out):
+            result[i] = f"{result[i]} {hyp}" if result[i] else hyp
+        return result[0] if single else result
+
+
+def load(spec: str | Path = DEFAULT) -> Translator:
+    """A :class:`Translator` for a shipped model's name (``"en-fr"``, ``"fr-en"``) or a model
+    (or ``qkv train`` run) directory. Nothing is downloaded: shipped models are in the package.
+    """
+    path = _model_dir(spec)
+    model, tok = load_pretrained(path).float(), Tokenizer.load(path / "tokenizer.json")
+    gen = {}
+    if (path / GENERATION_FILE).is_file():
+        gen = json.loads((path / GENERATION_FILE).read_text(encoding="utf-8"))
+        if not isinstance(gen, dict):
+            raise ValueError(f"{path / GENERATION_FILE}: expected a JSON object")
+    name = spec if isinstance(spec, str) and spec in shipped() else str(path)
+    return Translator(model, tok, name=name, path=path, src=gen.get("src"), tgt=gen.get("tgt"),
+                      beam=int(gen.get("beam", 1)),
+                      length_penalty=float(gen.get("length_penalty", 1.0)))  # fmt: skip
+
+
+def _read_input(args: argparse.Namespace) -> list[str]:
+    if args.file:
+        return read_lines(args.file)
+    if args.text:
+        return list(args.text)
+    stream = getattr(sys.stdin, "buffer", None)  # bytes when it is a real stream
+    data = stream.read() if stream is not None else sys.stdin.read().encode("utf-8", "replace")
+    text = data.decode("utf-8", errors="replace")
+    if "\ufffd" in text and b"\xef\xbf\xbd" not in data:
+        print("qkv translate: note: input was not valid UTF-8; bad bytes became U+FFFD",
+              file=sys.stderr)  # fmt: skip
+    return text.splitlines()
 
 
 def _translate(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads or torch.get_num_threads())
-    if args.file:
-        sentences = read_lines(args.file)
-    elif args.text:
-        sentences = list(args.text)
-    else:
-        sentences = [line.rstrip("\n") for line in sys.stdin]
-    model, tok = load_translator(args.model)
-    for line in translate(model, tok, sentences, beam_size=args.beam, length_penalty=args.lenpen):
+    lines = _read_input(args)
+    tr = load(args.model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the notes are printed below, once, as notes
+        out = tr(lines, beam=args.beam, length_penalty=args.lenpen, progress=len(lines) > 50)
+    for note in tr.notes:
+        print(f"qkv translate: note: {note}", file=sys.stderr)
+    for line in out:
         print(line)
     return 0
 
@@ -51,49 +202,68 @@ def _evaluate(args: argparse.Namespace) -> int:
     from qkv.train import bleu_chrf
 
     torch.set_num_threads(args.threads or torch.get_num_threads())
+    tr = load(args.model)
+    src, tgt = args.src or tr.src or "en", args.tgt or tr.tgt or "fr"
+    if args.output and Path(args.output).is_dir():
+        raise ValueError(f"--output {args.output} is a directory; give a file name")
+    if args.output and not Path(args.output).resolve().parent.is_dir():
+        raise FileNotFoundError(f"--output {args.output}: its directory does not exist")
     if args.files:
         pairs = read_parallel(*args.files)
     else:
-        pairs = multi30k(args.split, args.src, args.tgt, args.data)
+        pairs = multi30k(args.split, src, tgt, args.data)
     if args.limit:
         pairs = pairs[: args.limit]
-    model, tok = load_translator(args.model)
     t0 = time.monotonic()
-    hyps = translate(model, tok, [s for s, _ in pairs], beam_size=args.beam,
-                     length_penalty=args.lenpen, progress=True)  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hyps = tr([s for s, _ in pairs], beam=args.beam, length_penalty=args.lenpen,
+                  progress=True)  # fmt: skip
     seconds = time.monotonic() - t0
     bleu, chrf = bleu_chrf(hyps, [t for _, t in pairs])
     name = "files" if args.files else args.split
-    result = {"split": name, "sentences": len(pairs), "beam": args.beam, "bleu": round(bleu, 2),
-              "chrf": round(chrf, 2), "seconds": round(seconds, 1)}  # fmt: skip
-    print(f"{name} {args.src}->{args.tgt} beam={args.beam}: BLEU {bleu:.2f}  chrF {chrf:.2f}  "
+    beam = args.beam or tr.beam
+    result = {"split": name, "src": src, "tgt": tgt, "sentences": len(pairs), "beam": beam,
+              "bleu": round(bleu, 2), "chrf": round(chrf, 2), "seconds": round(seconds, 1)}  # fmt: skip
+    print(f"{name} {src}->{tgt} beam={beam}: BLEU {bleu:.2f}  chrF {chrf:.2f}  "
           f"({len(pairs)} sentences, {seconds:.1f}s)")  # fmt: skip
     if args.json:
         print(json.dumps(result))
     if args.output:
-        Path(args.output).write_text("\n".join(hyps) + "\n")
+        out = Path(args.output)
+        tmp = out.with_name(f".{out.name}.tmp")
+        tmp.write_text("\n".join(hyps) + "\n", encoding="utf-8")
+        tmp.replace(out)
     return 0
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="model directory (or a run dir with best/)")
-    p.add_argument("--beam", type=int, default=1, help="beam size (1 = greedy)")
-    p.add_argument("--lenpen", type=float, default=1.0, help="length penalty exponent")
-    p.add_argument("--threads", type=int, default=None)
+    names = "|".join(shipped()) or "en-fr|fr-en"
+    p.add_argument("--model", default=DEFAULT,
+                   help=f"a shipped model ({names}) or a model/run directory")  # fmt: skip
+    p.add_argument("--beam", type=int, default=None,
+                   help="beam size, 1 = greedy (default: the model's, 1 if it has none)")  # fmt: skip
+    p.add_argument("--lenpen", type=float, default=None,
+                   help="length penalty exponent (default: the model's tuned value, else 1)")  # fmt: skip
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("translate", help="translate sentences with a trained model")
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    p = sub.add_parser("translate", help="translate sentences (default model: en-fr, shipped)",
+                       formatter_class=fmt)  # fmt: skip
     _common(p)
     p.add_argument("text", nargs="*", help="sentences (default: one per line from stdin)")
-    p.add_argument("--file", help="translate every line of this file")
+    p.add_argument("--file", help="translate every line of this file (empty lines stay empty)")
     p.set_defaults(func=_translate)
-    e = sub.add_parser("evaluate", help="sacreBLEU and chrF of a model on a Multi30k split")
+    e = sub.add_parser("evaluate", help="sacreBLEU and chrF of a model on a Multi30k split",
+                       formatter_class=fmt)  # fmt: skip
     _common(e)
-    e.add_argument("--split", default="test_2016_flickr")
+    e.add_argument("--split", default="test_2016_flickr",
+                   help="any split present in --data (val, test_2016_flickr, test_2018_flickr...)")  # fmt: skip
     e.add_argument("--data", help="Multi30k directory (default ../shared/data/multi30k)")
-    e.add_argument("--src", default="en")
-    e.add_argument("--tgt", default="fr")
+    e.add_argument("--src", default=None, help="source language (default: the model's)")
+    e.add_argument("--tgt", default=None, help="target language (default: the model's)")
     e.add_argument("--files", nargs=2, metavar=("SRC", "REF"), help="plain parallel text instead")
     e.add_argument("--limit", type=int, help="first N sentences only")
     e.add_argument("--output", help="write the hypotheses here")

@@ -1,17 +1,20 @@
 """Parallel text: Multi30k task-1 files, or any two aligned plain-text files.
 
-Multi30k layout (``--data DIR``): ``{split}.{lang}.gz`` (or uncompressed) for splits
-``train``, ``val``, ``test_2016_flickr``, ``test_2017_flickr`` and languages ``en, fr, de``.
+Multi30k layout (``--data DIR``): ``{split}.{lang}.gz`` (or uncompressed) for splits such as
+``train``, ``val``, ``test_2016_flickr``, ``test_2017_flickr``, ``test_2018_flickr``,
+``test_2017_mscoco`` and languages ``en, fr, de, cs``: any split whose files are present.
 """
 
 from __future__ import annotations
 
 import gzip
+import re
 from pathlib import Path
 
-__all__ = ["read_lines", "read_parallel", "multi30k", "default_data_dir", "SPLITS"]
+__all__ = ["read_lines", "read_parallel", "multi30k", "default_data_dir", "splits", "SPLITS"]
 
-SPLITS = ("train", "val", "test_2016_flickr", "test_2017_flickr")
+SPLITS = ("train", "val", "test_2016_flickr", "test_2017_flickr")  # the ones qkv reports on
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_\-]*")  # a split or language: a name, never a path
 PROJECT_ROOT = Path(__file__).resolve().parents[3]
 
 
@@ -50,6 +53,16 @@ def _find(data_dir: Path, split: str, lang: str) -> Path:
     raise FileNotFoundError(f"missing data file: {data_dir / f'{split}.{lang}.gz'}")
 
 
+def splits(data_dir: str | Path, src: str, tgt: str) -> list[str]:
+    """The splits of ``data_dir`` that have both ``src`` and ``tgt`` files."""
+    names = {p.name.split(".")[0] for p in Path(data_dir).glob(f"*.{src}*")}
+    return sorted(n for n in names if _has(Path(data_dir), n, src) and _has(Path(data_dir), n, tgt))
+
+
+def _has(data_dir: Path, split: str, lang: str) -> bool:
+    return any((data_dir / f"{split}.{lang}{ext}").is_file() for ext in (".gz", ""))
+
+
 def multi30k(
     split: str, src: str = "en", tgt: str = "fr", data_dir: str | Path | None = None
 ) -> list[tuple[str, str]]:
@@ -59,8 +72,9 @@ def multi30k(
     >>> pairs[0]  # doctest: +SKIP
     ('A group of men are loading cotton onto a truck', 'Un groupe d'hommes ...')
     """
-    if split not in SPLITS:
-        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    for name, value in (("split", split), ("src", src), ("tgt", tgt)):
+        if not isinstance(value, str) or not _NAME.fullmatch(value):
+            raise ValueError(f"{name} must be a plain name such as 'val' or 'en', got {value!r}")
     if src == tgt:
         raise ValueError(f"source and target languages must differ, got {src!r} twice")
     if data_dir is None:
@@ -73,4 +87,9 @@ def multi30k(
     data_dir = Path(data_dir)
     if not data_dir.is_dir():
         raise FileNotFoundError(f"missing data directory: {data_dir}")
+    if not (_has(data_dir, split, src) and _has(data_dir, split, tgt)):
+        have = ", ".join(splits(data_dir, src, tgt)) or "none"
+        raise FileNotFoundError(
+            f"no split {split!r} for {src}->{tgt} in {data_dir} (present: {have})"
+        )
     return read_parallel(_find(data_dir, split, src), _find(data_dir, split, tgt))

@@ -1,0 +1,113 @@
+"""Translation as a user meets it: names, pieces for long text, empty lines, any script, splits."""
+
+import gzip
+import io
+import warnings
+
+import pytest
+import torch
+
+from qkv.cli import main
+from qkv.data import Tokenizer
+from qkv.models import Seq2SeqTransformer, TransformerConfig, save_pretrained
+from qkv.translate import Translator, load, split_pieces
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """A tiny random model with few positions (max_len 24: 11 source tokens per piece)."""
+    d = tmp_path_factory.mktemp("tiny") / "m"
+    tok = Tokenizer.train(["a dog runs in the park", "le chien court dans le parc"] * 10,
+                          vocab_size=290)  # fmt: skip
+    torch.manual_seed(0)
+    cfg = TransformerConfig(src_vocab_size=tok.vocab_size, tgt_vocab_size=tok.vocab_size,
+                            d_model=32, n_heads=4, d_ff=64, dropout=0.0, max_len=24)  # fmt: skip
+    save_pretrained(Seq2SeqTransformer(cfg).eval(), d, tokenizer=tok)
+    return d
+
+
+def words(n: int) -> str:
+    return " ".join(f"dog{i % 7}" for i in range(n))
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["A dog runs. A cat sleeps! Does it? " * 9, words(200), "犬が公園を走っています。" * 30,
+     "x" * 500, "short"],
+)  # fmt: skip
+def test_pieces_fit_and_keep_every_word(text):
+    tok = Tokenizer.train([text, "a b c"], vocab_size=290)
+    n = lambda s: len(tok.encode(s))  # noqa: E731
+    for limit in (5, 11, 40):
+        pieces = split_pieces(text, n, limit)
+        assert all(n(p) <= limit for p in pieces), [n(p) for p in pieces]
+        assert "".join("".join(pieces).split()) == "".join(text.split())
+
+
+def test_empty_lines_stay_and_long_lines_are_translated_in_pieces(tiny_dir):
+    tr = load(tiny_dir)
+    assert tr.max_source_tokens == 11
+    lines = ["a dog runs", "", "   ", words(60), "a dog"]
+    with pytest.warns(UserWarning, match=r"line 4 .* 11 source tokens: translated in \d+ pieces"):
+        out = tr(lines)
+    assert len(out) == 5 and out[1] == out[2] == ""
+    assert out[0] == tr("a dog runs")  # a line alone or among others: the same translation
+    # the long line is the pieces' translations joined: nothing cut, nothing lost
+    pieces = split_pieces(words(60), lambda s: len(tr.tokenizer.encode(s)), 11)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # pieces fit: no further warning
+        assert out[3] == " ".join(tr(pieces))
+
+
+@pytest.mark.parametrize(
+    "text", ["ကျွန်တော် ခွေးကို ချစ်တယ်။", "男孩训练小狗。", "🐶🐕 → 🐩", "Le garçon\u0301 ", "\x00\x07"]
+)
+def test_any_script_gives_output_and_no_error(tiny_dir, text):
+    out = load(tiny_dir)(text)
+    assert isinstance(out, str)
+
+
+def test_cli_keeps_line_count_and_reports_pieces(tiny_dir, tmp_path, capsys, monkeypatch):
+    f = tmp_path / "in.txt"
+    f.write_text(f"a dog\n\n{words(40)}\nruns\n", encoding="utf-8")
+    assert main(["translate", "--model", str(tiny_dir), "--file", str(f)]) == 0
+    cap = capsys.readouterr()
+    assert len(cap.out.splitlines()) == 4 and cap.out.splitlines()[1] == ""
+    assert "note: line 3" in cap.err
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"a dog\n\xff runs\n\n")))
+    assert main(["translate", "--model", str(tiny_dir)]) == 0
+    cap = capsys.readouterr()
+    assert len(cap.out.splitlines()) == 3 and "not valid UTF-8" in cap.err
+
+
+def test_missing_or_corrupt_model_is_one_line_exit_2(tmp_path, capsys):
+    assert main(["translate", "--model", str(tmp_path / "nope"), "hi"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no such directory" in err and "shipped model" in err
+    assert main(["translate", "--model", "xx-yy", "hi"]) == 2
+    assert "xx-yy" in capsys.readouterr().err
+
+
+def test_evaluate_takes_any_split_present(tiny_dir, tmp_path, capsys):
+    data = tmp_path / "data"
+    data.mkdir()
+    for lang, text in (("en", "a dog\nruns\n"), ("fr", "le chien\ncourt\n")):
+        (data / f"test_2018_flickr.{lang}.gz").write_bytes(gzip.compress(text.encode()))
+    args = ["evaluate", "--model", str(tiny_dir), "--data", str(data), "--src", "en",
+            "--tgt", "fr", "--json"]  # fmt: skip
+    assert main([*args, "--split", "test_2018_flickr"]) == 0
+    assert '"split": "test_2018_flickr"' in capsys.readouterr().out
+    assert main([*args, "--split", "test_2017_mscoco"]) == 2
+    assert "present: test_2018_flickr" in capsys.readouterr().err
+
+
+def test_a_translator_is_a_plain_callable(tiny_dir):
+    tr = load(str(tiny_dir))
+    assert isinstance(tr, Translator) and tr.name == str(tiny_dir)
+    assert isinstance(tr("a dog"), str) and tr(["a dog", ""])[1] == ""
+    with pytest.raises(ValueError, match="beam must be >= 1"):
+        tr("a dog", beam=0)
+    with pytest.raises(TypeError):
+        tr([1, 2])
