@@ -1,5 +1,7 @@
 """Training: a tiny model learns to reverse, Multi30k loss drops, exact resume, signals, DDP."""
 
+import json
+import math
 import os
 import signal
 import subprocess
@@ -227,3 +229,43 @@ def test_ddp_two_processes_equal_one_with_doubled_batch(tmp_path):
                 torch.testing.assert_close(r0["grads"][name], p.grad, atol=1e-6, rtol=1e-4)
     for name, p in single.named_parameters():
         torch.testing.assert_close(r0["params"][name], p.detach(), atol=1e-5, rtol=1e-4)
+
+
+@needs_data
+def test_defaults_learn_and_end_with_a_summary(tmp_path, capsys):
+    """The shipped recipe is the default: only the data and the length of the run are cut."""
+    out = tmp_path / "run"
+    args = parse_args(["--out", str(out), "--train-limit", "400", "--val-limit", "16",
+                       "--max-steps", "12", "--threads", "1", "--no-progress"])  # fmt: skip
+    assert (args.d_model, args.dropout, args.lr, args.warmup, args.average) == (
+        256,
+        0.2,
+        1e-3,
+        150,
+        5,
+    )
+    result = train(args)
+    log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    epochs = [r for r in log if "train_loss" in r]
+    assert len(epochs) >= 2
+    assert epochs[-1]["train_loss"] < epochs[0]["train_loss"] - 0.5  # it learns
+    assert epochs[-1]["val_loss"] < epochs[0]["val_loss"]
+    assert any("averaged" in r for r in log)  # the last epochs were averaged and validated
+    assert math.isfinite(result["best"]["val_loss"]) and result["best"]["bleu"] >= 0
+    text = capsys.readouterr().out
+    summary = text[text.index("qkv train: done") :]
+    assert "-1.0" not in summary and "Infinity" not in summary and "inf" not in summary
+    assert "best validation BLEU" in summary and "qkv translate --model" in summary
+    gen = json.loads((out / "best" / "generation.json").read_text())
+    assert gen["src"] == "en" and gen["tgt"] == "fr"
+
+
+def test_help_shows_every_default(capsys):
+    from qkv.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for shown in ("--d-model D_MODEL width (default: 256)", "--src SRC source language (default: en)",
+                  "--max-tokens MAX_TOKENS tokens per batch (per rank) (default: 3072)"):  # fmt: skip
+        assert shown in text, shown

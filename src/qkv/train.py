@@ -146,6 +146,16 @@ def save_epoch(model: nn.Module, directory: Path, epoch: int, *, keep: int) -> P
     return target
 
 
+class DefaultsFormatter(argparse.HelpFormatter):
+    """``--help`` shows every option's default (also those without help text)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default not in (None, False, argparse.SUPPRESS) and "default" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
 def average_epochs(model: nn.Module, files: list[Path]) -> nn.Module:
     """A copy of ``model`` holding the mean of the weights in ``files`` (checkpoint averaging:
     the mean of the last epochs usually translates better than any one of them)."""
@@ -407,46 +417,56 @@ def add_parser(sub) -> None:
         help="train an encoder-decoder translation model (Multi30k)",
         description="Train a translation model. The defaults are the recipe of the models "
         "qkv ships; --max-minutes sets the budget.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsFormatter,
     )
     d = p.add_argument_group("data")
     d.add_argument("--data", help="Multi30k directory (default ../shared/data/multi30k)")
-    d.add_argument("--src", default="en")
-    d.add_argument("--tgt", default="fr")
+    d.add_argument("--src", default="en", help="source language")
+    d.add_argument("--tgt", default="fr", help="target language")
     d.add_argument("--train-files", nargs=2, metavar=("SRC", "TGT"), help="plain parallel text")
-    d.add_argument("--val-files", nargs=2, metavar=("SRC", "TGT"))
+    d.add_argument("--val-files", nargs=2, metavar=("SRC", "TGT"), help="plain parallel text")
     d.add_argument(
         "--train-limit", type=int, help="use only the first N training pairs (default: all)"
     )
     d.add_argument("--val-limit", type=int, help="use only the first N validation pairs")
     d.add_argument("--vocab-size", type=int, default=8000, help="joint BPE vocabulary")
     m = p.add_argument_group("model")
-    m.add_argument("--d-model", type=int, default=256)
-    m.add_argument("--heads", type=int, default=4)
-    m.add_argument("--kv-heads", type=int)
-    m.add_argument("--d-ff", type=int, default=1024)
+    m.add_argument("--d-model", type=int, default=256, help="width")
+    m.add_argument("--heads", type=int, default=4, help="attention heads")
+    m.add_argument("--kv-heads", type=int, help="key/value heads (default: --heads)")
+    m.add_argument("--d-ff", type=int, default=1024, help="feed-forward width")
     m.add_argument("--layers", type=int, default=3, help="encoder and decoder layers")
-    m.add_argument("--enc-layers", type=int)
-    m.add_argument("--dec-layers", type=int)
-    m.add_argument("--dropout", type=float, default=0.2)
+    m.add_argument("--enc-layers", type=int, help="encoder layers (default: --layers)")
+    m.add_argument("--dec-layers", type=int, help="decoder layers (default: --layers)")
+    m.add_argument("--dropout", type=float, default=0.2, help="dropout everywhere")
     m.add_argument("--post-ln", action="store_true", help="post-LN (paper) instead of pre-LN")
-    m.add_argument("--positional", default="sinusoidal", choices=["sinusoidal", "learned", "rope"])
+    m.add_argument(
+        "--positional",
+        default="sinusoidal",
+        choices=["sinusoidal", "learned", "rope"],
+        help="positions",
+    )
     o = p.add_argument_group("optimisation")
     o.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
     o.add_argument("--warmup", type=int, default=150, help="warmup steps")
-    o.add_argument("--weight-decay", type=float, default=1e-4)
-    o.add_argument("--label-smoothing", type=float, default=0.1)
-    o.add_argument("--clip", type=float, default=1.0)
+    o.add_argument("--weight-decay", type=float, default=1e-4, help="AdamW weight decay")
+    o.add_argument("--label-smoothing", type=float, default=0.1, help="label smoothing")
+    o.add_argument("--clip", type=float, default=1.0, help="gradient-norm clipping")
     o.add_argument("--max-tokens", type=int, default=3072, help="tokens per batch (per rank)")
     o.add_argument("--bf16", action="store_true", help="bfloat16 autocast for the forward pass")
-    o.add_argument("--seed", type=int, default=1)
+    o.add_argument("--seed", type=int, default=1, help="random seed")
     r = p.add_argument_group("run")
     r.add_argument("--out", help="run directory (OUT/last, OUT/best, OUT/log.jsonl)")
     r.add_argument("--resume", help="continue the run in this directory exactly")
-    r.add_argument("--epochs", type=int, default=None, help="default 100")
+    r.add_argument("--epochs", type=int, default=None, help="epochs at most (default: 100)")
     r.add_argument("--max-steps", type=int, default=None, help="stop after N updates")
     r.add_argument("--max-minutes", type=float, default=None, help="wall-clock budget")
-    r.add_argument("--checkpoint-minutes", type=float, default=None, help="default 5")
+    r.add_argument(
+        "--checkpoint-minutes",
+        type=float,
+        default=None,
+        help="minutes between checkpoints (default: 5)",
+    )
     r.add_argument(
         "--val-bleu",
         type=int,
