@@ -16,6 +16,8 @@ from pathlib import Path
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
 
+from qkv.loading import ModelLoadError, read_tokenizer
+
 __all__ = ["Tokenizer", "SPECIALS"]
 
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
@@ -59,12 +61,18 @@ class Tokenizer:
 
     @classmethod
     def load(cls, path: str | Path) -> Tokenizer:
+        """Read ``tokenizer.json`` (or ``DIR/tokenizer.json``); a bad file is a
+        :class:`~qkv.loading.ModelLoadError`."""
         path = Path(path)
         if path.is_dir():
             path = path / "tokenizer.json"
         if not path.is_file():
             raise FileNotFoundError(f"no tokenizer here: {path} is missing")
-        return cls(HFTokenizer.from_file(str(path)))
+        hf = read_tokenizer(path)
+        try:
+            return cls(hf)
+        except ValueError as e:
+            raise ModelLoadError(path, str(e)) from None
 
     def save(self, path: str | Path) -> None:
         """Write ``tokenizer.json`` atomically (temp file, then rename)."""
