@@ -25,6 +25,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from qkv.cli_args import (
+    Parser,
+    device,
+    float_range,
+    int_range,
+    nonneg_int,
+    output_dir,
+    positive_int,
+    probability,
+    threads,
+)
 from qkv.data import Tokenizer, collate, encode_pairs, epoch_order, make_batches, multi30k
 from qkv.data.corpus import read_parallel
 from qkv.distributed.ddp import World, all_reduce_sum, init_distributed
@@ -353,39 +364,49 @@ def add_parser(sub) -> None:
     d.add_argument("--tgt", default="fr")
     d.add_argument("--train-files", nargs=2, metavar=("SRC", "TGT"), help="plain parallel text")
     d.add_argument("--val-files", nargs=2, metavar=("SRC", "TGT"))
-    d.add_argument("--train-limit", type=int, help="use only the first N training pairs")
-    d.add_argument("--val-limit", type=int, help="use only the first N validation pairs")
-    d.add_argument("--vocab-size", type=int, default=8000, help="joint BPE vocabulary")
+    d.add_argument("--train-limit", type=positive_int, help="use only the first N training pairs")
+    d.add_argument("--val-limit", type=positive_int, help="use only the first N validation pairs")
+    d.add_argument(
+        "--vocab-size", type=int_range(260, 1_000_000), default=8000, help="joint BPE vocabulary"
+    )
     m = p.add_argument_group("model")
-    m.add_argument("--d-model", type=int, default=256)
-    m.add_argument("--heads", type=int, default=4)
-    m.add_argument("--kv-heads", type=int)
-    m.add_argument("--d-ff", type=int, default=1024)
-    m.add_argument("--layers", type=int, default=3, help="encoder and decoder layers")
-    m.add_argument("--enc-layers", type=int)
-    m.add_argument("--dec-layers", type=int)
-    m.add_argument("--dropout", type=float, default=0.1)
+    m.add_argument("--d-model", type=int_range(2, 65536), default=256)
+    m.add_argument("--heads", type=int_range(1, 1024), default=4)
+    m.add_argument("--kv-heads", type=int_range(1, 1024))
+    m.add_argument("--d-ff", type=int_range(1, 1 << 20), default=1024)
+    m.add_argument("--layers", type=int_range(1, 256), default=3, help="encoder and decoder layers")
+    m.add_argument("--enc-layers", type=int_range(1, 256))
+    m.add_argument("--dec-layers", type=int_range(1, 256))
+    m.add_argument("--dropout", type=probability, default=0.1)
     m.add_argument("--post-ln", action="store_true", help="post-LN (paper) instead of pre-LN")
     m.add_argument("--positional", default="sinusoidal", choices=["sinusoidal", "learned", "rope"])
     o = p.add_argument_group("optimisation")
-    o.add_argument("--lr", type=float, default=7e-4)
-    o.add_argument("--warmup", type=int, default=800, help="warmup steps")
-    o.add_argument("--weight-decay", type=float, default=1e-4)
-    o.add_argument("--label-smoothing", type=float, default=0.1)
-    o.add_argument("--clip", type=float, default=1.0)
-    o.add_argument("--max-tokens", type=int, default=4096, help="tokens per batch (per rank)")
+    o.add_argument("--lr", type=float_range(0.0, 10.0, lo_open=True), default=7e-4)
+    o.add_argument("--warmup", type=nonneg_int, default=800, help="warmup steps")
+    o.add_argument("--weight-decay", type=float_range(0.0, 10.0), default=1e-4)
+    o.add_argument("--label-smoothing", type=probability, default=0.1)
+    o.add_argument("--clip", type=float_range(0.0), default=1.0)
+    o.add_argument(
+        "--max-tokens", type=positive_int, default=4096, help="tokens per batch (per rank)"
+    )
     o.add_argument("--bf16", action="store_true", help="bfloat16 autocast for the forward pass")
-    o.add_argument("--seed", type=int, default=1)
+    o.add_argument("--seed", type=nonneg_int, default=1)
     r = p.add_argument_group("run")
-    r.add_argument("--out", help="run directory (OUT/last, OUT/best, OUT/log.jsonl)")
+    r.add_argument(
+        "--out", type=output_dir, help="run directory (OUT/last, OUT/best, OUT/log.jsonl)"
+    )
     r.add_argument("--resume", help="continue the run in this directory exactly")
-    r.add_argument("--epochs", type=int, default=None, help="default 100")
-    r.add_argument("--max-steps", type=int, default=None)
-    r.add_argument("--max-minutes", type=float, default=None, help="wall-clock budget")
-    r.add_argument("--checkpoint-minutes", type=float, default=None, help="default 5")
+    r.add_argument("--epochs", type=positive_int, default=None, help="default 100")
+    r.add_argument("--max-steps", type=positive_int, default=None)
+    r.add_argument(
+        "--max-minutes", type=float_range(0.0, lo_open=True), default=None, help="wall-clock budget"
+    )
+    r.add_argument(
+        "--checkpoint-minutes", type=float_range(0.0, lo_open=True), default=None, help="default 5"
+    )
     r.add_argument(
         "--val-bleu",
-        type=int,
+        type=int_range(-1),
         default=-1,
         help="validation sentences decoded for BLEU each epoch (-1 all, 0 none)",
     )
@@ -394,10 +415,16 @@ def add_parser(sub) -> None:
         action="store_true",
         help="validate (and maybe keep as best) when the budget ends mid-epoch",
     )
-    r.add_argument("--keep-epochs", type=int, default=0,
-                   help="keep the weights of the last N epochs in OUT/epochs (for averaging)")
-    r.add_argument("--device", default=None, help="cpu (default) or cuda; DDP uses LOCAL_RANK")
-    r.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+    r.add_argument(
+        "--keep-epochs",
+        type=nonneg_int,
+        default=0,
+        help="keep the weights of the last N epochs in OUT/epochs (for averaging)",
+    )
+    r.add_argument(
+        "--device", default=None, type=device, help="cpu (default) or cuda; DDP uses LOCAL_RANK"
+    )
+    r.add_argument("--threads", type=threads, default=None, help="torch threads (default: all)")
     r.add_argument("--no-progress", action="store_true", default=None)
     p.set_defaults(func=_main)
 
@@ -410,17 +437,13 @@ def _main(args: argparse.Namespace) -> int:
         )
     args.__dict__.pop("func", None)
     args.__dict__.pop("command", None)
-    try:
-        result = train(args)
-    except (FileNotFoundError, ValueError) as e:
-        print(f"qkv train: error: {e}")
-        return 2
+    result = train(args)  # errors: one stderr line, exit 2 (qkv.cli_args.run_command)
     return 130 if result["stopped"] == "signal" else 0
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """``qkv train`` arguments from a list (for scripts and tests)."""
-    parser = argparse.ArgumentParser(prog="qkv")
+    parser = Parser(prog="qkv")
     add_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["train", *argv])
     if not args.resume:

@@ -9,12 +9,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 
+from qkv.atomic import atomic_write_text
+from qkv.cli_args import (
+    float_range,
+    int_range,
+    output_file,
+    positive_int,
+    read_stdin_lines,
+    text,
+    threads,
+)
 from qkv.data import Tokenizer, multi30k
 from qkv.data.corpus import read_lines, read_parallel
 from qkv.generate import translate
@@ -40,7 +49,7 @@ def _translate(args: argparse.Namespace) -> int:
     elif args.text:
         sentences = list(args.text)
     else:
-        sentences = [line.rstrip("\n") for line in sys.stdin]
+        sentences = read_stdin_lines()
     model, tok = load_translator(args.model)
     for line in translate(model, tok, sentences, beam_size=args.beam, length_penalty=args.lenpen):
         print(line)
@@ -71,21 +80,23 @@ def _evaluate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result))
     if args.output:
-        Path(args.output).write_text("\n".join(hyps) + "\n")
+        atomic_write_text(args.output, "\n".join(hyps) + "\n")
     return 0
 
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="model directory (or a run dir with best/)")
-    p.add_argument("--beam", type=int, default=1, help="beam size (1 = greedy)")
-    p.add_argument("--lenpen", type=float, default=1.0, help="length penalty exponent")
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--beam", type=int_range(1, 64), default=1, help="beam size (1 = greedy)")
+    p.add_argument("--lenpen", type=float_range(0.0, 10.0), default=1.0,
+                   help="length penalty exponent")  # fmt: skip
+    p.add_argument("--threads", type=threads, default=None, help="torch threads (default: all)")
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("translate", help="translate sentences with a trained model")
     _common(p)
-    p.add_argument("text", nargs="*", help="sentences (default: one per line from stdin)")
+    p.add_argument("text", nargs="*", type=text,
+                   help="sentences (default: one per line from stdin)")  # fmt: skip
     p.add_argument("--file", help="translate every line of this file")
     p.set_defaults(func=_translate)
     e = sub.add_parser("evaluate", help="sacreBLEU and chrF of a model on a Multi30k split")
@@ -95,7 +106,7 @@ def add_parser(sub) -> None:
     e.add_argument("--src", default="en")
     e.add_argument("--tgt", default="fr")
     e.add_argument("--files", nargs=2, metavar=("SRC", "REF"), help="plain parallel text instead")
-    e.add_argument("--limit", type=int, help="first N sentences only")
-    e.add_argument("--output", help="write the hypotheses here")
+    e.add_argument("--limit", type=positive_int, help="first N sentences only")
+    e.add_argument("--output", type=output_file(), help="write the hypotheses here")
     e.add_argument("--json", action="store_true", help="also print a JSON line")
     e.set_defaults(func=_evaluate)
