@@ -29,7 +29,11 @@ def main(argv: list[str] | None = None) -> int:
     130 interrupted)."""
     parser = build_parser()
     try:
-        args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+        args, extra = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     except SystemExit as e:  # --help (0) or a usage error already printed (2)
         return e.code if isinstance(e.code, int) else 2
+    if extra:  # reported by the subcommand's name, not by the top-level parser's
+        print(f"qkv {args.command}: error: unrecognized arguments: {' '.join(extra)}",
+              file=sys.stderr)  # fmt: skip
+        return 2
     return run_command(args.command, lambda: args.func(args))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -45,6 +46,7 @@ __all__ = [
 ]
 
 MAX_STDIN_BYTES = 16 * 2**20
+_LONE_SURROGATE = re.compile("[\ud800-\udc7f\udd00-\udfff]")
 
 
 class CliError(Exception):
@@ -228,11 +230,8 @@ def note(message: str, command: str | None = None) -> None:
 
 def clean_text(s: str, *, where: str = "the text") -> str:
     """``s`` with undecodable bytes (surrogates from argv) replaced by U+FFFD, saying so."""
-    try:
-        raw = s.encode("utf-8", "surrogateescape")  # bytes argv could not decode
-    except UnicodeEncodeError:
-        raw = s.encode("utf-8", "surrogatepass")  # lone surrogates given in-process
-    out = raw.decode("utf-8", "replace")
+    lone = _LONE_SURROGATE.sub("\ufffd", s)  # surrogates that are no escaped byte
+    out = lone.encode("utf-8", "surrogateescape").decode("utf-8", "replace")  # argv's bytes
     if out != s:
         note(f"invalid UTF-8 in {where} replaced by U+FFFD")
     return out
