@@ -8,7 +8,6 @@ Vietnamese, Chinese, emoji) maps to known tokens, never ``<unk>``, and decodes b
 
 from __future__ import annotations
 
-import os
 import unicodedata
 from collections.abc import Iterable
 from pathlib import Path
@@ -16,6 +15,7 @@ from pathlib import Path
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
 
+from qkv.atomic import atomic_path
 from qkv.loading import ModelLoadError, read_tokenizer
 
 __all__ = ["Tokenizer", "SPECIALS"]
@@ -76,10 +76,8 @@ class Tokenizer:
 
     def save(self, path: str | Path) -> None:
         """Write ``tokenizer.json`` atomically (temp file, then rename)."""
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        self.hf.save(str(tmp))
-        os.replace(tmp, path)
+        with atomic_path(path) as tmp:
+            self.hf.save(str(tmp))
 
     @property
     def vocab_size(self) -> int:
