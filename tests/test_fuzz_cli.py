@@ -72,6 +72,7 @@ BAD = [
     (["view", "a", "--out", "x.txt"], ".html"),
     (["view", "a", "--png", "x.jpg"], ".png"),
     (["view", "a", "--beam", "0"], "--beam"),
+    (["view", "--translate", "a b", "--beam", "2"], "greedily"),
     (["view", ""], "empty"),
     (["view"], "sentence"),
     (["view", "a", "--model", "no-such-model"], "no-such-model"),
@@ -208,7 +209,4 @@ def test_subprocess_invalid_utf8_stdin_and_errors(model_dir, tmp_path):
     r = _qkv(["train", "--label-smoothing", "2"], tmp_path)
     assert (r.returncode, r.stdout) == (2, b"")
     assert r.stderr.decode().count("\n") == 1 and b"qkv train: error:" in r.stderr
-    r = _qkv(["view", "", "--out", "v.html"], tmp_path)
-    assert (r.returncode, r.stdout) == (2, b"")
-    assert r.stderr.decode().startswith("qkv view: error:") and r.stderr.count(b"\n") == 1
     assert os.listdir(tmp_path) == []

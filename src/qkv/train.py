@@ -398,12 +398,8 @@ def add_parser(sub) -> None:
     r.add_argument("--resume", help="continue the run in this directory exactly")
     r.add_argument("--epochs", type=positive_int, default=None, help="default 100")
     r.add_argument("--max-steps", type=positive_int, default=None)
-    r.add_argument(
-        "--max-minutes", type=float_range(0.0), default=None, help="wall-clock budget"
-    )
-    r.add_argument(
-        "--checkpoint-minutes", type=float_range(0.0), default=None, help="default 5"
-    )
+    r.add_argument("--max-minutes", type=float_range(0.0), default=None, help="wall-clock budget")
+    r.add_argument("--checkpoint-minutes", type=float_range(0.0), default=None, help="default 5")
     r.add_argument(
         "--val-bleu",
         type=int_range(-1),

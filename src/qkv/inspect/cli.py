@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import argparse
+import inspect
 import math
 
 import torch
@@ -56,6 +57,8 @@ def run_view(args: argparse.Namespace) -> int:
     if args.translate:
         if loaded.translate is None:
             raise CliError(f"--model {args.model} cannot translate")
+        if args.beam > 1 and "beam" not in inspect.signature(loaded.translate).parameters:
+            raise CliError(f"--model {args.model} decodes greedily only; drop --beam")
         sentence = _fit(loaded, args.translate, "view", "--translate")
         steps = (
             loaded.translate(sentence, beam=args.beam)
