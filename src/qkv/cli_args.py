@@ -61,6 +61,11 @@ def _one_line(msg: object, limit: int = 600) -> str:
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows ``(default: X)`` for every option that has a default, with or without help."""
 
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None or action.default is False:  # "(default: None)" says nothing
+            return action.help or ""
+        return super()._get_help_string(action)
+
     def _format_action(self, action: argparse.Action) -> str:
         if action.help is None and action.default not in (None, False, argparse.SUPPRESS):
             if action.option_strings and not isinstance(action, argparse._VersionAction):

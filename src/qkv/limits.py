@@ -43,9 +43,9 @@ def fit_text(
 
     ``count`` gives a text's length in tokens (default: whitespace words). Returns
     ``(prefix, None)`` when ``text`` fits, else ``(prefix, n_words)`` with ``n_words`` the
-    length of the whole input in words, for the notice. Work and memory are proportional to
-    ``limit``: at most ``limit`` words and ``CHARS_PER_TOKEN × limit`` characters are ever
-    counted.
+    length of the whole input in words, for the notice. ``count`` (a tokenizer) only ever
+    sees at most ``limit`` words and ``CHARS_PER_TOKEN × limit`` characters, so the work
+    after this call is bounded by ``limit``, not by the input.
     """
     if limit < 1:
         raise ValueError(f"limit must be >= 1, got {limit}")
