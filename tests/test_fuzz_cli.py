@@ -7,16 +7,20 @@ and stdin handling end to end.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from qkv.cli import build_parser, main
-from qkv.cli_args import clean_text, max_threads
+from qkv.cli_args import clean_text, max_threads, text
 from qkv.data import Tokenizer
 from qkv.models import Seq2SeqTransformer, TransformerConfig, save_pretrained
 
@@ -210,3 +214,38 @@ def test_subprocess_invalid_utf8_stdin_and_errors(model_dir, tmp_path):
     assert (r.returncode, r.stdout) == (2, b"")
     assert r.stderr.decode().count("\n") == 1 and b"qkv train: error:" in r.stderr
     assert os.listdir(tmp_path) == []
+
+
+def _typed_options():
+    parser = build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return [(f"{name} {a.option_strings[0] if a.option_strings else a.dest}", a.type)
+            for name, p in sub.choices.items() for a in p._actions
+            if a.type is not None and a.type is not str]  # fmt: skip
+
+
+TYPED = _typed_options()
+NASTY = ["nan", "-nan", "inf", "-inf", "1e309", "-0", "0x10", " 3 ", "", "1_000", "1.5", "٣",
+         "9" * 400, "-1", "0", "\udcff", "\x00", "../x", "/", "a.html/", "x.png\n", "y" * 300 + ".html"]  # fmt: skip
+
+
+@settings(max_examples=60, deadline=None)
+@given(case=st.sampled_from(TYPED), value=st.sampled_from(NASTY) | st.text(max_size=12))
+def test_option_types_accept_or_refuse_cleanly(case, value):
+    """Any string through any option's type: a value, or an ArgumentTypeError (a clean
+    'argument --x: ...' line); never another exception, never NaN/inf, never a surrogate."""
+    _, parse = case
+    cwd = os.getcwd()
+    with tempfile.TemporaryDirectory() as d:
+        os.chdir(d)
+        try:
+            out = parse(value)
+        except argparse.ArgumentTypeError as e:
+            assert str(e) and "\n" not in str(e)
+            return
+        finally:
+            os.chdir(cwd)
+    if isinstance(out, float):
+        assert math.isfinite(out)
+    if parse is text:
+        out.encode("utf-8")  # no surrogate left (paths keep theirs: they name real bytes)

@@ -28,10 +28,19 @@ def main(argv: list[str] | None = None) -> int:
     """Run a subcommand; returns its exit code (0 ok, 1 internal error, 2 bad input,
     130 interrupted)."""
     parser = build_parser()
-    try:
-        args, extra = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
-    except SystemExit as e:  # --help (0) or a usage error already printed (2)
-        return e.code if isinstance(e.code, int) else 2
+    parsed: list = []
+
+    def parse() -> int:
+        try:
+            parsed.append(parser.parse_known_args(sys.argv[1:] if argv is None else argv))
+        except SystemExit as e:  # --help (0) or a usage error already printed (2)
+            return e.code if isinstance(e.code, int) else 2
+        return 0
+
+    code = run_command("", parse)  # an option type failing unexpectedly: still one line
+    if not parsed:
+        return code
+    args, extra = parsed[0]
     if extra:  # reported by the subcommand's name, not by the top-level parser's
         print(f"qkv {args.command}: error: unrecognized arguments: {' '.join(extra)}",
               file=sys.stderr)  # fmt: skip

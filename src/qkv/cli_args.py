@@ -200,8 +200,8 @@ def output_file(*suffixes: str) -> Callable[[str], Path]:
     def parse(s: str) -> Path:
         try:
             return check_output_path(s, suffixes)
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
+        except (OSError, ValueError) as e:  # also "file name too long", a NUL byte
+            raise argparse.ArgumentTypeError(_one_line(e)) from None
 
     parse.__name__ = "output file"
     return parse
@@ -211,6 +211,13 @@ def output_dir(s: str) -> str:
     """A directory to write into: either an existing directory or a path whose nearest existing
     ancestor is a writable directory (it is created later, when work starts). Returned as the
     string given (it may be stored in checkpoints read with ``weights_only=True``)."""
+    try:
+        return _output_dir(s)
+    except (OSError, ValueError) as e:  # "file name too long", a NUL byte
+        raise argparse.ArgumentTypeError(_one_line(e)) from None
+
+
+def _output_dir(s: str) -> str:
     path = Path(s)
     if not s:
         raise argparse.ArgumentTypeError("must name a directory, got ''")
