@@ -316,3 +316,15 @@ def test_any_json_as_bert_config_or_tokenizer_is_one_error(value, tmp_path):
         Tokenizer.load(tmp_path)
     if isinstance(value, dict):
         assert read_json(tmp_path / "config.json") == value
+
+
+@pytest.mark.parametrize("content", ["garbage", "[]", '{"model": 3}'])
+def test_bert_dir_with_a_broken_tokenizer_is_one_cli_line(content, bert_dir, tmp_path, capsys,
+                                                          monkeypatch):  # fmt: skip
+    d = _copy(bert_dir, tmp_path)
+    (d / "tokenizer.json").write_text(content)
+    monkeypatch.chdir(tmp_path)
+    assert main(["view", "a cat", "--model", str(d)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("qkv view: error: ") and "tokenizer" in err
+    assert not (tmp_path / "attention.html").exists()
