@@ -91,3 +91,33 @@ def test_grid_head_alignment_png_and_svg(tmp_path):
         save(fig, tmp_path / "x.jpg")
     with pytest.raises(ValueError, match="no cross-attention"):
         plot_alignment(maps.filter(kind="self"))
+
+
+def test_fonts_found_with_a_stale_font_cache(tmp_path, caplog, monkeypatch):
+    """matplotlib's cached font list predates the Noto fonts: qkv adds them before drawing."""
+    from matplotlib import font_manager
+
+    from qkv.inspect import fonts
+
+    fm = font_manager.fontManager
+    stale = [f for f in fm.ttflist if not f.name.startswith("Noto")]
+    assert len(stale) < len(fm.ttflist), "the Noto fonts are not installed here"
+    monkeypatch.setattr(fm, "ttflist", stale)  # as loaded from a fontlist-*.json built before
+    fm._findfont_cached.cache_clear()
+    fonts.font_families.cache_clear()
+    try:
+        assert "Noto Sans Myanmar" not in {f.name for f in fm.ttflist}  # stale, as described
+        families = fonts.font_families()
+        assert {"Noto Sans Myanmar", "Noto Sans Bengali", "Noto Sans CJK SC"} <= set(families)
+        for lang in ("my", "bn", "zh"):
+            text = SENTENCES[lang]
+            assert missing_glyphs(text) == set()
+            tokens = list(text) if lang == "zh" else text.split()
+            fig = plot_head(_maps(tokens), 0, 1)
+            assert (
+                _glyph_warnings(lambda f=fig, x=lang: save(f, tmp_path / f"{x}.png"), caplog) == []
+            )
+    finally:
+        monkeypatch.undo()
+        fm._findfont_cached.cache_clear()
+        fonts.font_families.cache_clear()

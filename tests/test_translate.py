@@ -9,8 +9,9 @@ import torch
 
 from qkv.cli import main
 from qkv.data import Tokenizer
+from qkv.limits import split_to_fit
 from qkv.models import Seq2SeqTransformer, TransformerConfig, save_pretrained
-from qkv.translate import Translator, load, split_pieces
+from qkv.translate import Translator, load
 
 torch.set_num_threads(1)
 
@@ -35,13 +36,13 @@ def words(n: int) -> str:
 @pytest.mark.parametrize(
     "text",
     ["A dog runs. A cat sleeps! Does it? " * 9, words(200), "犬が公園を走っています。" * 30,
-     "x" * 500, "short"],
+     "x" * 500],
 )  # fmt: skip
 def test_pieces_fit_and_keep_every_word(text):
     tok = Tokenizer.train([text, "a b c"], vocab_size=290)
     n = lambda s: len(tok.encode(s))  # noqa: E731
     for limit in (5, 11, 40):
-        pieces = split_pieces(text, n, limit)
+        pieces = split_to_fit(text, limit, n)
         assert all(n(p) <= limit for p in pieces), [n(p) for p in pieces]
         assert "".join("".join(pieces).split()) == "".join(text.split())
 
@@ -55,7 +56,7 @@ def test_empty_lines_stay_and_long_lines_are_translated_in_pieces(tiny_dir):
     assert len(out) == 5 and out[1] == out[2] == ""
     assert out[0] == tr("a dog runs")  # a line alone or among others: the same translation
     # the long line is the pieces' translations joined: nothing cut, nothing lost
-    pieces = split_pieces(words(60), lambda s: len(tr.tokenizer.encode(s)), 11)
+    pieces = tr.pieces(words(60))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # pieces fit: no further warning
         assert out[3] == " ".join(tr(pieces))
@@ -79,7 +80,7 @@ def test_cli_keeps_line_count_and_reports_pieces(tiny_dir, tmp_path, capsys, mon
     monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"a dog\n\xff runs\n\n")))
     assert main(["translate", "--model", str(tiny_dir)]) == 0
     cap = capsys.readouterr()
-    assert len(cap.out.splitlines()) == 3 and "not valid UTF-8" in cap.err
+    assert len(cap.out.splitlines()) == 3 and "invalid UTF-8 on stdin" in cap.err
 
 
 def test_missing_or_corrupt_model_is_one_line_exit_2(tmp_path, capsys):

@@ -1,33 +1,48 @@
-"""The ``qkv`` command line. Each subcommand lives in its own module with ``add_parser``."""
+"""The ``qkv`` command line. Each subcommand lives in its own module with ``add_parser``.
+
+Option values are checked while parsing (:mod:`qkv.cli_args`); every failure is one line on
+stderr, ``qkv <command>: error: ...``, exit 2 for bad input and 1 for an internal error
+(``QKV_DEBUG=1`` shows its traceback). See ``docs/errors.md``.
+"""
 
 from __future__ import annotations
 
-import argparse
 import importlib
-import os
 import sys
+
+from qkv.cli_args import Parser, run_command
 
 # name of the module under qkv/ that defines add_parser(subparsers) for each subcommand
 SUBCOMMANDS = ["demo", "explain", "tour", "train", "translate", "pretrained.cli", "inspect.cli"]
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="qkv", description="Attention, in full and in the open.")
-    sub = parser.add_subparsers(dest="command", required=True)
+def build_parser() -> Parser:
+    parser = Parser(prog="qkv", description="Attention, in full and in the open.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in SUBCOMMANDS:
         importlib.import_module(f"qkv.{name}").add_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run a subcommand. Bad input (a missing file, a wrong option value) prints one line
-    ``qkv: error: ...`` and exits 2; ``QKV_DEBUG=1`` shows the traceback instead."""
+    """Run a subcommand; returns its exit code (0 ok, 1 internal error, 2 bad input,
+    130 interrupted)."""
     parser = build_parser()
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        return int(args.func(args) or 0)
-    except (FileNotFoundError, NotADirectoryError, ValueError) as err:
-        if os.environ.get("QKV_DEBUG"):
-            raise
-        print(f"qkv {args.command}: error: {err}", file=sys.stderr)
+    parsed: list = []
+
+    def parse() -> int:
+        try:
+            parsed.append(parser.parse_known_args(sys.argv[1:] if argv is None else argv))
+        except SystemExit as e:  # --help (0) or a usage error already printed (2)
+            return e.code if isinstance(e.code, int) else 2
+        return 0
+
+    code = run_command("", parse)  # an option type failing unexpectedly: still one line
+    if not parsed:
+        return code
+    args, extra = parsed[0]
+    if extra:  # reported by the subcommand's name, not by the top-level parser's
+        print(f"qkv {args.command}: error: unrecognized arguments: {' '.join(extra)}",
+              file=sys.stderr)  # fmt: skip
         return 2
+    return run_command(args.command, lambda: args.func(args))

@@ -15,7 +15,9 @@ from dataclasses import dataclass, field
 import torch
 
 from qkv.attention import MultiHeadAttention
+from qkv.cli_args import int_range, nonneg_int, note, text
 from qkv.functional import attention_steps
+from qkv.limits import MAX_TOKENS, fit_text
 from qkv.positional import SinusoidalPositionalEncoding, TokenEmbedding
 
 DEFAULT_TEXT = "The boy trains the puppy ."
@@ -142,15 +144,21 @@ def walk(
     return w.tensors
 
 
+def _run(a: argparse.Namespace) -> int:
+    text, n_words = fit_text(a.text, MAX_TOKENS["explain"])
+    if n_words:
+        note(f"text cut to its first {MAX_TOKENS['explain']} words (of {n_words}); the walk "
+             "prints T × T numbers per head", "demo")  # fmt: skip
+    walk(text, d_model=a.d_model, n_heads=a.heads, causal=a.causal, seed=a.seed)
+    return 0
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="walk through attention on a short sentence")
-    p.add_argument("--text", default=DEFAULT_TEXT)
-    p.add_argument("--d-model", type=int, default=8)
-    p.add_argument("--heads", type=int, default=2)
+    p.add_argument("--text", default=DEFAULT_TEXT, type=text,
+                   help=f"the sentence (at most {MAX_TOKENS['explain']} words)")  # fmt: skip
+    p.add_argument("--d-model", type=int_range(2, 512), default=8, help="even, divisible by heads")
+    p.add_argument("--heads", type=int_range(1, 64), default=2)
     p.add_argument("--causal", action="store_true")
-    p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(
-        func=lambda a: (
-            walk(a.text, d_model=a.d_model, n_heads=a.heads, causal=a.causal, seed=a.seed) and 0
-        )
-    )
+    p.add_argument("--seed", type=nonneg_int, default=0)
+    p.set_defaults(func=_run)

@@ -13,14 +13,16 @@ from __future__ import annotations
 
 import argparse
 import html
-import os
 from pathlib import Path
 
 import torch
 from rich.console import Console
 from rich.table import Table
 
+from qkv.atomic import atomic_write_text
+from qkv.cli_args import CliError, int_range, nonneg_int, note, output_file, text
 from qkv.demo import DEFAULT_TEXT, Step, Walk, walk_steps
+from qkv.limits import MAX_TOKENS, fit_text
 
 __all__ = ["render_html", "render_markdown", "render_terminal"]
 
@@ -132,17 +134,26 @@ def render_html(w: Walk) -> str:
 
 def run(args: argparse.Namespace) -> int:
     if args.cross and not args.source:
-        raise SystemExit("--cross needs --source SENTENCE (the keys' and values' sentence)")
-    w = walk_steps(args.text, d_model=args.d_model, n_heads=args.heads, causal=args.causal,
-                   source=args.source if args.cross or args.source else None, seed=args.seed)  # fmt: skip
+        raise CliError("--cross needs --source SENTENCE (the keys' and values' sentence)")
+    limit = MAX_TOKENS["explain"]
+    texts = {}
+    for name in ("text", "source"):
+        value = getattr(args, name)
+        if value is None:
+            continue
+        texts[name], n_words = fit_text(value, limit)
+        if n_words:
+            note(f"--{name} cut to its first {limit} words (of {n_words}); the walk prints "
+                 "T × T numbers per head", "explain")  # fmt: skip
+    w = walk_steps(texts["text"], d_model=args.d_model, n_heads=args.heads, causal=args.causal,
+                   source=texts.get("source") if args.cross or args.source else None,
+                   seed=args.seed)  # fmt: skip
     if args.out is None:
         render_terminal(w)
         return 0
     path = Path(args.out)
-    text = render_html(w) if path.suffix.lower() in (".html", ".htm") else render_markdown(w)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    page = render_html(w) if path.suffix.lower() in (".html", ".htm") else render_markdown(w)
+    atomic_write_text(path, page)
     print(f"explanation written: {path}")
     return 0
 
@@ -151,12 +162,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "explain", help="the attention walk-through with real numbers (rich/md/html)"
     )
-    p.add_argument("--text", default=DEFAULT_TEXT, help="the sentence (queries)")
-    p.add_argument("--d-model", type=int, default=8)
-    p.add_argument("--heads", type=int, default=2)
+    limit = MAX_TOKENS["explain"]
+    p.add_argument("--text", default=DEFAULT_TEXT, type=text,
+                   help=f"the sentence (queries; at most {limit} words)")  # fmt: skip
+    p.add_argument("--d-model", type=int_range(2, 512), default=8, help="even, divisible by heads")
+    p.add_argument("--heads", type=int_range(1, 64), default=2)
     p.add_argument("--causal", action="store_true", help="apply the causal mask")
     p.add_argument("--cross", action="store_true", help="cross-attention to --source")
-    p.add_argument("--source", default=None, help="the source sentence (keys and values)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None, help="write Markdown (.md) or HTML (.html)")
+    p.add_argument("--source", default=None, type=text,
+                   help=f"the source sentence (keys and values; at most {limit} words)")  # fmt: skip
+    p.add_argument("--seed", type=nonneg_int, default=0)
+    p.add_argument("--out", default=None, type=output_file(".md", ".html", ".htm"),
+                   help="write Markdown (.md) or HTML (.html) instead of printing")  # fmt: skip
     p.set_defaults(func=run)

@@ -20,6 +20,9 @@ from pathlib import Path
 
 from rich.console import Console
 
+from qkv.cli_args import note, output_dir, positive_int, text
+from qkv.limits import MAX_TOKENS, fit_text
+
 __all__ = ["PRONOUN", "SHORT", "WIDE", "tour"]
 
 SHORT = "The boy trains the puppy ."
@@ -86,6 +89,11 @@ def tour(
 
 
 def run(args: argparse.Namespace) -> int:
+    for name, key in (("text", "explain"), ("sentence", "view")):
+        value, n_words = fit_text(getattr(args, name), MAX_TOKENS[key])
+        if n_words:
+            note(f"--{name} cut to its first {MAX_TOKENS[key]} words (of {n_words})", "tour")
+            setattr(args, name, value)
     variant = WIDE if args.sentence == PRONOUN else None  # the comparison fits the notes' sentence
     tour(args.out_dir, text=args.text, sentence=args.sentence, variant=variant,
          model=args.model, top=args.top)  # fmt: skip
@@ -94,9 +102,13 @@ def run(args: argparse.Namespace) -> int:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("tour", help="explain + MiniLM pronoun probe + attention.html/.png")
-    p.add_argument("--out-dir", default=".", help="where attention.html/.png go")
-    p.add_argument("--text", default=SHORT, help="the sentence for the step-by-step walk")
-    p.add_argument("--sentence", default=PRONOUN, help="the pronoun sentence")
+    p.add_argument("--out-dir", default=".", type=output_dir,
+                   help="where attention.html/.png go")  # fmt: skip
+    p.add_argument("--text", default=SHORT, type=text,
+                   help=f"the sentence for the step-by-step walk (at most {MAX_TOKENS['explain']} "
+                   "words)")  # fmt: skip
+    p.add_argument("--sentence", default=PRONOUN, type=text,
+                   help=f"the pronoun sentence (at most {MAX_TOKENS['view']} tokens)")  # fmt: skip
     p.add_argument("--model", default="minilm", help="minilm | random | DIR")
-    p.add_argument("--top", type=int, default=5)
+    p.add_argument("--top", type=positive_int, default=5, help="heads listed")
     p.set_defaults(func=run)

@@ -25,6 +25,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from qkv.cli_args import (
+    Parser,
+    device,
+    float_range,
+    int_range,
+    nonneg_int,
+    output_dir,
+    positive_int,
+    probability,
+    threads,
+)
 from qkv.data import Tokenizer, collate, encode_pairs, epoch_order, make_batches, multi30k
 from qkv.data.corpus import read_parallel
 from qkv.distributed.ddp import World, all_reduce_sum, init_distributed
@@ -144,16 +155,6 @@ def save_epoch(model: nn.Module, directory: Path, epoch: int, *, keep: int) -> P
     for old in sorted(directory.glob("epoch-*.safetensors"))[:-keep]:
         old.unlink()
     return target
-
-
-class DefaultsFormatter(argparse.HelpFormatter):
-    """``--help`` shows every option's default (also those without help text)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if action.default not in (None, False, argparse.SUPPRESS) and "default" not in text:
-            text += " (default: %(default)s)"
-        return text
 
 
 def average_epochs(model: nn.Module, files: list[Path]) -> nn.Module:
@@ -417,7 +418,6 @@ def add_parser(sub) -> None:
         help="train an encoder-decoder translation model (Multi30k)",
         description="Train a translation model. The defaults are the recipe of the models "
         "qkv ships; --max-minutes sets the budget.",
-        formatter_class=DefaultsFormatter,
     )
     d = p.add_argument_group("data")
     d.add_argument("--data", help="Multi30k directory (default ../shared/data/multi30k)")
@@ -425,20 +425,24 @@ def add_parser(sub) -> None:
     d.add_argument("--tgt", default="fr", help="target language")
     d.add_argument("--train-files", nargs=2, metavar=("SRC", "TGT"), help="plain parallel text")
     d.add_argument("--val-files", nargs=2, metavar=("SRC", "TGT"), help="plain parallel text")
-    d.add_argument(
-        "--train-limit", type=int, help="use only the first N training pairs (default: all)"
-    )
-    d.add_argument("--val-limit", type=int, help="use only the first N validation pairs")
-    d.add_argument("--vocab-size", type=int, default=8000, help="joint BPE vocabulary")
+    d.add_argument("--train-limit", type=positive_int,
+                   help="use only the first N training pairs (default: all)")  # fmt: skip
+    d.add_argument("--val-limit", type=positive_int, help="use only the first N validation pairs")
+    d.add_argument("--vocab-size", type=int_range(260, 1_000_000), default=8000,
+                   help="joint BPE vocabulary")  # fmt: skip
     m = p.add_argument_group("model")
-    m.add_argument("--d-model", type=int, default=256, help="width")
-    m.add_argument("--heads", type=int, default=4, help="attention heads")
-    m.add_argument("--kv-heads", type=int, help="key/value heads (default: --heads)")
-    m.add_argument("--d-ff", type=int, default=1024, help="feed-forward width")
-    m.add_argument("--layers", type=int, default=3, help="encoder and decoder layers")
-    m.add_argument("--enc-layers", type=int, help="encoder layers (default: --layers)")
-    m.add_argument("--dec-layers", type=int, help="decoder layers (default: --layers)")
-    m.add_argument("--dropout", type=float, default=0.2, help="dropout everywhere")
+    m.add_argument("--d-model", type=int_range(2, 65536), default=256, help="width")
+    m.add_argument("--heads", type=int_range(1, 1024), default=4, help="attention heads")
+    m.add_argument("--kv-heads", type=int_range(1, 1024), help="key/value heads (default: --heads)")
+    m.add_argument("--d-ff", type=int_range(1, 1 << 20), default=1024, help="feed-forward width")
+    m.add_argument("--layers", type=int_range(1, 256), default=3, help="encoder and decoder layers")
+    m.add_argument(
+        "--enc-layers", type=int_range(1, 256), help="encoder layers (default: --layers)"
+    )
+    m.add_argument(
+        "--dec-layers", type=int_range(1, 256), help="decoder layers (default: --layers)"
+    )
+    m.add_argument("--dropout", type=probability, default=0.2, help="dropout everywhere")
     m.add_argument("--post-ln", action="store_true", help="post-LN (paper) instead of pre-LN")
     m.add_argument(
         "--positional",
@@ -447,29 +451,31 @@ def add_parser(sub) -> None:
         help="positions",
     )
     o = p.add_argument_group("optimisation")
-    o.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
-    o.add_argument("--warmup", type=int, default=150, help="warmup steps")
-    o.add_argument("--weight-decay", type=float, default=1e-4, help="AdamW weight decay")
-    o.add_argument("--label-smoothing", type=float, default=0.1, help="label smoothing")
-    o.add_argument("--clip", type=float, default=1.0, help="gradient-norm clipping")
-    o.add_argument("--max-tokens", type=int, default=3072, help="tokens per batch (per rank)")
+    o.add_argument("--lr", type=float_range(0.0, 10.0, lo_open=True), default=1e-3,
+                   help="peak learning rate")  # fmt: skip
+    o.add_argument("--warmup", type=nonneg_int, default=150, help="warmup steps")
+    o.add_argument("--weight-decay", type=float_range(0.0, 10.0), default=1e-4,
+                   help="AdamW weight decay")  # fmt: skip
+    o.add_argument("--label-smoothing", type=probability, default=0.1, help="label smoothing")
+    o.add_argument("--clip", type=float_range(0.0), default=1.0, help="gradient-norm clipping")
+    o.add_argument("--max-tokens", type=positive_int, default=3072,
+                   help="tokens per batch (per rank)")  # fmt: skip
     o.add_argument("--bf16", action="store_true", help="bfloat16 autocast for the forward pass")
-    o.add_argument("--seed", type=int, default=1, help="random seed")
+    o.add_argument("--seed", type=nonneg_int, default=1, help="random seed")
     r = p.add_argument_group("run")
-    r.add_argument("--out", help="run directory (OUT/last, OUT/best, OUT/log.jsonl)")
-    r.add_argument("--resume", help="continue the run in this directory exactly")
-    r.add_argument("--epochs", type=int, default=None, help="epochs at most (default: 100)")
-    r.add_argument("--max-steps", type=int, default=None, help="stop after N updates")
-    r.add_argument("--max-minutes", type=float, default=None, help="wall-clock budget")
     r.add_argument(
-        "--checkpoint-minutes",
-        type=float,
-        default=None,
-        help="minutes between checkpoints (default: 5)",
+        "--out", type=output_dir, help="run directory (OUT/last, OUT/best, OUT/log.jsonl)"
     )
+    r.add_argument("--resume", help="continue the run in this directory exactly")
+    r.add_argument("--epochs", type=positive_int, default=None,
+                   help="epochs at most (default: 100)")  # fmt: skip
+    r.add_argument("--max-steps", type=positive_int, default=None, help="stop after N updates")
+    r.add_argument("--max-minutes", type=float_range(0.0), default=None, help="wall-clock budget")
+    r.add_argument("--checkpoint-minutes", type=float_range(0.0), default=None,
+                   help="minutes between checkpoints (default: 5)")  # fmt: skip
     r.add_argument(
         "--val-bleu",
-        type=int,
+        type=int_range(-1),
         default=300,
         help="validation sentences decoded (greedy) for BLEU each epoch (-1 all, 0 none)",
     )
@@ -479,13 +485,14 @@ def add_parser(sub) -> None:
         default=True,
         help="validate (and maybe keep as best) when the budget ends mid-epoch",
     )
-    r.add_argument("--keep-epochs", type=int, default=8,
+    r.add_argument("--keep-epochs", type=nonneg_int, default=8,
                    help="keep the weights of the last N epochs in OUT/epochs (0: none)")  # fmt: skip
-    r.add_argument("--average", type=int, default=5,
+    r.add_argument("--average", type=nonneg_int, default=5,
                    help="at the end, average the last N epochs' weights; the average becomes "
                    "OUT/best if its val BLEU is higher (0: off)")  # fmt: skip
-    r.add_argument("--device", default=None, help="cpu (default) or cuda; DDP uses LOCAL_RANK")
-    r.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+    r.add_argument("--device", default=None, type=device,
+                   help="cpu (default) or cuda; DDP uses LOCAL_RANK")  # fmt: skip
+    r.add_argument("--threads", type=threads, default=None, help="torch threads (default: all)")
     r.add_argument("--no-progress", action="store_true", default=None, help="no progress bar")
     p.set_defaults(func=_main)
 
@@ -498,17 +505,13 @@ def _main(args: argparse.Namespace) -> int:
         )
     args.__dict__.pop("func", None)
     args.__dict__.pop("command", None)
-    try:
-        result = train(args)
-    except (FileNotFoundError, ValueError) as e:
-        print(f"qkv train: error: {e}")
-        return 2
+    result = train(args)  # errors: one stderr line, exit 2 (qkv.cli_args.run_command)
     return 130 if result["stopped"] == "signal" else 0
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """``qkv train`` arguments from a list (for scripts and tests)."""
-    parser = argparse.ArgumentParser(prog="qkv")
+    parser = Parser(prog="qkv")
     add_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["train", *argv])
     if not args.resume:

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
-import sys
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -27,18 +25,28 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from qkv.atomic import atomic_write_text
+from qkv.cli_args import (
+    float_range,
+    int_range,
+    note,
+    output_file,
+    positive_int,
+    read_stdin_lines,
+    threads,
+)
+from qkv.cli_args import text as text_arg
 from qkv.data import Tokenizer, multi30k
 from qkv.data.corpus import read_lines, read_parallel
 from qkv.generate import translate as _decode
+from qkv.limits import split_to_fit
 from qkv.models import load_pretrained
 from qkv.models.io import resolve_dir
 from qkv.models.shipped import DEFAULT, shipped, shipped_dir
 
-__all__ = ["Translator", "load", "load_translator", "split_pieces", "add_parser"]
+__all__ = ["Translator", "load", "load_translator", "add_parser"]
 
 GENERATION_FILE = "generation.json"  # {"src", "tgt", "beam", "length_penalty"}: decoding defaults
-# a sentence boundary: after . ! ? ; (and their CJK forms), before the next sentence
-_SENTENCE_END = re.compile(r"(?<=[.!?;。！？；])\s+|(?<=[。！？；])")
 
 
 def _model_dir(spec: str | Path) -> Path:
@@ -59,33 +67,6 @@ def load_translator(path: str | Path) -> tuple[nn.Module, Tokenizer]:
     """``(model, tokenizer)`` from a shipped model's name or a (run) directory."""
     path = _model_dir(path)
     return load_pretrained(path).float(), Tokenizer.load(path / "tokenizer.json")
-
-
-def split_pieces(text: str, n_tokens, limit: int) -> list[str]:
-    """Cut ``text`` into pieces of at most ``limit`` tokens (``n_tokens(str) -> int``):
-    whole sentences where they fit, else words, else characters. Joined with spaces, the
-    pieces give back the text up to whitespace."""
-    if n_tokens(text) <= limit:
-        return [text]
-    units: list[str] = []
-    for sentence in (s for s in _SENTENCE_END.split(text) if s.strip()):
-        if n_tokens(sentence) <= limit:
-            units.append(sentence)
-            continue
-        for word in sentence.split():
-            if n_tokens(word) <= limit:
-                units.append(word)
-            else:  # one overlong "word" (unspaced script): characters, ≤ 4 byte-tokens each
-                step = max(limit // 4, 1)
-                units += [word[i : i + step] for i in range(0, len(word), step)]
-    pieces: list[str] = []
-    for unit in units:  # greedy packing: consecutive units while they fit
-        joined = f"{pieces[-1]} {unit}" if pieces else unit
-        if pieces and n_tokens(joined) <= limit:
-            pieces[-1] = joined
-        else:
-            pieces.append(unit)
-    return pieces
 
 
 @dataclass
@@ -119,6 +100,16 @@ class Translator:
         p = self.path / "README.md" if self.path else None
         return p.read_text(encoding="utf-8") if p is not None and p.is_file() else ""
 
+    def pieces(self, line: str) -> list[str]:
+        """``line`` itself if it fits the model, else its sentences (and word runs of a
+        sentence too long alone), each within :attr:`max_source_tokens`."""
+        n_tokens = lambda s: len(self.tokenizer.encode(s))  # noqa: E731
+        limit = self.max_source_tokens
+        if len(line) <= 4 * limit or n_tokens(line) <= limit:  # cheap test first
+            if n_tokens(line) <= limit:
+                return [line]
+        return split_to_fit(line, limit, n_tokens)
+
     def __call__(
         self, text: str | list[str], *, beam: int | None = None,
         length_penalty: float | None = None, progress: bool = False,
@@ -137,14 +128,14 @@ class Translator:
         for i, line in enumerate(lines):
             if not line.strip():
                 continue
-            parts = split_pieces(line.strip(), lambda s: len(self.tokenizer.encode(s)), limit)
+            parts = self.pieces(line.strip())
             if len(parts) > 1:
                 self.notes.append(f"line {i + 1} is longer than the model's {limit} source "
                                   f"tokens: translated in {len(parts)} pieces")  # fmt: skip
             pieces += parts
             owner += [i] * len(parts)
-        for note in self.notes:
-            warnings.warn(note, stacklevel=2)
+        for message in self.notes:
+            warnings.warn(message, stacklevel=2)
         out = _decode(self.model, self.tokenizer, pieces, beam_size=beam,
                       length_penalty=lenpen, progress=progress) if pieces else []  # fmt: skip
         result = [""] * len(lines)
@@ -175,13 +166,7 @@ def _read_input(args: argparse.Namespace) -> list[str]:
         return read_lines(args.file)
     if args.text:
         return list(args.text)
-    stream = getattr(sys.stdin, "buffer", None)  # bytes when it is a real stream
-    data = stream.read() if stream is not None else sys.stdin.read().encode("utf-8", "replace")
-    text = data.decode("utf-8", errors="replace")
-    if "\ufffd" in text and b"\xef\xbf\xbd" not in data:
-        print("qkv translate: note: input was not valid UTF-8; bad bytes became U+FFFD",
-              file=sys.stderr)  # fmt: skip
-    return text.splitlines()
+    return read_stdin_lines()
 
 
 def _translate(args: argparse.Namespace) -> int:
@@ -191,8 +176,8 @@ def _translate(args: argparse.Namespace) -> int:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the notes are printed below, once, as notes
         out = tr(lines, beam=args.beam, length_penalty=args.lenpen, progress=len(lines) > 50)
-    for note in tr.notes:
-        print(f"qkv translate: note: {note}", file=sys.stderr)
+    for message in tr.notes:
+        note(message, "translate")
     for line in out:
         print(line)
     return 0
@@ -204,10 +189,6 @@ def _evaluate(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads or torch.get_num_threads())
     tr = load(args.model)
     src, tgt = args.src or tr.src or "en", args.tgt or tr.tgt or "fr"
-    if args.output and Path(args.output).is_dir():
-        raise ValueError(f"--output {args.output} is a directory; give a file name")
-    if args.output and not Path(args.output).resolve().parent.is_dir():
-        raise FileNotFoundError(f"--output {args.output}: its directory does not exist")
     if args.files:
         pairs = read_parallel(*args.files)
     else:
@@ -230,10 +211,7 @@ def _evaluate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result))
     if args.output:
-        out = Path(args.output)
-        tmp = out.with_name(f".{out.name}.tmp")
-        tmp.write_text("\n".join(hyps) + "\n", encoding="utf-8")
-        tmp.replace(out)
+        atomic_write_text(args.output, "\n".join(hyps) + "\n")
     return 0
 
 
@@ -241,23 +219,21 @@ def _common(p: argparse.ArgumentParser) -> None:
     names = "|".join(shipped()) or "en-fr|fr-en"
     p.add_argument("--model", default=DEFAULT,
                    help=f"a shipped model ({names}) or a model/run directory")  # fmt: skip
-    p.add_argument("--beam", type=int, default=None,
+    p.add_argument("--beam", type=int_range(1, 64), default=None,
                    help="beam size, 1 = greedy (default: the model's, 1 if it has none)")  # fmt: skip
-    p.add_argument("--lenpen", type=float, default=None,
+    p.add_argument("--lenpen", type=float_range(0.0, 10.0), default=None,
                    help="length penalty exponent (default: the model's tuned value, else 1)")  # fmt: skip
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+    p.add_argument("--threads", type=threads, default=None, help="torch threads (default: all)")
 
 
 def add_parser(sub) -> None:
-    fmt = argparse.ArgumentDefaultsHelpFormatter
-    p = sub.add_parser("translate", help="translate sentences (default model: en-fr, shipped)",
-                       formatter_class=fmt)  # fmt: skip
+    p = sub.add_parser("translate", help="translate sentences (default model: en-fr, shipped)")
     _common(p)
-    p.add_argument("text", nargs="*", help="sentences (default: one per line from stdin)")
+    p.add_argument("text", nargs="*", type=text_arg,
+                   help="sentences (default: one per line from stdin)")  # fmt: skip
     p.add_argument("--file", help="translate every line of this file (empty lines stay empty)")
     p.set_defaults(func=_translate)
-    e = sub.add_parser("evaluate", help="sacreBLEU and chrF of a model on a Multi30k split",
-                       formatter_class=fmt)  # fmt: skip
+    e = sub.add_parser("evaluate", help="sacreBLEU and chrF of a model on a Multi30k split")
     _common(e)
     e.add_argument("--split", default="test_2016_flickr",
                    help="any split present in --data (val, test_2016_flickr, test_2018_flickr...)")  # fmt: skip
@@ -265,7 +241,7 @@ def add_parser(sub) -> None:
     e.add_argument("--src", default=None, help="source language (default: the model's)")
     e.add_argument("--tgt", default=None, help="target language (default: the model's)")
     e.add_argument("--files", nargs=2, metavar=("SRC", "REF"), help="plain parallel text instead")
-    e.add_argument("--limit", type=int, help="first N sentences only")
-    e.add_argument("--output", help="write the hypotheses here")
+    e.add_argument("--limit", type=positive_int, help="first N sentences only")
+    e.add_argument("--output", type=output_file(), help="write the hypotheses here")
     e.add_argument("--json", action="store_true", help="also print a JSON line")
     e.set_defaults(func=_evaluate)

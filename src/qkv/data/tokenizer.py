@@ -8,13 +8,15 @@ Vietnamese, Chinese, emoji) maps to known tokens, never ``<unk>``, and decodes b
 
 from __future__ import annotations
 
-import os
 import unicodedata
 from collections.abc import Iterable
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
+
+from qkv.atomic import atomic_path
+from qkv.loading import ModelLoadError, read_tokenizer
 
 __all__ = ["Tokenizer", "SPECIALS"]
 
@@ -59,19 +61,23 @@ class Tokenizer:
 
     @classmethod
     def load(cls, path: str | Path) -> Tokenizer:
+        """Read ``tokenizer.json`` (or ``DIR/tokenizer.json``); a bad file is a
+        :class:`~qkv.loading.ModelLoadError`."""
         path = Path(path)
         if path.is_dir():
             path = path / "tokenizer.json"
         if not path.is_file():
             raise FileNotFoundError(f"no tokenizer here: {path} is missing")
-        return cls(HFTokenizer.from_file(str(path)))
+        hf = read_tokenizer(path)
+        try:
+            return cls(hf)
+        except ValueError as e:
+            raise ModelLoadError(path, str(e)) from None
 
     def save(self, path: str | Path) -> None:
         """Write ``tokenizer.json`` atomically (temp file, then rename)."""
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        self.hf.save(str(tmp))
-        os.replace(tmp, path)
+        with atomic_path(path) as tmp:
+            self.hf.save(str(tmp))
 
     @property
     def vocab_size(self) -> int:

@@ -11,17 +11,20 @@
 from __future__ import annotations
 
 import argparse
+import inspect
 import math
 
 import torch
 from rich.console import Console
 from rich.table import Table
 
+from qkv.cli_args import CliError, int_range, note, output_file, positive_int, text
 from qkv.inspect.ablate import ablate, ablation_scan, parse_heads
 from qkv.inspect.capture import capture
 from qkv.inspect.loaders import load
 from qkv.inspect.maps import merge_steps
 from qkv.inspect.stats import ProbeRow, head_stats, normalize_token, pronoun_probe
+from qkv.limits import MAX_TOKENS, fit_text
 
 console = Console()
 
@@ -30,34 +33,50 @@ def _f(v: float) -> str:
     return "–" if isinstance(v, float) and math.isnan(v) else f"{v:.3f}"
 
 
+def _fit(loaded, text: str, command: str, what: str) -> str:
+    """``text`` cut to the command's token limit (with a note when cut)."""
+    limit = MAX_TOKENS[command]
+    cut, n_words = fit_text(text, limit, lambda t: len(loaded.encode(t)[0]) if t.strip() else 0)
+    if n_words:
+        note(f"{what} cut to its first {limit} tokens ({len(cut.split())} of {n_words} words); "
+             f"qkv {command} reads at most {limit} tokens", command)  # fmt: skip
+    return cut
+
+
 def run_view(args: argparse.Namespace) -> int:
     from qkv.inspect.html import write_html
     from qkv.inspect.plot import plot_alignment, plot_grid
 
+    if args.translate is None and args.sentence is None:
+        raise CliError("give a sentence, or --translate SENTENCE")
+    given = args.translate if args.translate is not None else args.sentence
+    if not given.strip():
+        raise CliError("the sentence is empty; give text to look at")
     loaded = load(args.model)
     steps = None
     if args.translate:
         if loaded.translate is None:
-            raise SystemExit(f"--model {args.model} cannot translate")
+            raise CliError(f"--model {args.model} cannot translate")
+        if args.beam > 1 and "beam" not in inspect.signature(loaded.translate).parameters:
+            raise CliError(f"--model {args.model} decodes greedily only; drop --beam")
+        sentence = _fit(loaded, args.translate, "view", "--translate")
         steps = (
-            loaded.translate(args.translate, beam=args.beam)
+            loaded.translate(sentence, beam=args.beam)
             if args.beam > 1
-            else loaded.translate(args.translate)
+            else loaded.translate(sentence)
         )
-        maps, title = merge_steps(steps), f"qkv: translating {args.translate!r}"
+        maps, title = merge_steps(steps), f"qkv: translating {sentence!r}"
     else:
-        if not args.sentence:
-            raise SystemExit("give a sentence, or --translate SENTENCE")
-        tokens, inputs = loaded.encode(args.sentence)
-        maps, title = capture(loaded.model, *inputs, tokens=tokens), f"qkv: {args.sentence!r}"
+        sentence = _fit(loaded, args.sentence, "view", "the sentence")
+        tokens, inputs = loaded.encode(sentence)
+        maps, title = capture(loaded.model, *inputs, tokens=tokens), f"qkv: {sentence!r}"
     out = write_html(maps, args.out, steps=steps, title=title)
     console.print(f"viewer written: [bold]{out.resolve()}[/] (open it in a browser)")
     if args.png:
         plot_grid(maps, args.png)
         console.print(f"picture written: [bold]{args.png}[/]")
         if args.translate:
-            p = args.png.rsplit(".", 1)
-            align = f"{p[0]}-alignment.{p[1] if len(p) > 1 else 'png'}"
+            align = args.png.with_name(f"{args.png.stem}-alignment{args.png.suffix}")
             plot_alignment(maps, path=align)
             console.print(f"alignment written: [bold]{align}[/]")
     return 0
@@ -70,7 +89,7 @@ def _similarity_metric(loaded, inputs, tokens, token: str, candidates: list[str]
         i = norm.index(normalize_token(token))
         c = [norm.index(normalize_token(x)) for x in candidates[:2]]
     except ValueError as e:
-        raise SystemExit(f"token or candidate not in {tokens}: {e}") from None
+        raise CliError(f"token or candidate not in {tokens}: {e}") from None
 
     def metric(_model) -> float:
         h = loaded.hidden(*inputs)[0]  # (T, d)
@@ -127,11 +146,12 @@ def run_bleu_ablation(args: argparse.Namespace) -> int:
 def run_heads(args: argparse.Namespace) -> int:
     if args.data_split is not None:
         if args.ablate is None:
-            raise SystemExit("--data-split goes with --ablate (BLEU of a translation model)")
+            raise CliError("--data-split goes with --ablate (BLEU of a translation model)")
         return run_bleu_ablation(args)
-    if not args.sentence:
-        raise SystemExit("give a sentence (or --ablate ... --data-split SPLIT for BLEU)")
+    if not args.sentence or not args.sentence.strip():
+        raise CliError("give a sentence (or --ablate ... --data-split SPLIT for BLEU)")
     loaded = load(args.model)
+    args.sentence = _fit(loaded, args.sentence, "heads", "the sentence")
     tokens, inputs = loaded.encode(args.sentence)
     maps = capture(loaded.model, *inputs, tokens=tokens)
     if args.token is None:
@@ -169,31 +189,49 @@ def run_heads(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
+    limit = MAX_TOKENS["view"]
     p = sub.add_parser("view", help="interactive HTML attention viewer (+ PNG/SVG grid)")
-    p.add_argument("sentence", nargs="?", default=None)
+    p.add_argument("sentence", nargs="?", default=None, type=text,
+                   help=f"the text to look at (at most {limit} tokens are read)")  # fmt: skip
     p.add_argument("--model", default="random", help="random | a registered name | DIR")
-    p.add_argument("--out", default="attention.html", help="HTML file to write")
-    p.add_argument("--png", default=None, help="also draw the layers × heads grid (.png/.svg)")
-    p.add_argument("--translate", default=None, help="translate this sentence; cross-attention")
-    p.add_argument("--beam", type=int, default=1, help="beam size for --translate (1 = greedy)")
+    p.add_argument("--out", default="attention.html", type=output_file(".html", ".htm"),
+                   help="HTML file to write")  # fmt: skip
+    p.add_argument("--png", default=None, type=output_file(".png", ".svg"),
+                   help="also draw the layers × heads grid (.png/.svg)")  # fmt: skip
+    p.add_argument(
+        "--translate",
+        default=None,
+        type=text,
+        help=f"translate this sentence (at most {limit} tokens); cross-attention",
+    )
+    p.add_argument("--beam", type=int_range(1, 16), default=1,
+                   help="beam size for --translate (1 = greedy)")  # fmt: skip
     p.set_defaults(func=run_view)
 
     h = sub.add_parser("heads", help="head statistics, pronoun probe and head ablation")
-    h.add_argument("sentence", nargs="?", default=None)
+    h.add_argument(
+        "sentence",
+        nargs="?",
+        default=None,
+        type=text,
+        help=f"the text to look at (at most {MAX_TOKENS['heads']} tokens are read)",
+    )
     h.add_argument("--model", default="random", help="random | a registered name | DIR")
-    h.add_argument("--token", default=None, help="query token to probe (e.g. it)")
-    h.add_argument("--candidates", nargs="+", default=[], help="antecedents to compare")
-    h.add_argument("--top", type=int, default=10)
+    h.add_argument("--token", default=None, type=text, help="query token to probe (e.g. it)")
+    h.add_argument("--candidates", nargs="+", default=[], type=text,
+                   help="antecedents to compare")  # fmt: skip
+    h.add_argument("--top", type=positive_int, default=10, help="rows shown")
     h.add_argument("--ablate", nargs="*", default=None, metavar="LAYER:HEADS",
                    help="switch heads off (none given: each head in turn) and report the "
                    "change in cos(token, cand₀) − cos(token, cand₁)")  # fmt: skip
     h.add_argument("--data-split", default=None, help="with --ablate and a translation model "
                    "DIR: report the change in BLEU on this Multi30k split (e.g. val)")  # fmt: skip
-    h.add_argument("--n", type=int, default=100, help="sentences for --data-split")
+    h.add_argument("--n", type=positive_int, default=100, help="sentences for --data-split")
     h.add_argument("--src", default="en")
     h.add_argument("--tgt", default="fr")
     h.add_argument("--data", default=None, help="Multi30k directory")
-    h.add_argument("--beam", type=int, default=1, help="beam size for BLEU (1 = greedy)")
+    h.add_argument("--beam", type=int_range(1, 16), default=1,
+                   help="beam size for BLEU (1 = greedy)")  # fmt: skip
     h.add_argument("--layers", nargs="+", default=None,
                    help="layers (names/globs) to scan one head at a time (BLEU mode)")  # fmt: skip
     h.set_defaults(func=run_heads)

@@ -24,8 +24,10 @@ from __future__ import annotations
 import html
 import json
 import os
+import re
 from pathlib import Path
 
+from qkv.atomic import atomic_write_text
 from qkv.inspect.maps import AttentionMaps, merge_steps
 from qkv.inspect.stats import head_stats
 
@@ -62,8 +64,8 @@ def render_html(
         + [f"decoding step {s.step}" for s in (steps or [])][: len(views) - 1],
         "stats": [s.to_dict() for s in head_stats(whole)],
     }
-    page = _TEMPLATE.replace("__TITLE__", html.escape(title))
-    return page.replace("__DATA__", _json_for_script(data))
+    fill = {"__TITLE__": html.escape(title), "__DATA__": _json_for_script(data)}
+    return re.sub("__TITLE__|__DATA__", lambda m: fill[m.group()], _TEMPLATE)  # one pass
 
 
 def write_html(
@@ -71,11 +73,9 @@ def write_html(
 ) -> Path:  # fmt: skip
     """Write :func:`render_html` to ``path`` (temporary file, then rename)."""
     path = Path(path)
+    page = render_html(maps, **kwargs)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(render_html(maps, **kwargs), encoding="utf-8")
-    os.replace(tmp, path)
-    return path
+    return atomic_write_text(path, page)
 
 
 _TEMPLATE = r"""<!DOCTYPE html>

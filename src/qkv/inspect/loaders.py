@@ -17,40 +17,16 @@ torch.Size([1, 8, 32])
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import Tensor, nn
 
 from qkv.inspect.capture import recording
+from qkv.inspect.loaded import Loaded
 from qkv.inspect.maps import AttentionMaps
 from qkv.inspect.tiny import TinyEncoder, TinySeq2Seq, simple_tokenize, token_id
 
 __all__ = ["LOADERS", "Loaded", "load", "register", "register_dir"]
-
-
-@dataclass
-class Loaded:
-    """An inspectable model.
-
-    ``encode(text) -> (tokens, inputs)``: ``model(*inputs)`` runs it on the text.
-    ``hidden(*inputs) -> (B, T, d)``: final token representations (default: the model's output).
-    ``translate(text) -> list[AttentionMaps]``: greedy decoding, maps per step (seq2seq only;
-    saved ``qkv.models`` directories also take ``beam=N``).
-    """
-
-    model: nn.Module
-    encode: Callable[[str], tuple[list[str], tuple]]
-    hidden: Callable[..., Tensor] | None = None
-    translate: Callable[[str], list[AttentionMaps]] | None = None
-    name: str = ""
-    full_model: nn.Module | None = None  # the whole seq2seq model when ``model`` is its encoder
-    tokenizer: object = None  # its tokenizer (BLEU ablation, ``qkv.inspect.translation``)
-
-    def __post_init__(self) -> None:
-        if self.hidden is None:
-            self.hidden = self.model
 
 
 def _random() -> Loaded:

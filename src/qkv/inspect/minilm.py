@@ -18,12 +18,12 @@ torch.Size([1, 7, 384])
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from torch import Tensor
 
-from qkv.inspect.loaders import Loaded
+from qkv.inspect.loaded import Loaded
+from qkv.loading import read_json
 
 __all__ = ["MINILM", "load_bert_dir", "load_minilm", "loaded_from_bert"]
 
@@ -63,11 +63,7 @@ def load_bert_dir(path: Path) -> Loaded | None:
     config = Path(path) / "config.json"
     if not config.is_file():
         return None
-    try:
-        model_type = json.loads(config.read_text()).get("model_type")
-    except (json.JSONDecodeError, AttributeError):
-        return None
-    if model_type != "bert":
+    if read_json(config, what="model config").get("model_type") != "bert":
         return None
     from qkv.pretrained import load
 

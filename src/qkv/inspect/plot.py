@@ -19,6 +19,7 @@ from pathlib import Path
 from matplotlib import rc_context
 from matplotlib.figure import Figure
 
+from qkv.atomic import atomic_path
 from qkv.inspect.fonts import font_families
 from qkv.inspect.maps import AttentionMaps
 
@@ -40,10 +41,8 @@ def save(fig: Figure, path: str | os.PathLike) -> Path:
     if fmt not in ("png", "svg"):
         raise ValueError(f"path must end in .png or .svg, got {path.name!r}")
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with _style():
+    with _style(), atomic_path(path) as tmp:
         fig.savefig(tmp, format=fmt, dpi=120, bbox_inches="tight")
-    os.replace(tmp, path)
     return path
 
 

@@ -30,7 +30,6 @@ torch.Size([4, 9, 8])
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -38,8 +37,9 @@ import torch
 from torch import Tensor, nn
 
 from qkv.inspect.capture import recording
-from qkv.inspect.loaders import Loaded
+from qkv.inspect.loaded import Loaded
 from qkv.inspect.maps import AttentionMaps
+from qkv.loading import read_json
 
 __all__ = ["bleu_metric", "load_model_dir", "piece_labels", "record_translation"]
 
@@ -152,10 +152,7 @@ def load_model_dir(path: Path) -> Loaded | None:
     config = path / "config.json"
     if not config.is_file():
         return None
-    try:
-        kind = json.loads(config.read_text()).get("kind")
-    except (json.JSONDecodeError, AttributeError):
-        return None
+    kind = read_json(config, what="model config").get("kind")
     if kind not in KINDS:
         return None
     from qkv.translate import load_translator

@@ -12,9 +12,10 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from safetensors.torch import load_model, save_model
+from safetensors.torch import save_model
 from torch import nn
 
+from qkv.loading import ModelLoadError, build_config, load_safetensors_into, read_json
 from qkv.models.causal_lm import CausalLM
 from qkv.models.config import TransformerConfig
 from qkv.models.seq2seq import Seq2SeqTransformer
@@ -87,23 +88,31 @@ def save_pretrained(
 
 
 def load_config(directory: str | Path) -> tuple[str, TransformerConfig]:
+    """``(kind, config)`` from ``directory/config.json``; a bad file is a
+    :class:`~qkv.loading.ModelLoadError`."""
     directory = resolve_dir(directory)
     path = directory / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"no model here: {path} is missing")
-    meta = json.loads(path.read_text())
+    meta = read_json(path, what="model config")
     if meta.get("kind") not in KINDS:
-        raise ValueError(f"{path}: kind must be one of {list(KINDS)}, got {meta.get('kind')!r}")
-    return meta["kind"], TransformerConfig(**meta["config"])
+        raise ModelLoadError(
+            path, f"kind must be one of {list(KINDS)}, got {meta.get('kind')!r:.40}"
+        )
+    return meta["kind"], build_config(path, TransformerConfig, meta.get("config"))
 
 
 def load_pretrained(directory: str | Path, *, map_location: str = "cpu") -> nn.Module:
-    """Rebuild the model saved by :func:`save_pretrained` (eval mode). Never unpickles."""
+    """Rebuild the model saved by :func:`save_pretrained` (eval mode). Never unpickles.
+
+    Raises ``FileNotFoundError`` for a missing file and :class:`~qkv.loading.ModelLoadError`
+    (a ``ValueError``) for one that cannot be used.
+    """
     directory = resolve_dir(directory)
     kind, cfg = load_config(directory)
     model = KINDS[kind](cfg)
     weights = directory / "model.safetensors"
     if not weights.is_file():
         raise FileNotFoundError(f"no weights here: {weights} is missing")
-    missing, unexpected = load_model(model, str(weights), strict=True, device=map_location)
+    load_safetensors_into(model, weights, device=map_location)
     return model.eval()

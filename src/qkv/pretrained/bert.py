@@ -166,9 +166,9 @@ class BertModel(nn.Module):
         if self._tokenizer is None:
             if self.source_dir is None:
                 raise AttributeError("this model was not loaded from a directory: no tokenizer")
-            from qkv.pretrained.load import load_tokenizer
+            from qkv.loading import read_hf_tokenizer
 
-            self._tokenizer = load_tokenizer(self.source_dir)
+            self._tokenizer = read_hf_tokenizer(self.source_dir)
         return self._tokenizer
 
     @tokenizer.setter

