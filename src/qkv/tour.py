@@ -1,15 +1,19 @@
-"""``qkv tour`` (what ``make demo`` runs): attention step by step, then inside a real model.
+"""``qkv tour`` (what ``make demo`` runs): the attention notes' story, on real models.
 
-1. ``qkv explain`` on a short sentence: every step of multi-head attention with qkv's numbers.
-2. The pronoun probe on all-MiniLM-L6-v2 (qkv's own BERT, real weights): which of its
-   6 × 12 heads send *it* to *animal* and which to *street*, and the same heads on the
-   "too wide" variant, where *it* is the street.
-3. ``qkv view``: ``attention.html`` (interactive, self-contained) and ``attention.png``
-   (every layer × head) for the pronoun sentence, and where they are.
+1. Attention step by step on the notes' sentence: QKᵀ, ÷√d_k, softmax, ·V for one head,
+   checked against ``MultiHeadAttention`` (``qkv explain`` prints every step).
+2. A real translator (the shipped ``en-fr`` model) reads "The boy trains the puppy.": its
+   translation (greedy and beam), which source word each French word looks at
+   (cross-attention), and the pictures: ``translation.html`` (every step, every head),
+   ``translation-alignment.png`` and ``translation-encoder.png`` (its self-attention).
+3. What single heads do: the pronoun probe on all-MiniLM-L6-v2 — which heads send *it* to
+   *animal* — and the control sentence ("too wide", where *it* is the street), with the
+   conclusion the numbers support. ``attention.html`` / ``attention.png`` for MiniLM.
+4. What to run next.
 
 >>> paths = tour("/tmp/qkv-tour")                     # doctest: +SKIP
 >>> sorted(paths)                                     # doctest: +SKIP
-['html', 'png']
+['alignment', 'encoder', 'html', 'png', 'translation']
 """
 
 from __future__ import annotations
@@ -19,49 +23,104 @@ import os
 from pathlib import Path
 
 from rich.console import Console
+from rich.table import Table
 
-from qkv.cli_args import note, output_dir, positive_int, text
+from qkv.cli_args import int_range, note, output_dir
+from qkv.cli_args import text as text_arg
 from qkv.limits import MAX_TOKENS, fit_text
 
-__all__ = ["PRONOUN", "SHORT", "WIDE", "tour"]
+__all__ = ["NOTES", "PRONOUN", "SHORT", "WIDE", "tour"]
 
-SHORT = "The boy trains the puppy ."
+NOTES = "The boy trains the puppy."
+SHORT = "The boy trains the puppy ."  # the toy walk's words (space-separated)
 PRONOUN = "The animal didn't cross the street because it was tired."
 WIDE = "The animal didn't cross the street because it was too wide."
 CANDIDATES = ["animal", "street"]
 
 
-def tour(
-    out_dir: str | os.PathLike = ".",
-    *,
-    text: str = SHORT,
-    sentence: str = PRONOUN,
-    variant: str | None = WIDE,
-    model: str = "minilm",
-    top: int = 5,
-    console: Console | None = None,
-) -> dict[str, Path]:
-    """Run the three steps; write ``attention.html`` and ``attention.png`` into ``out_dir``.
+def _weights_table(title: str, w, rows: list[str], cols: list[str]) -> Table:
+    t = Table(title=title, title_justify="left")
+    t.add_column("")
+    for c in cols:
+        t.add_column(c, justify="right")
+    for r, label in enumerate(rows):
+        t.add_row(label, *(f"{float(v):.2f}" for v in w[r]))
+    return t
 
-    Returns ``{"html": path, "png": path}`` (absolute paths).
-    """
+
+def step_by_step(text: str, console: Console) -> None:
+    """Part 1: one head of a small attention layer, the notes' steps with qkv's numbers."""
     from qkv.demo import walk_steps
-    from qkv.explain import render_terminal
+
+    w = walk_steps(text)
+    console.print(w.header)
+    names = {s.title.split(" ", 1)[0]: s for s in w.steps}
+    weights = next(s for s in w.steps if "softmax" in s.title)
+    console.print("Q, K, V = x W_Q, x W_K, x W_V  →  scores = Q Kᵀ  →  ÷ √d_k  →  softmax  →  · V")
+    console.print(_weights_table("softmax(Q Kᵀ / √d_k), head 0 (each row sums to 1)",
+                                 weights.tensor[0], weights.rows or w.words,
+                                 weights.cols or w.words))  # fmt: skip
+    for line in w.attends:
+        console.print(line)
+    console.print(f"{len(names)} steps computed; put together by hand they equal "
+                  f"MultiHeadAttention.forward: {w.same}. Every step: qkv explain \"{text}\"")  # fmt: skip
+
+
+def translation(name: str, text: str, out: Path, console: Console) -> dict[str, Path]:
+    """Part 2: the shipped translator on ``text``: output, alignment, pictures."""
+    from qkv.inspect.html import write_html
+    from qkv.inspect.maps import merge_steps
+    from qkv.inspect.plot import plot_alignment, plot_grid
+    from qkv.inspect.translation import record_translation
+    from qkv.models.shipped import shipped
+    from qkv.translate import load
+
+    if name not in shipped() and not Path(name).is_dir():
+        console.print(f"[yellow]no translator {name!r} in this install[/]; train one with "
+                      f"[bold]qkv train --out runs/enfr --max-minutes 60[/]")  # fmt: skip
+        return {}
+    tr = load(name)
+    greedy = tr(text, beam=1)
+    beam = tr(text, beam=tr.beam if tr.beam > 1 else 5)
+    console.print(f"{text!r} → greedy: [bold]{greedy}[/]")
+    console.print(
+        f"{' ' * len(repr(text))} → beam {tr.beam if tr.beam > 1 else 5}: [bold]{beam}[/]"
+    )
+    _, steps = record_translation(tr.model, tr.tokenizer, text)
+    whole = merge_steps(steps)
+    cross = [i for i, k in enumerate(whole.kinds) if k == "cross"][-1]
+    w = whole.weights[cross].mean(0)  # (T_tgt, T_src): the last decoder layer, mean of heads
+    src, tgt = whole.k_tokens[cross], whole.q_tokens[cross]
+    looks = [f"{t.strip() or '·'}→{src[int(w[i].argmax())].strip() or '·'}"
+             for i, t in enumerate(tgt)]  # fmt: skip
+    console.print(f"cross-attention ({whole.layers[cross]}, mean of {whole.weights[cross].shape[0]}"
+                  f" heads): each French token looks most at  " + "  ".join(looks))  # fmt: skip
+    enc = merge_steps([steps[0]]).filter(kind="self")
+    paths = {
+        "translation": (out / "translation.html").resolve(),
+        "alignment": (out / "translation-alignment.png").resolve(),
+        "encoder": (out / "translation-encoder.png").resolve(),
+    }
+    write_html(whole, paths["translation"], steps=steps, title=f"qkv: {name} translating {text!r}")
+    plot_alignment(whole, path=paths["alignment"])
+    plot_grid(enc, paths["encoder"])
+    console.print(f"every step and head: [bold]{paths['translation']}[/]; alignment "
+                  f"{paths['alignment'].name}, encoder self-attention {paths['encoder'].name}")  # fmt: skip
+    return paths
+
+
+def heads_at_work(model: str, sentence: str, variant: str | None, top: int, out: Path,
+                  console: Console) -> dict[str, Path]:  # fmt: skip
+    """Part 3: the pronoun probe, the control, and what they show."""
     from qkv.inspect import capture, pronoun_probe
     from qkv.inspect.cli import print_probe
     from qkv.inspect.html import write_html
     from qkv.inspect.loaders import load
     from qkv.inspect.plot import plot_grid
 
-    console = console or Console()
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-
-    console.rule(f"[bold]1/3  qkv explain: attention step by step on {text!r}")
-    render_terminal(walk_steps(text), console)
-
-    console.rule(f"[bold]2/3  qkv heads: which {model} heads resolve the pronoun?")
     loaded = load(model)
+    if model == "random":
+        console.print("[yellow]random weights[/]: the heads below have learned nothing")
     tokens, inputs = loaded.encode(sentence)
     console.print(f"{sentence!r} → {len(tokens)} tokens: {' '.join(tokens)}")
     maps = capture(loaded.model, *inputs, tokens=tokens)
@@ -72,16 +131,60 @@ def tour(
         v_maps = capture(loaded.model, *v_inputs, tokens=v_tokens)
         v_rows = {(r.layer, r.head): r for r in pronoun_probe(v_maps, "it", CANDIDATES)}
         console.print(f"the same heads on {variant!r} (there, it = street):")
+        switched = 0
         for r in rows[:top]:
             v = v_rows[(r.layer, r.head)]
+            switched += r.best == "animal" and v.best == "street"
             console.print(f"  {r.layer} head {r.head:>2}: animal {r.scores['animal']:.3f} → "
                           f"{v.scores['animal']:.3f}, street {r.scores['street']:.3f} → "
                           f"{v.scores['street']:.3f}")  # fmt: skip
-
-    console.rule("[bold]3/3  qkv view: the pictures")
+        flips = sum(r.best == "animal" and v_rows[(r.layer, r.head)].best == "street" for r in rows)
+        if flips == 0:
+            console.print("[bold]What this shows:[/] heads do send 'it' to 'animal', but none "
+                          "switches to 'street' when the meaning says so: in this model no "
+                          "single head resolves the pronoun; they follow the words, not the "
+                          "sense.")  # fmt: skip
+        else:
+            console.print(f"[bold]What this shows:[/] {flips} of {len(rows)} heads move 'it' from "
+                          f"'animal' to 'street' with the meaning ({switched} of the top {top}): "
+                          "those heads track the referent, the others the words.")  # fmt: skip
     paths = {"html": (out / "attention.html").resolve(), "png": (out / "attention.png").resolve()}
     write_html(maps, paths["html"], title=f"qkv: {sentence!r} ({model})")
     plot_grid(maps, paths["png"])
+    return paths
+
+
+def tour(
+    out_dir: str | os.PathLike = ".",
+    *,
+    text: str = NOTES,
+    sentence: str = PRONOUN,
+    variant: str | None = WIDE,
+    model: str = "minilm",
+    translator: str | None = "en-fr",
+    top: int = 5,
+    console: Console | None = None,
+) -> dict[str, Path]:
+    """Run the story; write the pages and pictures into ``out_dir``; return their paths."""
+    console = console or Console()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    console.rule("[bold]1/4  Attention, step by step (a small layer, random weights)")
+    step_by_step(text.replace(".", " .") if " ." not in text else text, console)
+    paths: dict[str, Path] = {}
+    if translator:
+        console.rule(f"[bold]2/4  A real translator ({translator}) reads the notes' sentence")
+        paths.update(translation(translator, text, out, console))
+    console.rule(f"[bold]3/4  What single heads do: where does 'it' look in {model}?")
+    paths.update(heads_at_work(model, sentence, variant, top, out, console))
+    console.rule("[bold]4/4  Next")
+    console.print(
+        '  qkv translate "Two dogs play in the snow."      translate (en-fr; --model fr-en)'
+    )
+    console.print('  qkv explain "The boy trains the puppy."         every step of attention')
+    console.print(
+        "  qkv serve                                       the live explorer in a browser"
+    )
     console.print(f"\n[bold green]Done.[/] Open [bold]{paths['html']}[/] in a browser "
                   f"(hover a token, pick a layer); every layer × head of {model} is drawn in "
                   f"[bold]{paths['png']}[/].")  # fmt: skip
@@ -94,21 +197,21 @@ def run(args: argparse.Namespace) -> int:
         if n_words:
             note(f"--{name} cut to its first {MAX_TOKENS[key]} words (of {n_words})", "tour")
             setattr(args, name, value)
-    variant = WIDE if args.sentence == PRONOUN else None  # the comparison fits the notes' sentence
+    variant = WIDE if args.sentence == PRONOUN else None  # the control fits the notes' sentence
+    translator = None if args.translator == "none" else args.translator
     tour(args.out_dir, text=args.text, sentence=args.sentence, variant=variant,
-         model=args.model, top=args.top)  # fmt: skip
+         model=args.model, translator=translator, top=args.top)  # fmt: skip
     return 0
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("tour", help="explain + MiniLM pronoun probe + attention.html/.png")
-    p.add_argument("--out-dir", default=".", type=output_dir,
-                   help="where attention.html/.png go")  # fmt: skip
-    p.add_argument("--text", default=SHORT, type=text,
-                   help=f"the sentence for the step-by-step walk (at most {MAX_TOKENS['explain']} "
-                   "words)")  # fmt: skip
-    p.add_argument("--sentence", default=PRONOUN, type=text,
-                   help=f"the pronoun sentence (at most {MAX_TOKENS['view']} tokens)")  # fmt: skip
-    p.add_argument("--model", default="minilm", help="minilm | random | DIR")
-    p.add_argument("--top", type=positive_int, default=5, help="heads listed")
+    p = sub.add_parser(
+        "tour", help="the notes' story on real models: attention, translation, heads"
+    )
+    p.add_argument("--out-dir", type=output_dir, default=".", help="where the pages/pictures go")
+    p.add_argument("--text", type=text_arg, default=NOTES, help="the sentence to translate")
+    p.add_argument("--sentence", type=text_arg, default=PRONOUN, help="the pronoun sentence")
+    p.add_argument("--model", default="minilm", help="model for the probe: minilm | random | DIR")
+    p.add_argument("--translator", default="en-fr", help="en-fr | fr-en | DIR | none")
+    p.add_argument("--top", type=int_range(1, 1000), default=5, help="heads shown")
     p.set_defaults(func=run)
