@@ -8,7 +8,16 @@ import os
 import sys
 
 # name of the module under qkv/ that defines add_parser(subparsers) for each subcommand
-SUBCOMMANDS = ["demo", "explain", "tour", "train", "translate", "pretrained.cli", "inspect.cli"]
+SUBCOMMANDS = [
+    "demo",
+    "explain",
+    "tour",
+    "train",
+    "translate",
+    "pretrained.cli",
+    "inspect.cli",
+    "serve.cli",
+]
 
 
 def build_parser() -> argparse.ArgumentParser:
