@@ -132,6 +132,9 @@ def create_app(registry: Registry | None = None) -> Starlette:
         out["elapsed_ms"] = round(1000 * (time.perf_counter() - t0), 1)
         return JSONResponse(out)
 
+    async def favicon(_request: Request) -> Response:
+        return Response(status_code=204)
+
     async def not_found(_request: Request, _exc: Exception) -> Response:
         return error("not found", 404)
 
@@ -140,6 +143,7 @@ def create_app(registry: Registry | None = None) -> Starlette:
 
     routes = [
         Route("/", index),
+        Route("/favicon.ico", favicon),
         Route("/api/health", health),
         Route("/api/attention", api_attention, methods=["POST"]),
         Mount("/static", StaticFiles(directory=STATIC), name="static"),

@@ -52,10 +52,12 @@
     const prob = !!opt.prob;
     const [lo, hi] = range(values);
     const m = Math.max(Math.abs(lo), Math.abs(hi));
-    const labW = C <= 40 || opt.labels ? 70 : 0, labH = C <= 40 ? 46 : 0;
+    const feat = !!opt.features; // columns are feature dimensions, not tokens
+    const labW = R <= 64 ? 70 : 0, labH = !feat && C <= 40 ? 46 : 0;
     const cell = Math.max(2, Math.min(26, Math.floor((opt.maxWidth - labW) / Math.max(1, C))));
+    const cellH = feat ? Math.max(12, Math.min(20, cell)) : cell;
     const cv = el("canvas");
-    const W = labW + cell * C, H = labH + cell * R;
+    const W = labW + cell * C, H = labH + cellH * R;
     const dpr = window.devicePixelRatio || 1;
     cv.width = W * dpr; cv.height = H * dpr; cv.style.width = W + "px"; cv.style.height = H + "px";
     const g = cv.getContext("2d"); g.scale(dpr, dpr);
@@ -64,14 +66,14 @@
       const dim = opt.rowsShown !== undefined && i > opt.rowsShown;
       g.fillStyle = v === null ? "#bbb" : (prob ? seq(v) : div(v, m));
       g.globalAlpha = dim ? 0.15 : 1;
-      g.fillRect(labW + j * cell, labH + i * cell, cell, cell);
+      g.fillRect(labW + j * cell, labH + i * cellH, cell, cellH);
     }
     g.globalAlpha = 1;
     if (opt.highlightRow !== undefined && opt.highlightRow < R) {
       g.strokeStyle = "#e67700"; g.lineWidth = 2;
-      g.strokeRect(labW + 1, labH + opt.highlightRow * cell + 1, C * cell - 2, cell - 2);
+      g.strokeRect(labW + 1, labH + opt.highlightRow * cellH + 1, C * cell - 2, cellH - 2);
     }
-    if (cell >= 16 && C <= 16 && R <= 40) { // exact values in big cells
+    if (!feat && cell >= 16 && C <= 16 && R <= 40) { // exact values in big cells
       g.font = "9px sans-serif"; g.textAlign = "center"; g.textBaseline = "middle";
       for (let i = 0; i < R; i++) for (let j = 0; j < C; j++) {
         const v = values[i][j]; const x = prob ? v : (m ? Math.abs(v) / m : 0);
@@ -80,9 +82,9 @@
       }
     }
     g.fillStyle = "#222"; g.font = "11px 'Noto Sans', 'Noto Sans CJK SC', sans-serif";
-    if (labW && cell >= 9) {
+    if (labW && cellH >= 9) {
       g.textAlign = "right"; g.textBaseline = "middle";
-      rows.forEach((r, i) => g.fillText(clip(r, 10), labW - 4, labH + (i + 0.5) * cell));
+      rows.forEach((r, i) => g.fillText(clip(r, 10), labW - 4, labH + (i + 0.5) * cellH));
     }
     if (labH && cell >= 9) {
       g.textAlign = "left"; g.textBaseline = "middle";
@@ -93,9 +95,9 @@
     }
     cv.addEventListener("mousemove", (ev) => {
       const r = cv.getBoundingClientRect();
-      const j = Math.floor((ev.clientX - r.left - labW) / cell), i = Math.floor((ev.clientY - r.top - labH) / cell);
+      const j = Math.floor((ev.clientX - r.left - labW) / cell), i = Math.floor((ev.clientY - r.top - labH) / cellH);
       if (i < 0 || j < 0 || i >= R || j >= C) return hideTip();
-      showTip(ev, `${rows[i]} → ${cols[j]} = ${fmt(values[i][j])}`);
+      showTip(ev, feat ? `${rows[i]}, dim ${cols[j]} = ${fmt(values[i][j])}` : `${rows[i]} → ${cols[j]} = ${fmt(values[i][j])}`);
     });
     cv.addEventListener("mouseleave", hideTip);
     cv.dataset.rows = R; cv.dataset.cols = C;
@@ -167,7 +169,8 @@
       const cut = m.shape[1] > m.cols.length ? `, first ${m.cols.length} columns` : "";
       h.append(el("span", "shape", `  ${m.shape[0]}×${m.shape[1]}${cut}`));
       const p = el("p", "expl", t("step." + m.key)); p.lang = S.lang;
-      c.append(h, p, heatmap(m.values, m.rows, m.cols, { maxWidth: w, prob: m.key === "weights" || m.key === "mask" }));
+      const feat = ["x", "context", "q", "k", "v", "output", "concat", "wo"].includes(m.key);
+      c.append(h, p, heatmap(m.values, m.rows, m.cols, { maxWidth: w, prob: m.key === "weights" || m.key === "mask", features: feat }));
       cards.appendChild(c);
     }
     root.append(cards);
@@ -185,12 +188,12 @@
       chips.append(b);
     });
     const all = el("button", "", "all"); all.addEventListener("click", () => { S.heads = new Set(L.heads); renderView(); });
-    chips.append(all, el("span", "hint", "  hover a token on the left to isolate it, click to pin"));
+    chips.append(all, el("span", "hint", "  left: queries, right: keys; line and block strength = weight. Hover a query to isolate it, click to pin."));
     root.append(chips);
     const R = L.q_tokens.length, C = L.k_tokens.length;
     const hv = el("div", "headview");
     const left = el("div", "toks left"), right = el("div", "toks right"), blocks = el("div", "blocks");
-    const cv = el("canvas"); const W = 160, H = Math.max(R, C) * 20;
+    const cv = el("canvas"); const RH = 24, W = 240, H = Math.max(R, C) * RH;
     cv.width = W; cv.height = H; cv.style.width = W + "px"; cv.style.height = H + "px";
     L.q_tokens.forEach((tk, i) => {
       const d = el("div", S.pinned === i ? "pinned" : "", tk); d.dataset.i = i; d.title = tk;
@@ -211,7 +214,7 @@
           for (let j = 0; j < C; j++) {
             const v = L.weights[hi][i][j]; if (!v) continue;
             g.globalAlpha = Math.min(1, v); g.lineWidth = q !== null && q !== undefined ? 3 : 2;
-            g.beginPath(); g.moveTo(0, i * 20 + 10); g.lineTo(W, j * 20 + 10); g.stroke();
+            g.beginPath(); g.moveTo(0, i * RH + RH / 2); g.lineTo(W, j * RH + RH / 2); g.stroke();
           }
         }
       }
