@@ -13,12 +13,12 @@ import torch
 os.environ["HF_HUB_OFFLINE"] = "1"
 pytest.importorskip("starlette")
 pytest.importorskip("httpx")
-from serve_helpers import registry  # noqa: E402
+from serve_helpers import one_thread, registry  # noqa: E402
 from starlette.testclient import TestClient  # noqa: E402
 
 from qkv.cli import build_parser  # noqa: E402
 from qkv.serve.app import CSP, create_app  # noqa: E402
-from qkv.serve.limits import MAX_BODY_BYTES, encoder_limit  # noqa: E402
+from qkv.serve.limits import MAX_BODY_BYTES, encoder_limit, target_limit  # noqa: E402
 
 BOY = "The boy trains the puppy."
 TIRED = "The animal didn't cross the street because it was tired."
@@ -32,7 +32,7 @@ def reg(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(reg):
-    with TestClient(create_app(reg)) as c:
+    with one_thread(), TestClient(create_app(reg)) as c:
         yield c
 
 
@@ -122,7 +122,8 @@ def test_translation_steps_kinds_and_beam(client):
     assert r.status_code == 200, r.text
     d = r.json()
     tr = d["translation"]
-    assert tr["text"] and tr["target_tokens"][-1] == "</s>" and tr["beam"] == 2
+    assert tr["text"] and tr["beam"] == 2
+    assert 1 <= len(tr["target_tokens"]) <= target_limit(len(tr["source_tokens"]))
     assert "greedy_text" in tr
     assert d["tokens"] == tr["source_tokens"] and d["tokens"][-1] == "</s>"
     kinds = {lay["name"]: lay["kind"] for lay in d["layers"]}
@@ -147,11 +148,11 @@ def test_translation_steps_kinds_and_beam(client):
 
 
 def test_heads_off_changes_the_result(client):
-    every = [[f"decoder.layers.{i}.cross_attn", h] for i in range(2) for h in range(4)]
+    every = [["decoder.layers.0.self_attn", h] for h in range(4)]
     r = post(client, text="the boy trains the puppy", model="tiny-fr", translate=True,
              ablate=every)  # fmt: skip
     d = r.json()
-    assert r.status_code == 200 and len(d["ablation"]["heads"]) == 8
+    assert r.status_code == 200 and len(d["ablation"]["heads"]) == 4
     assert d["ablation"]["baseline"]["translation"] != d["translation"]["text"]
     r = post(client, text=BOY, model="random", ablate=[["layers.0.self_attn", 1]],
              layer="layers.0.self_attn", head=1)  # fmt: skip
