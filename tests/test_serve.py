@@ -48,7 +48,7 @@ def test_health_lists_models_and_page_has_csp(client):
     assert [m["random"] for m in r.json()["models"] if m["name"] == "random"] == [True]
     page = client.get("/")
     assert page.status_code == 200 and page.headers["content-security-policy"] == CSP
-    assert "<script src=\"/static/app.js\"" in page.text and "script-src 'self'" in CSP
+    assert '<script src="/static/app.js"' in page.text and "script-src 'self'" in CSP
     assert "'unsafe-inline'" not in CSP
     for path in ("/static/app.js", "/static/app.css", "/static/i18n/strings.json"):
         assert client.get(path).status_code == 200
@@ -90,8 +90,10 @@ def test_random_model_maps_and_steps_match_torch(client, reg):
     scaled = torch.tensor(mats["scores"]["values"]) * st["scale"]
     torch.testing.assert_close(torch.tensor(mats["scaled"]["values"]), scaled, atol=5e-3, rtol=0)
     assert st["check"] < 1e-4  # W_O output recomputed = the module's real output
-    assert len(d["stats"]) == 8 and {s["layer"] for s in d["stats"]} == {"layers.0.self_attn",
-                                                                         "layers.1.self_attn"}
+    assert len(d["stats"]) == 8 and {s["layer"] for s in d["stats"]} == {
+        "layers.0.self_attn",
+        "layers.1.self_attn",
+    }
 
 
 def test_minilm_maps_equal_hf_attentions(client, reg):
@@ -174,10 +176,18 @@ def test_heads_off_changes_the_result(client):
         (json.dumps({"text": BOY, "model": "random", "beam": 0}).encode(), 400, "beam"),
         (json.dumps({"text": BOY, "model": "random", "layer": "x"}).encode(), 400, "layer"),
         (json.dumps({"text": BOY, "model": "random", "head": 9}).encode(), 400, "head"),
-        (json.dumps({"text": BOY, "model": "random", "ablate": [["layers.0.self_attn", 7]]})
-         .encode(), 400, "out of range"),  # fmt: skip
-        (json.dumps({"text": BOY, "model": "minilm", "translate": True}).encode(), 400,
-         "does not translate"),  # fmt: skip
+        (
+            json.dumps(
+                {"text": BOY, "model": "random", "ablate": [["layers.0.self_attn", 7]]}
+            ).encode(),
+            400,
+            "out of range",
+        ),  # fmt: skip
+        (
+            json.dumps({"text": BOY, "model": "minilm", "translate": True}).encode(),
+            400,
+            "does not translate",
+        ),  # fmt: skip
         (b'{"text": "' + b"a " * MAX_BODY_BYTES + b'"}', 413, "at most"),
     ],
 )

@@ -1,7 +1,7 @@
 """``qkv serve``: the attention explorer in the browser (see ``docs/serve.md``).
 
-    qkv serve                                   # http://127.0.0.1:8000, MiniLM + random
-    qkv serve --model enfr=runs/enfr/best       # add a translation model directory
+qkv serve                                   # http://127.0.0.1:8000, MiniLM + random
+qkv serve --model enfr=runs/enfr/best       # add a translation model directory
 """
 
 from __future__ import annotations

@@ -166,9 +166,14 @@ def step_detail(
 def maps_json(maps: AttentionMaps) -> list[dict]:
     """The ``layers`` field: name, kind, heads, tokens and ``weights [h][Tq][Tk]``."""
     return [
-        {"name": maps.layers[i], "kind": maps.kinds[i], "heads": maps.heads[i],
-         "q_tokens": maps.q_tokens[i], "k_tokens": maps.k_tokens[i],
-         "weights": _round(maps.weights[i])}  # fmt: skip
+        {
+            "name": maps.layers[i],
+            "kind": maps.kinds[i],
+            "heads": maps.heads[i],
+            "q_tokens": maps.q_tokens[i],
+            "k_tokens": maps.k_tokens[i],
+            "weights": _round(maps.weights[i]),
+        }  # fmt: skip
         for i in range(len(maps))
     ]
 
