@@ -13,12 +13,12 @@ import torch
 os.environ["HF_HUB_OFFLINE"] = "1"
 pytest.importorskip("starlette")
 pytest.importorskip("httpx")
-from serve_helpers import one_thread, registry  # noqa: E402
 from starlette.testclient import TestClient  # noqa: E402
 
 from qkv.cli import build_parser  # noqa: E402
 from qkv.serve.app import CSP, create_app  # noqa: E402
 from qkv.serve.limits import MAX_BODY_BYTES, encoder_limit, target_limit  # noqa: E402
+from serve_helpers import one_thread, registry  # noqa: E402
 
 BOY = "The boy trains the puppy."
 TIRED = "The animal didn't cross the street because it was tired."

@@ -19,9 +19,8 @@ ARTIFACTS = Path(__file__).parent / "artifacts"
 XSS = "<script>alert(1)</script> <img src=x onerror=alert(1)> \"'><svg onload=alert(1)>"
 
 uvicorn = pytest.importorskip("uvicorn")
-from serve_helpers import one_thread, registry  # noqa: E402
-
 from qkv.serve.app import create_app  # noqa: E402
+from serve_helpers import one_thread, registry  # noqa: E402
 
 
 def _free_port() -> int:
