@@ -252,3 +252,36 @@ def test_load_32_clients_20_seconds(server):
           f"({len(latencies) / wall:.1f}/s), p50 {1000 * statistics.median(latencies):.0f} ms, "
           f"p95 {1000 * q[18]:.0f} ms, errors {len(failures)}")  # fmt: skip
     assert failures == [] and len(latencies) >= 32 and wall >= 20.0
+
+
+def test_notebook_view_is_self_contained_and_safe(browser, tmp_path):
+    from qkv.inspect import capture
+    from qkv.inspect.tiny import TinyEncoder
+
+    enc = TinyEncoder()
+    toks, ids = enc.tokenize("The animal didn't cross the street because it was tired .")
+    toks[3] = "</script><script>alert(1)</script>"  # a hostile token: text, never markup
+    maps = capture(enc, ids, tokens=toks)
+    path = tmp_path / "nb.html"
+    path.write_text(f"<!DOCTYPE html><html><body>{maps._repr_html_()}</body></html>")
+    page = browser.new_page(viewport={"width": 1280, "height": 800})
+    errors, dialogs, requests = [], [], []
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
+    page.on("request", lambda r: requests.append(r.url))
+    page.goto(path.as_uri())
+    frame = page.frame_locator("iframe")
+    frame.locator("body[data-ready='1']").wait_for()
+    frame.locator(".tab[data-view='head']").click()
+    labels = frame.locator(".toks.left div").all_text_contents()
+    assert labels == toks
+    frame.locator(".tab[data-view='model']").click()
+    assert frame.locator("canvas.thumb").count() == 2 * 4
+    _shot(page, "notebook")
+    assert dialogs == [] and errors == [] and requests == [path.as_uri()]
+    # a long capture is cut to the limit, so the page stays small
+    big = TinyEncoder()
+    toks, ids = big.tokenize(" ".join(["word"] * 600))
+    html = capture(big, ids, tokens=toks)._repr_html_()
+    assert len(html) < 4_000_000 and "Cut to the first" in html
+    page.close()

@@ -308,6 +308,7 @@
 
   function renderWork(root) {
     const d = S.data;
+    if (S.offline) { root.append(el("p", "intro", "The pronoun probe and head switches run the model: open this text in qkv serve.")); return; }
     const p = el("div", "card");
     p.append(el("h3", "", "Pronoun probe: which heads send a token to which candidate?"));
     const f = el("div", "row2");
