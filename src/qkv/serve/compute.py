@@ -217,8 +217,9 @@ def _ablation_spec(model: nn.Module, pairs: list[tuple[str, int]]) -> dict[str, 
 
 
 def _pick_layer(names: list[str], req: AttentionRequest) -> str:
-    if req.layer is None:
-        return names[0]
+    if req.layer is None:  # default: the last cross-attention layer when translating
+        cross = [n for n in names if "cross" in n]
+        return cross[-1] if req.translate and cross else names[0]
     if req.layer not in names:
         raise BadRequest(f"layer must be one of {names}, got {req.layer!r}")
     return req.layer

@@ -54,7 +54,7 @@
     const m = Math.max(Math.abs(lo), Math.abs(hi));
     const feat = !!opt.features; // columns are feature dimensions, not tokens
     const labW = R <= 64 ? 70 : 0, labH = !feat && C <= 40 ? 46 : 0;
-    const cell = Math.max(2, Math.min(26, Math.floor((opt.maxWidth - labW) / Math.max(1, C))));
+    const cell = Math.max(2, Math.min(opt.maxCell || 26, Math.floor((opt.maxWidth - labW) / Math.max(1, C))));
     const cellH = feat ? Math.max(12, Math.min(20, cell)) : cell;
     const cv = el("canvas");
     const W = labW + cell * C, H = labH + cellH * R;
@@ -73,11 +73,12 @@
       g.strokeStyle = "#e67700"; g.lineWidth = 2;
       g.strokeRect(labW + 1, labH + opt.highlightRow * cellH + 1, C * cell - 2, cellH - 2);
     }
-    if (!feat && cell >= 16 && C <= 16 && R <= 40) { // exact values in big cells
+    if (!feat && cell >= 16 && C <= 24 && R <= 40) { // exact values in big cells
       g.font = "9px sans-serif"; g.textAlign = "center"; g.textBaseline = "middle";
       for (let i = 0; i < R; i++) for (let j = 0; j < C; j++) {
         const v = values[i][j]; const x = prob ? v : (m ? Math.abs(v) / m : 0);
-        g.fillStyle = v !== null && x > 0.6 ? "#fff" : "#222";
+        const dim = opt.rowsShown !== undefined && i > opt.rowsShown;
+        g.fillStyle = dim ? "#aaa" : v !== null && x > 0.6 ? "#fff" : "#222";
         g.fillText(v === null ? "−∞" : (Math.abs(v) >= 10 ? v.toFixed(0) : v.toFixed(2)).replace(/^(-?)0\./, "$1."), labW + (j + 0.5) * cell, labH + (i + 0.5) * cell);
       }
     }
@@ -111,6 +112,7 @@
     wrap.appendChild(sc);
     return wrap;
   }
+  function short(name) { return String(name).replace("encoder.layers.", "enc ").replace("decoder.layers.", "dec ").replace(/\.(self_attn|cross_attn|attn)$/, (m, k) => " " + k.replace("_attn", "").replace("attn", "self")); }
   function clip(s, n) { s = String(s); return s.length > n ? s.slice(0, n - 1) + "…" : s; }
 
   // ---------- data helpers ----------
@@ -238,15 +240,15 @@
   function renderModel(root) {
     const ls = layers(); if (!ls.length) return;
     const H = Math.max(...ls.map((l) => l.heads.length));
-    const avail = viewWidth() - 150, availH = Math.max(300, $("#views").clientHeight - 60);
+    const avail = viewWidth() - 130, availH = Math.max(300, $("#views").clientHeight - 60);
     const size = Math.max(26, Math.min(110, Math.floor(avail / H) - 4, Math.floor(availH / ls.length) - 4));
     root.append(el("p", "intro", `${ls.length} layers × ${H} heads. Click a map to open it (step by step).`));
     const grid = el("div", "grid");
-    grid.style.gridTemplateColumns = `140px repeat(${H}, ${size + 2}px)`;
+    grid.style.gridTemplateColumns = `120px repeat(${H}, ${size + 2}px)`;
     grid.append(el("div"));
     for (let h = 0; h < H; h++) grid.append(el("div", "colh", `head ${h}`));
     ls.forEach((L, li) => {
-      const lab = el("div", "lab", `${L.name} · ${L.kind}`); lab.title = L.name; grid.append(lab);
+      const lab = el("div", "lab", short(L.name)); lab.title = `${L.name} (${L.kind})`; grid.append(lab);
       L.heads.forEach((h, hi) => {
         const cv = el("canvas", "thumb" + (L.name === S.layer && h === S.head ? " sel" : "") + (S.off.has(L.name + "|" + h) ? " off" : ""));
         cv.width = size; cv.height = size; cv.dataset.layer = li; cv.dataset.head = h; cv.title = `${L.name}, head ${h}`;
@@ -289,13 +291,13 @@
     if (S.layer && cross.some((l) => l.name === S.layer)) cl = cross.find((l) => l.name === S.layer);
     const hi = Math.max(0, cl.heads.indexOf(S.head));
     const row = el("div", "row2");
-    const a = el("div"); a.append(el("h3", "", `cross-attention ${cl.name}, head ${cl.heads[hi]}: rows = target tokens written, columns = source`));
-    a.append(heatmap(cl.weights[hi], cl.q_tokens, cl.k_tokens, { maxWidth: Math.min(620, viewWidth() - 340), prob: true, highlightRow: S.step, rowsShown: S.step, labels: true }));
+    const a = el("div", "panel"); a.append(el("h3", "", `cross-attention ${short(cl.name)}, head ${cl.heads[hi]}`), el("p", "hint", "rows: target tokens as they are written; columns: the source"));
+    a.append(heatmap(cl.weights[hi], cl.q_tokens, cl.k_tokens, { maxWidth: Math.min(600, viewWidth() - 330), maxCell: 44, prob: true, highlightRow: S.step, rowsShown: S.step }));
     row.append(a);
     const dl = dec.find((l) => l.name === cl.name.replace("cross_attn", "self_attn")) || dec[dec.length - 1];
     if (dl) {
-      const b = el("div"); const dhi = Math.max(0, dl.heads.indexOf(S.head));
-      b.append(el("h3", "", `decoder self-attention ${dl.name}, head ${dl.heads[dhi]}, step ${S.step + 1}`));
+      const b = el("div", "panel"); const dhi = Math.max(0, dl.heads.indexOf(S.head));
+      b.append(el("h3", "", `decoder self-attention ${short(dl.name)}, head ${dl.heads[dhi]}`), el("p", "hint", `step ${S.step + 1}: what the decoder input “${dl.q_tokens[S.step]}” looks at`));
       const bars = el("div", "bars"); const w = dl.weights[dhi][S.step] || [];
       for (let j = 0; j <= S.step && j < w.length; j++) {
         const r = el("div"); const bar = el("span", "bar"); bar.style.width = Math.round(180 * w[j]) + "px";
@@ -318,8 +320,10 @@
     go.addEventListener("click", () => { S.probeToken = tok.value.trim(); S.probeCands = cands.value; refresh(); });
     const ex = el("button", "", "use “The animal didn't cross the street because it was tired.”"); ex.id = "probe-example";
     ex.addEventListener("click", () => { $("#text").value = "The animal didn't cross the street because it was tired."; S.probeToken = "it"; S.probeCands = "animal, street"; refresh(); });
-    f.append(el("span", "", "token"), tok, el("span", "", "candidates"), cands, go, ex);
-    p.append(f);
+    const ctl = el("button", "", "control: “…because it was wide.”"); ctl.id = "probe-control";
+    ctl.addEventListener("click", () => { $("#text").value = "The animal didn't cross the street because it was wide."; S.probeToken = "it"; S.probeCands = "animal, street"; refresh(); });
+    f.append(el("span", "", "token"), tok, el("span", "", "candidates"), cands, go, ex, ctl);
+    p.append(f, el("p", "hint", "A head that resolves the pronoun should switch from “animal” (tired) to “street” (wide) in the control sentence; the same answer in both means it follows the words, not the meaning."));
     const pr = d.probe;
     if (!pr) p.append(el("p", "hint", "Give a token and candidates."));
     else if (pr.error) p.append(el("p", "err", pr.error));
