@@ -79,7 +79,7 @@
         const v = values[i][j]; const x = prob ? v : (m ? Math.abs(v) / m : 0);
         const dim = opt.rowsShown !== undefined && i > opt.rowsShown;
         g.fillStyle = dim ? "#aaa" : v !== null && x > 0.6 ? "#fff" : "#222";
-        g.fillText(v === null ? "−∞" : (Math.abs(v) >= 10 ? v.toFixed(0) : v.toFixed(2)).replace(/^(-?)0\./, "$1."), labW + (j + 0.5) * cell, labH + (i + 0.5) * cell);
+        g.fillText(v === null ? "−∞" : (Math.abs(v) >= 10 || Number.isInteger(v) ? v.toFixed(0) : v.toFixed(2)).replace(/^(-?)0\./, "$1."), labW + (j + 0.5) * cell, labH + (i + 0.5) * cell);
       }
     }
     g.fillStyle = "#222"; g.font = "11px 'Noto Sans', 'Noto Sans CJK SC', sans-serif";
