@@ -48,8 +48,14 @@ def one_thread():
         torch.set_num_threads(n)
 
 
+_SAVED: dict[str, Path] = {}
+
+
 def registry(tmp: Path, *, minilm: bool = True) -> Registry:
-    reg = default_registry({"tiny-fr": str(tiny_translator(tmp / "tiny-fr"))})
+    """MiniLM (optional), random, and the tiny translator as ``tiny-fr`` (trained once per run)."""
+    if "tiny-fr" not in _SAVED:
+        _SAVED["tiny-fr"] = tiny_translator(tmp / "tiny-fr")
+    reg = default_registry({"tiny-fr": str(_SAVED["tiny-fr"])})
     if not minilm:
         reg._entries.pop("minilm")
     return reg

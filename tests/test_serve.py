@@ -244,3 +244,24 @@ def test_cli_missing_model_dir_is_one_line(capsys, tmp_path):
     assert main(["serve", "--model", f"x={tmp_path / 'missing'}"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("qkv serve: error:")
+
+
+def test_qkv_view_writes_the_explorer_page_with_the_same_limits(tmp_path, capsys):
+    from qkv.cli import main
+
+    out = tmp_path / "long.html"
+    text = " ".join(f"w{i % 40}" for i in range(5000))
+    assert main(["view", text, "--model", "random", "--out", str(out)]) == 0
+    page = out.read_text()
+    assert out.stat().st_size < 4_000_000 and 'id="qkv-data"' in page
+    data = json.loads(page.split('id="qkv-data">')[1].split("</script>")[0])
+    assert data["response"]["truncated"] and len(data["response"]["tokens"]) == 128
+    assert 'src="/static' not in page and 'href="/static' not in page  # self-contained
+    assert "cut to its first 128 tokens" in capsys.readouterr().out
+    for argv in (["view", "", "--out", str(tmp_path / "a.html")],
+                 ["view", "x", "--beam", "0", "--out", str(tmp_path / "b.html")],
+                 ["view", "x", "--png", "x.jpg", "--out", str(tmp_path / "c.html")]):  # fmt: skip
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("qkv view: error:")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["long.html"]

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+from pathlib import Path
 
 import torch
 from rich.console import Console
@@ -20,7 +22,6 @@ from rich.table import Table
 from qkv.inspect.ablate import ablate, ablation_scan, parse_heads
 from qkv.inspect.capture import capture
 from qkv.inspect.loaders import load
-from qkv.inspect.maps import merge_steps
 from qkv.inspect.stats import ProbeRow, head_stats, normalize_token, pronoun_probe
 
 console = Console()
@@ -31,27 +32,29 @@ def _f(v: float) -> str:
 
 
 def run_view(args: argparse.Namespace) -> int:
-    from qkv.inspect.html import write_html
+    """The explorer page of ``qkv serve`` as one offline file, with the server's limits."""
     from qkv.inspect.plot import plot_alignment, plot_grid
+    from qkv.serve.page import maps_from_response, view_page
 
-    loaded = load(args.model)
-    steps = None
-    if args.translate:
-        if loaded.translate is None:
-            raise SystemExit(f"--model {args.model} cannot translate")
-        steps = (
-            loaded.translate(args.translate, beam=args.beam)
-            if args.beam > 1
-            else loaded.translate(args.translate)
-        )
-        maps, title = merge_steps(steps), f"qkv: translating {args.translate!r}"
-    else:
-        if not args.sentence:
-            raise SystemExit("give a sentence, or --translate SENTENCE")
-        tokens, inputs = loaded.encode(args.sentence)
-        maps, title = capture(loaded.model, *inputs, tokens=tokens), f"qkv: {args.sentence!r}"
-    out = write_html(maps, args.out, steps=steps, title=title)
+    text = args.translate if args.translate else args.sentence
+    if not text:
+        raise ValueError("give a sentence, or --translate SENTENCE")
+    if args.png and not args.png.lower().endswith((".png", ".svg")):
+        raise ValueError(f"--png must end in .png or .svg, got {args.png!r}")
+    out = Path(args.out)
+    if out.is_dir():
+        raise ValueError(f"--out must be a file, got the directory {args.out!r}")
+    title = f"qkv: translating {text!r}" if args.translate else f"qkv: {text!r}"
+    page, response = view_page(args.model, text, translate=bool(args.translate), beam=args.beam,
+                               title=title)  # fmt: skip
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(page, encoding="utf-8")
+    os.replace(tmp, out)
+    if response["notice"]:
+        console.print(f"[yellow]{response['notice']}[/]")
     console.print(f"viewer written: [bold]{out.resolve()}[/] (open it in a browser)")
+    maps = maps_from_response(response)
     if args.png:
         plot_grid(maps, args.png)
         console.print(f"picture written: [bold]{args.png}[/]")

@@ -24,12 +24,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-from torch import nn
-
 from qkv.inspect.loaders import Loaded
 
-__all__ = ["SHIPPED_TRANSLATORS", "Entry", "Registry", "UnknownModel", "default_registry"]
+__all__ = [
+    "SHIPPED_TRANSLATORS",
+    "Entry",
+    "Registry",
+    "UnknownModel",
+    "default_registry",
+    "entry_for",
+]
 
 # name -> the argument of ``qkv.translate.load`` (offered only when that function exists and
 # finds the model). One line per shipped translator.
@@ -159,10 +163,16 @@ def default_registry(dirs: dict[str, str] | None = None) -> Registry:
     return reg
 
 
-def modules_of(loaded: Loaded) -> list[nn.Module]:
-    """The distinct modules whose heads a request may switch off."""
-    return list({id(m): m for m in (loaded.full_model, loaded.model) if m is not None}.values())
+def entry_for(spec: str) -> Entry:
+    """An entry for ``spec``: a name :func:`default_registry` offers, any name registered with
+    :func:`qkv.inspect.loaders.register`, or a saved model directory (loaded now)."""
+    reg = default_registry()
+    if spec in reg.names():
+        return reg.get(spec)
+    from qkv.inspect.loaders import load
 
-
-def no_grad_eval() -> torch.autograd.grad_mode.no_grad:
-    return torch.no_grad()
+    loaded = load(spec)
+    s2s = loaded.translate is not None and loaded.full_model is not None
+    entry = Entry(Path(spec).name or spec, spec, lambda: loaded, translator=s2s)
+    entry.loaded = loaded
+    return entry

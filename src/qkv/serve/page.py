@@ -20,10 +20,12 @@ import html as _html
 import json
 import re
 
+import torch
+
 from qkv.inspect.maps import AttentionMaps
 from qkv.serve.limits import MAX_CELLS, encoder_limit
 
-__all__ = ["maps_response", "notebook_html", "render_page"]
+__all__ = ["maps_from_response", "maps_response", "notebook_html", "render_page", "view_page"]
 
 OFFLINE_CSP = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
                "img-src data:")  # fmt: skip
@@ -89,3 +91,31 @@ def notebook_html(maps: AttentionMaps, *, height: int = 760) -> str:
     page = render_page(maps_response(maps))
     return (f'<iframe srcdoc="{_html.escape(page, quote=True)}" style="width:100%;'
             f'height:{int(height)}px;border:1px solid #ddd" sandbox="allow-scripts"></iframe>')  # fmt: skip
+
+
+def maps_from_response(response: dict) -> AttentionMaps:
+    """The maps of an ``/api/attention`` answer as :class:`AttentionMaps` (for pictures)."""
+    ls = response["layers"]
+    return AttentionMaps(
+        [torch.tensor(x["weights"], dtype=torch.float32) for x in ls], [x["name"] for x in ls],
+        [x["kind"] for x in ls], [x["heads"] for x in ls], [x["q_tokens"] for x in ls],
+        [x["k_tokens"] for x in ls],
+    )  # fmt: skip
+
+
+def view_page(
+    model: str, text: str, *, translate: bool = False, beam: int = 1, title: str = "qkv attention"
+) -> tuple[str, dict]:
+    """``qkv view``: the server's computation and limits for ``text``, as one offline page.
+
+    Returns ``(html, response)``; bad input raises :class:`~qkv.serve.limits.BadRequest`
+    (a ``ValueError``) before anything is computed.
+    """
+    from qkv.serve.compute import attention
+    from qkv.serve.limits import parse_request
+    from qkv.serve.models import entry_for
+
+    req = parse_request({"text": text, "model": model, "translate": translate, "beam": beam})
+    entry = entry_for(model)
+    response = attention(entry, req)
+    return render_page(response, title=title), response
