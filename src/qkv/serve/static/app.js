@@ -79,7 +79,7 @@
         const v = values[i][j]; const x = prob ? v : (m ? Math.abs(v) / m : 0);
         const dim = opt.rowsShown !== undefined && i > opt.rowsShown;
         g.fillStyle = dim ? "#aaa" : v !== null && x > 0.6 ? "#fff" : "#222";
-        g.fillText(v === null ? "−∞" : (Math.abs(v) >= 10 || Number.isInteger(v) ? v.toFixed(0) : v.toFixed(2)).replace(/^(-?)0\./, "$1."), labW + (j + 0.5) * cell, labH + (i + 0.5) * cell);
+        g.fillText(v === null ? "−∞" : (Math.abs(v) >= 10 || opt.ints ? v.toFixed(0) : v.toFixed(2)).replace(/^(-?)0\./, "$1."), labW + (j + 0.5) * cell, labH + (i + 0.5) * cell);
       }
     }
     g.fillStyle = "#222"; g.font = "11px 'Noto Sans', 'Noto Sans CJK SC', sans-serif";
@@ -172,7 +172,7 @@
       h.append(el("span", "shape", `  ${m.shape[0]}×${m.shape[1]}${cut}`));
       const p = el("p", "expl", t("step." + m.key)); p.lang = S.lang;
       const feat = ["x", "context", "q", "k", "v", "output", "concat", "wo"].includes(m.key);
-      c.append(h, p, heatmap(m.values, m.rows, m.cols, { maxWidth: w, prob: m.key === "weights" || m.key === "mask", features: feat }));
+      c.append(h, p, heatmap(m.values, m.rows, m.cols, { maxWidth: w, prob: m.key === "weights" || m.key === "mask", features: feat, ints: m.key === "mask" }));
       cards.appendChild(c);
     }
     root.append(cards);
