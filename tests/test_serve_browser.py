@@ -139,8 +139,17 @@ def test_every_view_renders_and_languages_switch(server, browser):
     page.click(".toks.left div[data-i='10']")
     assert "pinned" in page.get_attribute(".toks.left div[data-i='10']", "class")
     shown = page.eval_on_selector_all(".blocks span", "s => s.map(x => +x.dataset.v)")
-    want = _post(server, text=page.input_value("#text"), model="random")["layers"][0]
+    resp = _post(server, text=page.input_value("#text"), model="random")
+    want = resp["layers"][0]
+
+    def want_stats(layer):
+        return [s for s in resp["stats"] if s["layer"] == layer]
+
     assert shown == pytest.approx(want["weights"][0][10], abs=1e-6)  # query "it", head 0
+    page.select_option("#top-heads", "first")  # the 3 heads that look most at the first token
+    firsts = {s["head"]: s["first"] for s in want_stats(want["name"])}
+    on = page.eval_on_selector_all(".chip.on", "cs => cs.map(c => +c.dataset.head)")
+    assert sorted(on) == sorted(sorted(firsts, key=lambda h: -firsts[h])[:3])
     _shot(page, "head")
 
     # model view: every layer × head, a click opens that one in the step view

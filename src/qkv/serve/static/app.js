@@ -190,7 +190,16 @@
       chips.append(b);
     });
     const all = el("button", "", "all"); all.addEventListener("click", () => { S.heads = new Set(L.heads); renderView(); });
-    chips.append(all, el("span", "hint", "  left: queries, right: keys; line and block strength = weight. Hover a query to isolate it, click to pin."));
+    const top = el("select"); top.id = "top-heads"; top.title = "turn on the 3 heads of this layer that score highest";
+    [["", "top 3 by…"], ["prev", "previous token"], ["first", "first token"], ["punct", "punctuation"], ["focus", "lowest entropy"]]
+      .forEach(([k, v]) => { const o = el("option", "", v); o.value = k; top.append(o); });
+    top.addEventListener("change", () => {
+      const k = top.value; if (!k) return;
+      const st = S.data.stats.filter((x) => x.layer === L.name);
+      const score = (x) => (k === "focus" ? -(x.entropy ?? 99) : (x[k] ?? -1));
+      S.heads = new Set(st.sort((a, b) => score(b) - score(a)).slice(0, 3).map((x) => x.head)); renderView();
+    });
+    chips.append(all, top, el("span", "hint", "  left: queries, right: keys; line and block strength = weight. Hover a query to isolate it, click to pin."));
     root.append(chips);
     const R = L.q_tokens.length, C = L.k_tokens.length;
     const hv = el("div", "headview");
