@@ -182,6 +182,13 @@ def test_translation_steps_and_switching_heads_off(server, browser):
     page.dispatch_event("#step-slider", "input")
     assert page.text_content("#step-label").startswith(f"step 2 / {n}")
     assert page.eval_on_selector_all(".tokens-line span.cur", "s => s.length") == 1
+    page.click("#play")  # plays the decoding to its last step, then stops
+    for _ in range(300):  # (the page's CSP forbids wait_for_function's eval)
+        if page.text_content("#step-label").startswith(f"step {n} / {n}"):
+            break
+        page.wait_for_timeout(100)
+    assert page.text_content("#step-label").startswith(f"step {n} / {n}")
+    page.wait_for_selector("#play:has-text('play')")
     _shot(page, "translation")
 
     page.click(".tab[data-view='work']")

@@ -17,7 +17,7 @@
     output: "weights · V", concat: "concat(heads)", wo: "concat · W_O" };
   const S = { data: null, strings: null, lang: "en", view: "step", layer: null, head: 0,
     heads: new Set(), pinned: null, step: 0, off: new Set(), offline: false, busy: false,
-    pending: false, probeToken: "it", probeCands: "animal, street", models: [] };
+    pending: false, timer: null, probeToken: "it", probeCands: "animal, street", models: [] };
 
   // ---------- colour scales & heat maps on canvas ----------
   function seq(v) { // 0..1 → white..blue
@@ -291,7 +291,18 @@
     const slider = el("input"); slider.type = "range"; slider.min = 0; slider.max = n - 1; slider.value = S.step; slider.id = "step-slider";
     slider.addEventListener("input", () => { S.step = +slider.value; renderView(); });
     const lab = el("span", "", `step ${S.step + 1} / ${n}: wrote “${tr.target_tokens[S.step]}”`); lab.id = "step-label";
-    ctl.append(slider, lab); root.append(ctl);
+    const play = el("button", "", S.timer ? "❚❚ pause" : "▶ play"); play.id = "play";
+    play.title = "watch the translation being written, one decoding step at a time";
+    play.addEventListener("click", () => {
+      if (S.timer) { clearInterval(S.timer); S.timer = null; renderView(); return; }
+      if (S.step >= n - 1) S.step = -1;
+      S.timer = setInterval(() => {
+        if (S.view !== "trans" || !S.data.translation || S.step >= S.data.translation.target_tokens.length - 1) { clearInterval(S.timer); S.timer = null; }
+        else S.step += 1;
+        renderView();
+      }, 700);
+    });
+    ctl.append(play, slider, lab); root.append(ctl);
     const toks = el("div", "tokens-line");
     tr.target_tokens.forEach((tk, i) => toks.append(el("span", i === S.step ? "cur" : i > S.step ? "future" : "", tk)));
     root.append(toks);
@@ -435,6 +446,7 @@
     const n = $("#notice"); n.hidden = !msg; n.textContent = msg || ""; n.className = isErr ? "random" : "";
   }
   function accept(d) {
+    if (S.timer) { clearInterval(S.timer); S.timer = null; }
     S.data = d;
     const names = d.layers.map((l) => l.name);
     if (!names.includes(S.layer)) { S.layer = d.step ? d.step.layer : names[0]; S.head = d.step ? d.step.head : 0; S.heads = new Set([S.head]); }
