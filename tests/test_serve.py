@@ -265,3 +265,15 @@ def test_qkv_view_writes_the_explorer_page_with_the_same_limits(tmp_path, capsys
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("qkv view: error:")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["long.html"]
+
+
+def test_random_model_translates_with_labelled_steps(client):
+    d = post(client, text=BOY, model="random", translate=True).json()
+    tr = d["translation"]
+    n = len(tr["target_tokens"])
+    assert d["random"] and tr["steps"] == n == len(tr["decoder_inputs"])
+    assert tr["decoder_inputs"][0] == "<s>" and tr["decoder_inputs"][1:] == tr["target_tokens"][:-1]
+    assert d["step"]["layer"] == "decoder.1.cross_attn"  # default when translating
+    for lay in d["layers"]:
+        if lay["kind"] == "cross":
+            assert lay["q_tokens"] == tr["target_tokens"] and lay["k_tokens"] == d["tokens"]

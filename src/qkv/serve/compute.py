@@ -276,10 +276,10 @@ def _decode(entry: Entry, text: str, beam: int) -> dict:
     src = [token_id(t, model.vocab_size) for t in src_tokens]
     with torch.no_grad(), recording(model) as rec:
         out = model.greedy(torch.tensor([src]), max_len=target_limit(len(src)))
-    ids = out[0].tolist()
-    inputs = ["<s>"] + [f"#{i}" for i in ids[1:]]  # random ids: no vocabulary
-    hyp_in = ids if ids[-1] != 4 else ids[:-1]
-    produced = inputs[1:] + ([] if ids[-1] == 4 else ["…"])
+    ids = out[0].tolist()  # <s>, y1, ..., (</s>): the decoder was fed ids[:-1]
+    label = lambda t: "</s>" if t == 4 else f"#{t}"  # noqa: E731  random ids: no vocabulary
+    inputs = ["<s>"] + [label(t) for t in ids[1:-1]]
+    produced = [label(t) for t in ids[1:]]
     steps = rec.steps(tokens=inputs, source_tokens=src_tokens)
     for m in steps:
         for i, kind in enumerate(m.kinds):
@@ -287,8 +287,9 @@ def _decode(entry: Entry, text: str, beam: int) -> dict:
                 off, n = m.q_offsets[i], m.weights[i].shape[1]
                 m.q_tokens[i] = [produced[j] if j < len(produced) else str(j)
                                  for j in range(off, off + n)]  # fmt: skip
-    return {"src": src, "tgt_in": hyp_in, "steps": steps, "text": " ".join(inputs[1:]),
-            "source_tokens": src_tokens, "inputs": inputs[: len(hyp_in)], "produced": produced}  # fmt: skip
+    text = " ".join(t for t in produced if t != "</s>")
+    return {"src": src, "tgt_in": ids[:-1], "steps": steps, "text": text,
+            "source_tokens": src_tokens, "inputs": inputs, "produced": produced}  # fmt: skip
 
 
 def _translation(entry: Entry, req: AttentionRequest, text: str) -> dict:
