@@ -241,9 +241,10 @@ def test_cli_parses_and_rejects(capsys):
 def test_cli_missing_model_dir_is_one_line(capsys, tmp_path):
     from qkv.cli import main
 
-    assert main(["serve", "--model", f"x={tmp_path / 'missing'}"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("qkv serve: error:")
+    for argv in (["serve", "--model", f"x={tmp_path / 'missing'}"], ["serve", "--preload", "x"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("qkv serve: error:")
 
 
 def test_qkv_view_writes_the_explorer_page_with_the_same_limits(tmp_path, capsys):

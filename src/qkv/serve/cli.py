@@ -32,6 +32,9 @@ def _serve(args: argparse.Namespace) -> int:
     from qkv.serve.models import default_registry
 
     registry = default_registry(dict(args.model or []))  # checks every directory first
+    unknown = [n for n in args.preload or [] if n not in registry.names()]
+    if unknown:
+        raise ValueError(f"--preload must name models from {registry.names()}, got {unknown}")
     for name in args.preload or []:
         registry.get(name)
     import uvicorn
