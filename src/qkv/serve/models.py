@@ -19,6 +19,7 @@ Adding a shipped translator is one line in :data:`SHIPPED_TRANSLATORS`; a direct
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -87,7 +88,11 @@ class Registry:
         config = resolve_dir(path) / "config.json"
         if not config.is_file() and (path / "best" / "config.json").is_file():
             config = path / "best" / "config.json"
-        translator = config.is_file() and '"seq2seq"' in config.read_text()[:4000]
+        try:
+            meta = json.loads(config.read_text(encoding="utf-8")) if config.is_file() else {}
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise ValueError(f"--model {name}=DIR: cannot read {config}: {err}") from None
+        translator = isinstance(meta, dict) and meta.get("kind") == "seq2seq"
         self.add(name, lambda: load(str(path)), f"{name} ({path.name})", translator=translator)
 
     def names(self) -> list[str]:
