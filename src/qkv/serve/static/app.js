@@ -251,7 +251,7 @@
     const H = Math.max(...ls.map((l) => l.heads.length));
     const avail = viewWidth() - 130, availH = Math.max(300, $("#views").clientHeight - 60);
     const size = Math.max(26, Math.min(110, Math.floor(avail / H) - 4, Math.floor(availH / ls.length) - 4));
-    root.append(el("p", "intro", `${ls.length} layers × ${H} heads. Click a map to open it (step by step).`));
+    root.append(el("p", "intro", `${ls.length} layers × ${H} heads. Colour = √weight (so small weights stay visible). Click a map to open it (step by step).`));
     const grid = el("div", "grid");
     grid.style.gridTemplateColumns = `120px repeat(${H}, ${size + 2}px)`;
     grid.append(el("div"));
@@ -267,7 +267,7 @@
           const i0 = Math.floor(y * R / size), i1 = Math.max(i0 + 1, Math.floor((y + 1) * R / size));
           const j0 = Math.floor(x * C / size), j1 = Math.max(j0 + 1, Math.floor((x + 1) * C / size));
           let v = 0; for (let i = i0; i < i1; i++) for (let j = j0; j < j1; j++) v = Math.max(v, w[i][j]);
-          const k = 4 * (y * size + x); v = Math.min(1, v);
+          const k = 4 * (y * size + x); v = Math.sqrt(Math.min(1, v)); // √: faint weights stay visible
           img.data[k] = 255 - 218 * v; img.data[k + 1] = 255 - 168 * v; img.data[k + 2] = 255 - 56 * v; img.data[k + 3] = 255;
         }
         g.putImageData(img, 0, 0);
