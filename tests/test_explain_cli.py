@@ -91,7 +91,7 @@ def test_view_and_heads_commands(tmp_path, capsys):
     )
     assert png.stat().st_size > 1000
     data = json.loads(page.read_text().split('id="qkv-data">')[1].split("</script>")[0])
-    assert data["views"][0]["layers"][0]["q_tokens"][1] == "The"
+    assert data["response"]["layers"][0]["q_tokens"][1] == "The"  # the explorer's page
     assert (
         main(
             [
@@ -109,7 +109,8 @@ def test_view_and_heads_commands(tmp_path, capsys):
     assert (tmp_path / "t-alignment.svg").exists()
     data = json.loads((tmp_path / "t.html").read_text().split('id="qkv-data">')[1]
                       .split("</script>")[0])  # fmt: skip
-    assert len(data["views"]) > 2 and "cross" in {x["kind"] for x in data["views"][0]["layers"]}
+    resp = data["response"]
+    assert resp["translation"]["steps"] > 1 and "cross" in {x["kind"] for x in resp["layers"]}
     capsys.readouterr()
     sent = "The animal didn't cross the street because it was tired."
     assert (

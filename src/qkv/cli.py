@@ -13,7 +13,16 @@ import sys
 from qkv.cli_args import Parser, run_command
 
 # name of the module under qkv/ that defines add_parser(subparsers) for each subcommand
-SUBCOMMANDS = ["demo", "explain", "tour", "train", "translate", "pretrained.cli", "inspect.cli"]
+SUBCOMMANDS = [
+    "demo",
+    "explain",
+    "tour",
+    "train",
+    "translate",
+    "pretrained.cli",
+    "inspect.cli",
+    "serve.cli",
+]
 
 
 def build_parser() -> Parser:

@@ -11,18 +11,17 @@
 from __future__ import annotations
 
 import argparse
-import inspect
 import math
 
 import torch
 from rich.console import Console
 from rich.table import Table
 
+from qkv.atomic import atomic_write_text
 from qkv.cli_args import CliError, int_range, note, output_file, positive_int, text
 from qkv.inspect.ablate import ablate, ablation_scan, parse_heads
 from qkv.inspect.capture import capture
 from qkv.inspect.loaders import load
-from qkv.inspect.maps import merge_steps
 from qkv.inspect.stats import ProbeRow, head_stats, normalize_token, pronoun_probe
 from qkv.limits import MAX_TOKENS, fit_text
 
@@ -44,34 +43,23 @@ def _fit(loaded, text: str, command: str, what: str) -> str:
 
 
 def run_view(args: argparse.Namespace) -> int:
-    from qkv.inspect.html import write_html
+    """The explorer page of ``qkv serve`` as one offline file, with the server's limits."""
     from qkv.inspect.plot import plot_alignment, plot_grid
+    from qkv.serve.page import maps_from_response, view_page
 
     if args.translate is None and args.sentence is None:
         raise CliError("give a sentence, or --translate SENTENCE")
-    given = args.translate if args.translate is not None else args.sentence
-    if not given.strip():
+    text = args.translate if args.translate is not None else args.sentence
+    if not text.strip():
         raise CliError("the sentence is empty; give text to look at")
-    loaded = load(args.model)
-    steps = None
-    if args.translate:
-        if loaded.translate is None:
-            raise CliError(f"--model {args.model} cannot translate")
-        if args.beam > 1 and "beam" not in inspect.signature(loaded.translate).parameters:
-            raise CliError(f"--model {args.model} decodes greedily only; drop --beam")
-        sentence = _fit(loaded, args.translate, "view", "--translate")
-        steps = (
-            loaded.translate(sentence, beam=args.beam)
-            if args.beam > 1
-            else loaded.translate(sentence)
-        )
-        maps, title = merge_steps(steps), f"qkv: translating {sentence!r}"
-    else:
-        sentence = _fit(loaded, args.sentence, "view", "the sentence")
-        tokens, inputs = loaded.encode(sentence)
-        maps, title = capture(loaded.model, *inputs, tokens=tokens), f"qkv: {sentence!r}"
-    out = write_html(maps, args.out, steps=steps, title=title)
+    title = f"qkv: translating {text!r}" if args.translate else f"qkv: {text!r}"
+    page, response = view_page(args.model, text, translate=bool(args.translate), beam=args.beam,
+                               title=title)  # fmt: skip
+    out = atomic_write_text(args.out, page)
+    if response["notice"]:
+        console.print(f"[yellow]{response['notice']}[/]")
     console.print(f"viewer written: [bold]{out.resolve()}[/] (open it in a browser)")
+    maps = maps_from_response(response)
     if args.png:
         plot_grid(maps, args.png)
         console.print(f"picture written: [bold]{args.png}[/]")

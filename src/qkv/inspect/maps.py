@@ -100,6 +100,12 @@ class AttentionMaps:
             raise ValueError(f"layers have different shapes {sorted(shapes)}; filter first")
         return torch.stack(self.weights)
 
+    def _repr_html_(self) -> str:
+        """The explorer inline in Jupyter (self-contained; maps cut to the server's limit)."""
+        from qkv.serve.page import notebook_html  # the front-end files live with qkv serve
+
+        return notebook_html(self)
+
     def to_dict(self, decimals: int = 4) -> dict[str, Any]:
         """JSON-ready: ``{"step", "layers": [{"name", "kind", "heads", "q_tokens", ...}]}``."""
         return {

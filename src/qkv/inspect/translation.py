@@ -41,7 +41,13 @@ from qkv.inspect.loaded import Loaded
 from qkv.inspect.maps import AttentionMaps
 from qkv.loading import read_json
 
-__all__ = ["bleu_metric", "load_model_dir", "piece_labels", "record_translation"]
+__all__ = [
+    "bleu_metric",
+    "load_model_dir",
+    "loaded_from_seq2seq",
+    "piece_labels",
+    "record_translation",
+]
 
 
 def piece_labels(tokenizer, ids: Sequence[int]) -> list[str]:
@@ -116,7 +122,9 @@ class EncoderOnly(nn.Module):
         return self.encoder(src, src_mask)  # (B, S, d_model)
 
 
-def _seq2seq(model, tok, name: str) -> Loaded:
+def loaded_from_seq2seq(model, tok, name: str) -> Loaded:
+    """Wrap a seq2seq model and its tokenizer as a :class:`Loaded` (encoder + ``translate``)."""
+
     def encode(text: str) -> tuple[list[str], tuple[Tensor, Tensor]]:
         if not text or not text.strip():
             raise ValueError("text must contain at least one word, got an empty string")
@@ -158,7 +166,7 @@ def load_model_dir(path: Path) -> Loaded | None:
     from qkv.translate import load_translator
 
     model, tok = load_translator(path)
-    return (_seq2seq if kind == "seq2seq" else _causal_lm)(model, tok, str(path))
+    return (loaded_from_seq2seq if kind == "seq2seq" else _causal_lm)(model, tok, str(path))
 
 
 def bleu_metric(

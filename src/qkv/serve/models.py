@@ -1,0 +1,183 @@
+"""The models ``qkv serve`` offers: named once, loaded lazily on first use, shared by requests.
+
+A :class:`Registry` maps a short name (``"minilm"``, ``"random"``, ``"en-fr"``…) to a
+loader returning a :class:`~qkv.inspect.loaders.Loaded`. Loading happens once, under a lock;
+every forward pass of a model runs under that model's own lock, because switching heads off
+(``head_mask``) and recording (``recorder``) set attributes on shared modules.
+
+Adding a shipped translator is one line in :data:`SHIPPED_TRANSLATORS`; a directory saved by
+:func:`qkv.models.save_pretrained` (or a HuggingFace BERT directory) is added with
+``qkv serve --model NAME=DIR``.
+
+>>> reg = default_registry()
+>>> [m["name"] for m in reg.info()][:2]
+['minilm', 'random']
+>>> entry = reg.get("random")       # loads it (tiny, random weights)
+>>> entry.loaded.model.__class__.__name__
+'TinyEncoder'
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from qkv.inspect.loaders import Loaded
+
+__all__ = [
+    "SHIPPED_TRANSLATORS",
+    "Entry",
+    "Registry",
+    "UnknownModel",
+    "default_registry",
+    "entry_for",
+]
+
+# name -> the argument of ``qkv.translate.load`` (offered only when that function exists and
+# finds the model). One line per shipped translator.
+SHIPPED_TRANSLATORS: dict[str, str] = {"en-fr": "en-fr", "fr-en": "fr-en"}
+
+
+class UnknownModel(KeyError):
+    """A model name the registry does not know."""
+
+
+@dataclass
+class Entry:
+    """One model the server offers. ``loaded`` and ``lock`` are set on first :meth:`get`."""
+
+    name: str
+    label: str
+    loader: Callable[[], Loaded]
+    translator: bool = False  # decodes (seq2seq): the Translation view applies
+    random: bool = False  # random weights: the maps show mechanics, not language
+    loaded: Loaded | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)  # around every forward
+
+    def info(self) -> dict:
+        return {"name": self.name, "label": self.label, "translator": self.translator,
+                "random": self.random, "loaded": self.loaded is not None}  # fmt: skip
+
+
+class Registry:
+    """Named models, loaded once and shared (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._entries: dict[str, Entry] = {}
+        self._load_lock = threading.Lock()
+
+    def add(self, name: str, loader: Callable[[], Loaded], label: str = "", *,
+            translator: bool = False, random: bool = False) -> None:  # fmt: skip
+        """Offer ``loader()`` under ``name`` (replacing an earlier entry of that name)."""
+        if not name or not name.replace("-", "").replace("_", "").replace(".", "").isalnum():
+            raise ValueError(f"model name must be letters, digits, '-', '_' or '.', got {name!r}")
+        self._entries[name] = Entry(name, label or name, loader, translator, random)
+
+    def add_dir(self, name: str, path: str | Path) -> None:
+        """Offer a saved model directory (translation model or BERT) under ``name``."""
+        from qkv.inspect.loaders import load
+
+        path = Path(path)
+        if not path.is_dir():
+            raise FileNotFoundError(f"--model {name}=DIR: no such directory: {path}")
+        from qkv.models.io import resolve_dir
+
+        config = resolve_dir(path) / "config.json"
+        if not config.is_file() and (path / "best" / "config.json").is_file():
+            config = path / "best" / "config.json"
+        try:
+            meta = json.loads(config.read_text(encoding="utf-8")) if config.is_file() else {}
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise ValueError(f"--model {name}=DIR: cannot read {config}: {err}") from None
+        translator = isinstance(meta, dict) and meta.get("kind") == "seq2seq"
+        self.add(name, lambda: load(str(path)), f"{name} ({path.name})", translator=translator)
+
+    def names(self) -> list[str]:
+        return list(self._entries)
+
+    def info(self) -> list[dict]:
+        return [e.info() for e in self._entries.values()]
+
+    def get(self, name: str) -> Entry:
+        """The entry for ``name``, loading its model on first use."""
+        entry = self._entries.get(name)
+        if entry is None:
+            raise UnknownModel(f"model must be one of {self.names()}, got {name!r}")
+        if entry.loaded is None:
+            with self._load_lock:
+                if entry.loaded is None:
+                    loaded = entry.loader()
+                    for m in {id(x): x for x in (loaded.model, loaded.full_model) if x}.values():
+                        m.eval()
+                    entry.loaded = loaded
+        return entry
+
+
+def _random() -> Loaded:
+    """The tiny random models (encoder + seq2seq) with the seq2seq as ``full_model``."""
+    from qkv.inspect.loaders import load
+    from qkv.inspect.tiny import TinySeq2Seq
+
+    loaded = load("random")
+    s2s = TinySeq2Seq()
+    loaded.full_model = s2s  # the translation path (qkv.serve.compute) decodes with it
+    return loaded
+
+
+def _minilm() -> Loaded:
+    from qkv.inspect.loaders import load
+
+    return load("minilm")
+
+
+def _shipped(name: str) -> Callable[[], Loaded] | None:
+    """A loader for a shipped translator, or ``None`` when qkv has none of that name."""
+    try:
+        from qkv import translate
+    except ImportError:  # pragma: no cover
+        return None
+    load = getattr(translate, "load", None)
+    available = getattr(translate, "available", None)
+    if load is None or (callable(available) and name not in available()):
+        return None
+
+    def loader() -> Loaded:
+        from qkv.inspect.translation import loaded_from_seq2seq
+
+        model, tok = load(SHIPPED_TRANSLATORS[name])
+        return loaded_from_seq2seq(model, tok, name)
+
+    return loader
+
+
+def default_registry(dirs: dict[str, str] | None = None) -> Registry:
+    """MiniLM, the random tiny model, shipped translators, and ``dirs`` (``{name: directory}``)."""
+    reg = Registry()
+    reg.add("minilm", _minilm, "all-MiniLM-L6-v2 (6 layers × 12 heads)")
+    reg.add("random", _random, "tiny model, RANDOM weights (mechanics only)", translator=True,
+            random=True)  # fmt: skip
+    for name in SHIPPED_TRANSLATORS:
+        loader = _shipped(name)
+        if loader is not None:
+            reg.add(name, loader, f"translator {name}", translator=True)
+    for name, path in (dirs or {}).items():
+        reg.add_dir(name, path)
+    return reg
+
+
+def entry_for(spec: str) -> Entry:
+    """An entry for ``spec``: a name :func:`default_registry` offers, any name registered with
+    :func:`qkv.inspect.loaders.register`, or a saved model directory (loaded now)."""
+    reg = default_registry()
+    if spec in reg.names():
+        return reg.get(spec)
+    from qkv.inspect.loaders import load
+
+    loaded = load(spec)
+    s2s = loaded.translate is not None and loaded.full_model is not None
+    entry = Entry(Path(spec).name or spec, spec, lambda: loaded, translator=s2s)
+    entry.loaded = loaded
+    return entry

@@ -1,0 +1,508 @@
+// qkv explorer: one request → every view. Tokens are data: only textContent and canvas
+// fillText ever show them, never innerHTML.
+"use strict";
+(() => {
+  const $ = (s) => document.querySelector(s);
+  const el = (tag, cls, text) => {
+    const e = document.createElement(tag);
+    if (cls) e.className = cls;
+    if (text !== undefined) e.textContent = String(text);
+    return e;
+  };
+  const HEAD_COLORS = ["#2557c7", "#d9480f", "#2b8a3e", "#ae3ec9", "#c92a2a", "#1098ad",
+    "#e67700", "#5f3dc4", "#087f5b", "#a61e4d", "#364fc7", "#5c940d", "#862e9c", "#0b7285",
+    "#d6336c", "#495057"];
+  const TITLES = { x: "X", context: "memory", q: "Q", k: "K", v: "V", scores: "Q·Kᵀ",
+    scaled: "Q·Kᵀ / √d_k", mask: "mask", masked: "masked", weights: "softmax → weights",
+    output: "weights · V", concat: "concat(heads)", wo: "concat · W_O" };
+  const S = { data: null, strings: null, lang: "en", view: "step", layer: null, head: 0,
+    heads: new Set(), pinned: null, step: 0, off: new Set(), offline: false, busy: false,
+    pending: false, timer: null, probeToken: "it", probeCands: "animal, street", models: [] };
+
+  // ---------- colour scales & heat maps on canvas ----------
+  function seq(v) { // 0..1 → white..blue
+    const t = Math.max(0, Math.min(1, v));
+    return `rgb(${Math.round(255 - 218 * t)},${Math.round(255 - 168 * t)},${Math.round(255 - 56 * t)})`;
+  }
+  function div(v, m) { // -m..m → blue..white..red
+    const t = m > 0 ? Math.max(-1, Math.min(1, v / m)) : 0;
+    if (t >= 0) return `rgb(255,${Math.round(255 - 170 * t)},${Math.round(255 - 190 * t)})`;
+    return `rgb(${Math.round(255 + 200 * t)},${Math.round(255 + 130 * t)},255)`;
+  }
+  function range(values) {
+    let lo = Infinity, hi = -Infinity;
+    for (const row of values) for (const v of row) if (v !== null) { lo = Math.min(lo, v); hi = Math.max(hi, v); }
+    if (lo === Infinity) { lo = 0; hi = 0; }
+    return [lo, hi];
+  }
+  function fmt(v) { return v === null || v === undefined ? "−∞" : (Math.abs(v) >= 100 ? v.toFixed(1) : v.toFixed(3)); }
+
+  const tip = () => $("#tip");
+  function showTip(ev, text) {
+    const t = tip(); t.textContent = text; t.hidden = false;
+    t.style.left = Math.min(ev.clientX + 14, window.innerWidth - 300) + "px";
+    t.style.top = (ev.clientY + 14) + "px";
+  }
+  function hideTip() { tip().hidden = true; }
+
+  // heatmap(values [R][C], rows, cols, {maxWidth, prob, highlightRow, rowsShown})
+  function heatmap(values, rows, cols, opt) {
+    const wrap = el("div", "hm");
+    const R = values.length, C = R ? values[0].length : 0;
+    const prob = !!opt.prob;
+    const [lo, hi] = range(values);
+    const m = Math.max(Math.abs(lo), Math.abs(hi));
+    const feat = !!opt.features; // columns are feature dimensions, not tokens
+    const labW = R <= 64 ? 70 : 0, labH = !feat && C <= 40 ? 46 : 0;
+    const cell = Math.max(2, Math.min(opt.maxCell || 26, Math.floor((opt.maxWidth - labW) / Math.max(1, C))));
+    const cellH = feat ? Math.max(12, Math.min(20, cell)) : cell;
+    const cv = el("canvas");
+    const W = labW + cell * C, H = labH + cellH * R;
+    const dpr = window.devicePixelRatio || 1;
+    cv.width = W * dpr; cv.height = H * dpr; cv.style.width = W + "px"; cv.style.height = H + "px";
+    const g = cv.getContext("2d"); g.scale(dpr, dpr);
+    for (let i = 0; i < R; i++) for (let j = 0; j < C; j++) {
+      const v = values[i][j];
+      const dim = opt.rowsShown !== undefined && i > opt.rowsShown;
+      g.fillStyle = v === null ? "#bbb" : (prob ? seq(v) : div(v, m));
+      g.globalAlpha = dim ? 0.15 : 1;
+      g.fillRect(labW + j * cell, labH + i * cellH, cell, cellH);
+    }
+    g.globalAlpha = 1;
+    if (opt.highlightRow !== undefined && opt.highlightRow < R) {
+      g.strokeStyle = "#e67700"; g.lineWidth = 2;
+      g.strokeRect(labW + 1, labH + opt.highlightRow * cellH + 1, C * cell - 2, cellH - 2);
+    }
+    if (!feat && cell >= 16 && C <= 24 && R <= 40) { // exact values in big cells
+      g.font = "9px sans-serif"; g.textAlign = "center"; g.textBaseline = "middle";
+      for (let i = 0; i < R; i++) for (let j = 0; j < C; j++) {
+        const v = values[i][j]; const x = prob ? v : (m ? Math.abs(v) / m : 0);
+        const dim = opt.rowsShown !== undefined && i > opt.rowsShown;
+        g.fillStyle = dim ? "#aaa" : v !== null && x > 0.6 ? "#fff" : "#222";
+        g.fillText(v === null ? "−∞" : (Math.abs(v) >= 10 || opt.ints ? v.toFixed(0) : v.toFixed(2)).replace(/^(-?)0\./, "$1."), labW + (j + 0.5) * cell, labH + (i + 0.5) * cell);
+      }
+    }
+    g.fillStyle = "#222"; g.font = "11px 'Noto Sans', 'Noto Sans CJK SC', sans-serif";
+    if (labW && cellH >= 9) {
+      g.textAlign = "right"; g.textBaseline = "middle";
+      rows.forEach((r, i) => g.fillText(clip(r, 10), labW - 4, labH + (i + 0.5) * cellH));
+    }
+    if (labH && cell >= 9) {
+      g.textAlign = "left"; g.textBaseline = "middle";
+      cols.forEach((c, j) => {
+        g.save(); g.translate(labW + (j + 0.5) * cell, labH - 4); g.rotate(-Math.PI / 3);
+        g.fillText(clip(c, 7), 0, 0); g.restore();
+      });
+    }
+    cv.addEventListener("mousemove", (ev) => {
+      const r = cv.getBoundingClientRect();
+      const j = Math.floor((ev.clientX - r.left - labW) / cell), i = Math.floor((ev.clientY - r.top - labH) / cellH);
+      if (i < 0 || j < 0 || i >= R || j >= C) return hideTip();
+      showTip(ev, feat ? `${rows[i]}, dim ${cols[j]} = ${fmt(values[i][j])}` : `${rows[i]} → ${cols[j]} = ${fmt(values[i][j])}`);
+    });
+    cv.addEventListener("mouseleave", hideTip);
+    cv.dataset.rows = R; cv.dataset.cols = C;
+    wrap.appendChild(cv);
+    const sc = el("div", "scale");
+    const bar = el("canvas"); bar.width = 120; bar.height = 10;
+    const bg = bar.getContext("2d");
+    for (let x = 0; x < 120; x++) { bg.fillStyle = prob ? seq(x / 119) : div((x / 119) * 2 * m - m, m); bg.fillRect(x, 0, 1, 10); }
+    sc.append(el("span", "", prob ? "0" : fmt(-m)), bar, el("span", "", prob ? "1" : fmt(m)));
+    if (values.some((row) => row.includes(null))) sc.append(el("span", "", "grey = −∞"));
+    wrap.appendChild(sc);
+    return wrap;
+  }
+  function short(name) { return String(name).replace("encoder.layers.", "enc ").replace("decoder.layers.", "dec ").replace(/\.(self_attn|cross_attn|attn)$/, (m, k) => " " + k.replace("_attn", "").replace("attn", "self")); }
+  function clip(s, n) { s = String(s); return s.length > n ? s.slice(0, n - 1) + "…" : s; }
+
+  // ---------- data helpers ----------
+  const layers = () => (S.data ? S.data.layers : []);
+  const layerIdx = () => Math.max(0, layers().findIndex((l) => l.name === S.layer));
+  const curLayer = () => layers()[layerIdx()];
+  const t = (key) => (S.strings && ((S.strings[S.lang] || {})[key] || (S.strings.en || {})[key])) || "";
+
+  // ---------- side panel ----------
+  function renderSide() {
+    const ls = $("#layer"), hs = $("#head");
+    ls.replaceChildren(...layers().map((l) => { const o = el("option", "", `${l.name} (${l.kind})`); o.value = l.name; return o; }));
+    ls.value = S.layer || "";
+    const L = curLayer();
+    hs.replaceChildren(...(L ? L.heads : []).map((h) => { const o = el("option", "", h); o.value = h; return o; }));
+    hs.value = String(S.head);
+    const body = $("#stats tbody"); body.replaceChildren();
+    if (!S.data) return;
+    for (const s of S.data.stats.filter((s) => s.layer === S.layer)) {
+      const tr = el("tr", s.head === S.head ? "sel" : "");
+      tr.dataset.head = s.head;
+      tr.append(el("td", "", s.head), ...["entropy", "distance", "prev", "first", "punct"].map((k) => el("td", "", s[k] === null ? "–" : s[k].toFixed(2))));
+      tr.addEventListener("click", () => selectHead(S.layer, s.head));
+      body.appendChild(tr);
+    }
+  }
+
+  function selectHead(layer, head) {
+    const changed = layer !== S.layer || head !== S.head;
+    S.layer = layer; S.head = head; S.heads = new Set([head]); S.pinned = null;
+    renderSide(); renderView();
+    if (changed && !S.offline && S.view === "step") refresh();
+  }
+
+  // ---------- views ----------
+  function viewWidth() { return Math.max(300, $("#views").clientWidth - 30); }
+
+  function renderStep(root) {
+    const st = S.data.step;
+    if (!st || st.layer !== S.layer || st.head !== S.head) {
+      if (S.offline) {
+        const L = curLayer(); const hi = L.heads.indexOf(S.head);
+        root.append(el("p", "intro", `${S.layer}, head ${S.head}: attention weights (the offline page holds the weights only; qkv serve shows every step).`));
+        const c = el("div", "card"); c.append(el("h3", "", TITLES.weights), el("p", "", t("step.weights")), heatmap(L.weights[hi], L.q_tokens, L.k_tokens, { maxWidth: viewWidth() - 20, prob: true }));
+        root.append(c); return;
+      }
+      root.append(el("p", "intro", "Loading this layer and head…")); return;
+    }
+    const intro = el("p", "intro", `${st.layer} (${st.kind}), head ${st.head} of ${st.n_heads}: d_model = ${st.d_model}, d_k = ${st.d_k}, scale 1/√d_k = ${st.scale}` + (st.head_off ? " — this head is switched off" : ""));
+    root.append(intro);
+    const cards = el("div", "cards");
+    const w = Math.max(280, Math.floor((viewWidth() - 24) / Math.max(1, Math.floor(viewWidth() / 300))) - 18);
+    for (const m of st.matrices) {
+      const c = el("div", "card"); c.dataset.key = m.key;
+      const h = el("h3", "", TITLES[m.key] || m.key);
+      const cut = m.shape[1] > m.cols.length ? `, first ${m.cols.length} columns` : "";
+      h.append(el("span", "shape", `  ${m.shape[0]}×${m.shape[1]}${cut}`));
+      const p = el("p", "expl", t("step." + m.key)); p.lang = S.lang;
+      const feat = ["x", "context", "q", "k", "v", "output", "concat", "wo"].includes(m.key);
+      c.append(h, p, heatmap(m.values, m.rows, m.cols, { maxWidth: w, prob: m.key === "weights" || m.key === "mask", features: feat, ints: m.key === "mask" }));
+      cards.appendChild(c);
+    }
+    root.append(cards);
+  }
+
+  function renderHead(root) {
+    const L = curLayer(); if (!L) return;
+    const chips = el("div", "head-chips");
+    chips.append(el("span", "", "heads:"));
+    L.heads.forEach((h, hi) => {
+      const b = el("button", "chip" + (S.heads.has(h) ? " on" : ""), h);
+      b.style.background = HEAD_COLORS[hi % HEAD_COLORS.length]; b.dataset.head = h;
+      b.title = `head ${h}: click to show/hide`;
+      b.addEventListener("click", () => { S.heads.has(h) ? S.heads.delete(h) : S.heads.add(h); renderView(); });
+      chips.append(b);
+    });
+    const all = el("button", "", "all"); all.addEventListener("click", () => { S.heads = new Set(L.heads); renderView(); });
+    const top = el("select"); top.id = "top-heads"; top.title = "turn on the 3 heads of this layer that score highest";
+    [["", "top 3 by…"], ["prev", "previous token"], ["first", "first token"], ["punct", "punctuation"], ["focus", "lowest entropy"]]
+      .forEach(([k, v]) => { const o = el("option", "", v); o.value = k; top.append(o); });
+    top.addEventListener("change", () => {
+      const k = top.value; if (!k) return;
+      const st = S.data.stats.filter((x) => x.layer === L.name);
+      const score = (x) => (k === "focus" ? -(x.entropy ?? 99) : (x[k] ?? -1));
+      S.heads = new Set(st.sort((a, b) => score(b) - score(a)).slice(0, 3).map((x) => x.head)); renderView();
+    });
+    chips.append(all, top, el("span", "hint", "  left: queries, right: keys; line and block strength = weight. Hover a query to isolate it, click to pin."));
+    root.append(chips);
+    const R = L.q_tokens.length, C = L.k_tokens.length;
+    const hv = el("div", "headview");
+    const left = el("div", "toks left"), right = el("div", "toks right"), blocks = el("div", "blocks");
+    const cv = el("canvas"); const RH = 24, W = 240, H = Math.max(R, C) * RH;
+    cv.width = W; cv.height = H; cv.style.width = W + "px"; cv.style.height = H + "px";
+    L.q_tokens.forEach((tk, i) => {
+      const d = el("div", S.pinned === i ? "pinned" : "", tk); d.dataset.i = i; d.title = tk;
+      d.addEventListener("mouseenter", () => draw(i));
+      d.addEventListener("mouseleave", () => draw(S.pinned));
+      d.addEventListener("click", () => { S.pinned = S.pinned === i ? null : i; renderView(); });
+      left.append(d);
+    });
+    L.k_tokens.forEach((tk) => { const d = el("div", "", tk); d.title = tk; right.append(d); blocks.append(el("div")); });
+    const active = L.heads.map((h, hi) => [h, hi]).filter(([h]) => S.heads.has(h));
+    function draw(q) {
+      const g = cv.getContext("2d"); g.clearRect(0, 0, W, H);
+      left.querySelectorAll("div").forEach((d, i) => d.classList.toggle("hot", q !== null && q !== undefined && i === q));
+      for (const [, hi] of active) {
+        g.strokeStyle = HEAD_COLORS[hi % HEAD_COLORS.length];
+        for (let i = 0; i < R; i++) {
+          if (q !== null && q !== undefined && i !== q) continue;
+          for (let j = 0; j < C; j++) {
+            const v = L.weights[hi][i][j]; if (!v) continue;
+            g.globalAlpha = Math.min(1, v); g.lineWidth = q !== null && q !== undefined ? 3 : 2;
+            g.beginPath(); g.moveTo(0, i * RH + RH / 2); g.lineTo(W, j * RH + RH / 2); g.stroke();
+          }
+        }
+      }
+      g.globalAlpha = 1;
+      blocks.querySelectorAll(":scope > div").forEach((row, j) => {
+        row.replaceChildren();
+        for (const [h, hi] of active) {
+          const s = el("span");
+          const v = q !== null && q !== undefined ? L.weights[hi][q][j] : L.weights[hi].reduce((a, r) => a + r[j], 0) / R;
+          s.style.background = HEAD_COLORS[hi % HEAD_COLORS.length]; s.style.opacity = Math.max(0.04, Math.min(1, v));
+          s.title = `head ${h}: ${fmt(v)}`; s.dataset.head = h; s.dataset.v = v;
+          row.append(s);
+        }
+      });
+    }
+    hv.append(left, cv, right, blocks);
+    root.append(hv);
+    draw(S.pinned);
+  }
+
+  function renderModel(root) {
+    const ls = layers(); if (!ls.length) return;
+    const H = Math.max(...ls.map((l) => l.heads.length));
+    const avail = viewWidth() - 130, availH = Math.max(300, $("#views").clientHeight - 60);
+    const size = Math.max(26, Math.min(110, Math.floor(avail / H) - 4, Math.floor(availH / ls.length) - 4));
+    root.append(el("p", "intro", `${ls.length} layers × ${H} heads. Colour = √weight (so small weights stay visible). Click a map to open it (step by step).`));
+    const grid = el("div", "grid");
+    grid.style.gridTemplateColumns = `120px repeat(${H}, ${size + 2}px)`;
+    grid.append(el("div"));
+    for (let h = 0; h < H; h++) grid.append(el("div", "colh", `head ${h}`));
+    ls.forEach((L, li) => {
+      const lab = el("div", "lab", short(L.name)); lab.title = `${L.name} (${L.kind})`; grid.append(lab);
+      L.heads.forEach((h, hi) => {
+        const cv = el("canvas", "thumb" + (L.name === S.layer && h === S.head ? " sel" : "") + (S.off.has(L.name + "|" + h) ? " off" : ""));
+        cv.width = size; cv.height = size; cv.dataset.layer = li; cv.dataset.head = h; cv.title = `${L.name}, head ${h}`;
+        const w = L.weights[hi], R = w.length, C = R ? w[0].length : 0;
+        const g = cv.getContext("2d"); const img = g.createImageData(size, size);
+        for (let y = 0; y < size; y++) for (let x = 0; x < size; x++) { // downsampled: max of the cells under a pixel
+          const i0 = Math.floor(y * R / size), i1 = Math.max(i0 + 1, Math.floor((y + 1) * R / size));
+          const j0 = Math.floor(x * C / size), j1 = Math.max(j0 + 1, Math.floor((x + 1) * C / size));
+          let v = 0; for (let i = i0; i < i1; i++) for (let j = j0; j < j1; j++) v = Math.max(v, w[i][j]);
+          const k = 4 * (y * size + x); v = Math.sqrt(Math.min(1, v)); // √: faint weights stay visible
+          img.data[k] = 255 - 218 * v; img.data[k + 1] = 255 - 168 * v; img.data[k + 2] = 255 - 56 * v; img.data[k + 3] = 255;
+        }
+        g.putImageData(img, 0, 0);
+        cv.addEventListener("click", () => { S.view = "step"; setTabs(); selectHead(L.name, h); if (!S.offline) refresh(); });
+        grid.append(cv);
+      });
+      for (let h = L.heads.length; h < H; h++) grid.append(el("div"));
+    });
+    root.append(grid);
+  }
+
+  function renderTrans(root) {
+    const tr = S.data.translation;
+    if (!tr) { root.append(el("p", "intro", "Tick “translate” with a translation model (random works too) to decode and see its steps.")); return; }
+    const n = tr.target_tokens.length;
+    S.step = Math.min(S.step, n - 1);
+    const line = el("p", "intro"); line.append(el("strong", "", "Translation: "), document.createTextNode(tr.text));
+    root.append(line);
+    if (tr.beam > 1) root.append(el("p", "hint", `beam search (beam ${tr.beam}) chose this; greedy decoding gives: ${tr.greedy_text}`));
+    const ctl = el("div", "row2");
+    const slider = el("input"); slider.type = "range"; slider.min = 0; slider.max = n - 1; slider.value = S.step; slider.id = "step-slider";
+    slider.addEventListener("input", () => { S.step = +slider.value; renderView(); });
+    const lab = el("span", "", `step ${S.step + 1} / ${n}: wrote “${tr.target_tokens[S.step]}”`); lab.id = "step-label";
+    const play = el("button", "", S.timer ? "❚❚ pause" : "▶ play"); play.id = "play";
+    play.title = "watch the translation being written, one decoding step at a time";
+    play.addEventListener("click", () => {
+      if (S.timer) { clearInterval(S.timer); S.timer = null; renderView(); return; }
+      if (S.step >= n - 1) S.step = -1;
+      S.timer = setInterval(() => {
+        if (S.view !== "trans" || !S.data.translation || S.step >= S.data.translation.target_tokens.length - 1) { clearInterval(S.timer); S.timer = null; }
+        else S.step += 1;
+        renderView();
+      }, 700);
+    });
+    ctl.append(play, slider, lab); root.append(ctl);
+    const toks = el("div", "tokens-line");
+    tr.target_tokens.forEach((tk, i) => toks.append(el("span", i === S.step ? "cur" : i > S.step ? "future" : "", tk)));
+    root.append(toks);
+    const cross = layers().filter((l) => l.kind === "cross"), dec = layers().filter((l) => l.kind === "causal");
+    let cl = cross.find((l) => l.name.replace("cross_attn", "") === S.layer.replace(/(self|cross)_attn/, "")) || cross[cross.length - 1];
+    if (S.layer && cross.some((l) => l.name === S.layer)) cl = cross.find((l) => l.name === S.layer);
+    const hi = Math.max(0, cl.heads.indexOf(S.head));
+    const row = el("div", "row2");
+    const a = el("div", "panel"); a.append(el("h3", "", `cross-attention ${short(cl.name)}, head ${cl.heads[hi]}`), el("p", "hint", "rows: target tokens as they are written; columns: the source"));
+    a.append(heatmap(cl.weights[hi], cl.q_tokens, cl.k_tokens, { maxWidth: Math.min(600, viewWidth() - 330), maxCell: 44, prob: true, highlightRow: S.step, rowsShown: S.step }));
+    row.append(a);
+    const dl = dec.find((l) => l.name === cl.name.replace("cross_attn", "self_attn")) || dec[dec.length - 1];
+    if (dl) {
+      const b = el("div", "panel"); const dhi = Math.max(0, dl.heads.indexOf(S.head));
+      b.append(el("h3", "", `decoder self-attention ${short(dl.name)}, head ${dl.heads[dhi]}`), el("p", "hint", `step ${S.step + 1}: what the decoder input “${dl.q_tokens[S.step]}” looks at`));
+      const bars = el("div", "bars"); const w = dl.weights[dhi][S.step] || [];
+      for (let j = 0; j <= S.step && j < w.length; j++) {
+        const r = el("div"); const bar = el("span", "bar"); bar.style.width = Math.round(180 * w[j]) + "px";
+        r.append(el("span", "t", dl.k_tokens[j]), bar, el("span", "", fmt(w[j]))); bars.append(r);
+      }
+      b.append(bars); row.append(b);
+    }
+    root.append(row);
+  }
+
+  function renderWork(root) {
+    const d = S.data;
+    if (S.offline) { root.append(el("p", "intro", "The pronoun probe and head switches run the model: open this text in qkv serve.")); return; }
+    const p = el("div", "card");
+    p.append(el("h3", "", "Pronoun probe: which heads send a token to which candidate?"));
+    const f = el("div", "row2");
+    const tok = el("input", "small"); tok.id = "probe-token"; tok.value = S.probeToken;
+    const cands = el("input"); cands.id = "probe-cands"; cands.value = S.probeCands;
+    const go = el("button", "", "probe"); go.id = "probe-run";
+    go.addEventListener("click", () => { S.probeToken = tok.value.trim(); S.probeCands = cands.value; refresh(); });
+    const ex = el("button", "", "use “The animal didn't cross the street because it was tired.”"); ex.id = "probe-example";
+    ex.addEventListener("click", () => { $("#text").value = "The animal didn't cross the street because it was tired."; S.probeToken = "it"; S.probeCands = "animal, street"; refresh(); });
+    const ctl = el("button", "", "control: “…because it was wide.”"); ctl.id = "probe-control";
+    ctl.addEventListener("click", () => { $("#text").value = "The animal didn't cross the street because it was wide."; S.probeToken = "it"; S.probeCands = "animal, street"; refresh(); });
+    f.append(el("span", "", "token"), tok, el("span", "", "candidates"), cands, go, ex, ctl);
+    p.append(f, el("p", "hint", "A head that resolves the pronoun should switch from “animal” (tired) to “street” (wide) in the control sentence; the same answer in both means it follows the words, not the meaning."));
+    const pr = d.probe;
+    if (!pr) p.append(el("p", "hint", "Give a token and candidates."));
+    else if (pr.error) p.append(el("p", "err", pr.error));
+    else {
+      const votes = Object.entries(pr.votes).map(([c, n]) => `${c} ×${n}`).join(", ");
+      const v = pr.deciding ? `${pr.deciding} of ${pr.n_heads} heads decide (top weight ≥ 0.2 and ≥ 0.1 ahead of the runner-up): ${votes}.`
+        : `No head decides: in none of the ${pr.n_heads} heads does “${pr.token}” put ≥ 0.2 on one candidate and ≥ 0.1 more than on the other.`;
+      const vv = el("p", "verdict", v); vv.id = "probe-verdict"; p.append(vv);
+      const tb = el("table", "probe"); const hr = el("tr");
+      ["layer", "head", ...pr.candidates, "best", "margin"].forEach((x) => hr.append(el("th", "", x)));
+      tb.append(hr);
+      for (const r of pr.rows) {
+        const tr = el("tr"); tr.append(el("td", "", r.layer), el("td", "", r.head), ...pr.candidates.map((c) => el("td", "", fmt(r.scores[c]))), el("td", "", r.best), el("td", "", fmt(r.margin)));
+        tb.append(tr);
+      }
+      p.append(tb);
+    }
+    root.append(p);
+    const s = el("div", "card");
+    s.append(el("h3", "", "Switch heads off (their output is zeroed before W_O) and re-run"));
+    const ls = layers().filter((l, i, a) => a.findIndex((m) => m.name === l.name) === i);
+    const H = Math.max(...ls.map((l) => l.heads.length));
+    const sw = el("div", "switches"); sw.style.gridTemplateColumns = `200px repeat(${H}, 44px)`;
+    for (const L of ls) {
+      const lab = el("div", "", L.name); sw.append(lab);
+      for (const h of L.heads) {
+        const l = el("label"); const cb = el("input"); cb.type = "checkbox"; cb.className = "switch";
+        cb.checked = !S.off.has(L.name + "|" + h); cb.dataset.layer = L.name; cb.dataset.head = h;
+        cb.addEventListener("change", () => { const k = L.name + "|" + h; cb.checked ? S.off.delete(k) : S.off.add(k); });
+        l.append(cb, document.createTextNode(h)); sw.append(l);
+      }
+    }
+    s.append(sw);
+    const apply = el("button", "", "re-run with these heads"); apply.id = "ablate-run";
+    apply.addEventListener("click", refresh);
+    const reset = el("button", "", "all heads on"); reset.addEventListener("click", () => { S.off.clear(); refresh(); });
+    s.append(apply, document.createTextNode(" "), reset);
+    if (d.ablation) {
+      const c = el("div", "changed"); c.id = "changes";
+      c.append(el("div", "", `${d.ablation.heads.length} head(s) off. What changed:`));
+      if (d.translation) {
+        const b = el("div", "before"); b.append(document.createTextNode("all heads on: " + d.ablation.baseline.translation)); c.append(b);
+        c.append(el("div", "", "with heads off: " + d.translation.text));
+      }
+      if (d.ablation.hidden_change !== undefined) c.append(el("div", "", `final token vectors moved by ${(100 * d.ablation.hidden_change).toFixed(1)}% (relative L2)`));
+      const bp = d.ablation.baseline.probe;
+      if (bp && !bp.error && d.probe && !d.probe.error) {
+        const key = (r) => `${r.layer}|${r.head}`; const before = new Map(bp.rows.map((r) => [key(r), r]));
+        const top = d.probe.rows.slice(0, 3).map((r) => { const b = before.get(key(r)); return `${r.layer} h${r.head}: ${pr.candidates.map((x) => `${x} ${b ? fmt(b.scores[x]) : "?"} → ${fmt(r.scores[x])}`).join(", ")}`; });
+        c.append(el("div", "", "probe (before → after): " + top.join(" · ")));
+        c.append(el("div", "before", `deciding heads: ${bp.deciding} → ${d.probe.deciding}`));
+      }
+      s.append(c);
+    }
+    root.append(s);
+  }
+
+  const RENDER = { step: renderStep, head: renderHead, model: renderModel, trans: renderTrans, work: renderWork };
+  function renderView() {
+    for (const v of Object.keys(RENDER)) $("#view-" + v).hidden = v !== S.view;
+    const root = $("#view-" + S.view); root.replaceChildren();
+    if (!S.data) return;
+    try { RENDER[S.view](root); } catch (err) { root.append(el("p", "err", "render error: " + err)); console.error(err); }
+    document.body.dataset.view = S.view;
+  }
+  function setTabs() {
+    document.querySelectorAll(".tab").forEach((b) => {
+      b.classList.toggle("active", b.dataset.view === S.view);
+      b.textContent = t(b.dataset.i18n) || b.textContent;
+    });
+  }
+
+  // ---------- requests ----------
+  function payload() {
+    const body = { text: $("#text").value, model: $("#model").value, translate: $("#translate").checked,
+      beam: +$("#beam").value, head: S.head, ablate: [...S.off].map((k) => { const i = k.lastIndexOf("|"); return [k.slice(0, i), +k.slice(i + 1)]; }) };
+    if (S.layer && S.data && S.data.model === body.model && !!S.data.translation === body.translate && layers().some((l) => l.name === S.layer)) body.layer = S.layer;
+    else { body.head = 0; body.ablate = []; }
+    const cands = S.probeCands.split(",").map((x) => x.trim()).filter(Boolean);
+    if (S.probeToken && cands.length) body.probe = { token: S.probeToken, candidates: cands.slice(0, 8) };
+    return body;
+  }
+  async function refresh() {
+    if (S.offline) return;
+    if (S.busy) { S.pending = true; return; }
+    S.busy = true; document.body.dataset.ready = "0"; $("#status").textContent = "computing…";
+    const body = payload();
+    if (!body.layer) S.off.clear();
+    try {
+      const r = await fetch("/api/attention", { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body) });
+      const d = await r.json();
+      if (!r.ok) { $("#status").textContent = ""; showNotice(d.error || `error ${r.status}`, true); }
+      else { accept(d); $("#status").textContent = `${d.tokens.length} tokens · ${d.elapsed_ms} ms`; }
+    } catch (err) { showNotice("request failed: " + err, true); }
+    S.busy = false;
+    if (S.pending) { S.pending = false; return refresh(); }
+    document.body.dataset.ready = "1";
+  }
+  function showNotice(msg, isErr) {
+    const n = $("#notice"); n.hidden = !msg; n.textContent = msg || ""; n.className = isErr ? "random" : "";
+  }
+  function accept(d) {
+    if (S.timer) { clearInterval(S.timer); S.timer = null; }
+    S.data = d;
+    const names = d.layers.map((l) => l.name);
+    if (!names.includes(S.layer)) { S.layer = d.step ? d.step.layer : names[0]; S.head = d.step ? d.step.head : 0; S.heads = new Set([S.head]); }
+    if (d.step) { S.layer = d.step.layer; S.head = d.step.head; }
+    if (![...S.heads].length) S.heads = new Set([S.head]);
+    const notes = [];
+    if (d.random) notes.push("Random weights: these maps show the mechanics, not language (nothing was trained).");
+    if (d.notice) notes.push(d.notice);
+    showNotice(notes.join(" "), !!d.random);
+    $("#tabs .tab[data-view='trans']").disabled = false;
+    renderSide(); renderView();
+  }
+
+  // ---------- start ----------
+  async function start() {
+    const dataEl = document.getElementById("qkv-data");
+    document.querySelectorAll(".tab").forEach((b) => b.addEventListener("click", () => {
+      S.view = b.dataset.view; setTabs(); renderView();
+      if (S.view === "step" && S.data && !S.offline && (!S.data.step || S.data.step.layer !== S.layer || S.data.step.head !== S.head)) refresh();
+    }));
+    $("#layer").addEventListener("change", () => { const L = layers().find((l) => l.name === $("#layer").value); selectHead(L.name, L.heads.includes(S.head) ? S.head : L.heads[0]); });
+    $("#head").addEventListener("change", () => selectHead(S.layer, +$("#head").value));
+    window.addEventListener("resize", () => renderView());
+    if (dataEl) {
+      const blob = JSON.parse(dataEl.textContent);
+      S.offline = true; S.strings = blob.strings;
+      $("#bar").hidden = true;
+      fillLang();
+      accept(blob.response); setTabs();
+      document.body.dataset.ready = "1";
+      return;
+    }
+    const [strings, health] = await Promise.all([fetch("/static/i18n/strings.json").then((r) => r.json()), fetch("/api/health").then((r) => r.json())]);
+    S.strings = strings; S.models = health.models;
+    fillLang();
+    const ms = $("#model");
+    ms.replaceChildren(...health.models.map((m) => { const o = el("option", "", m.label); o.value = m.name; return o; }));
+    const q = new URLSearchParams(location.search);
+    if (q.get("model")) ms.value = q.get("model");
+    if (q.get("text")) $("#text").value = q.get("text");
+    if (q.get("translate") === "1") $("#translate").checked = true;
+    if (q.get("view") && RENDER[q.get("view")]) S.view = q.get("view");
+    if (q.get("lang") && strings[q.get("lang")]) S.lang = q.get("lang");
+    $("#lang").value = S.lang; setTabs();
+    $("#run").addEventListener("click", refresh);
+    $("#text").addEventListener("keydown", (e) => { if (e.key === "Enter") refresh(); });
+    ms.addEventListener("change", () => { const m = S.models.find((x) => x.name === ms.value); $("#translate").checked = !!(m && m.translator && m.name !== "random"); refresh(); });
+    $("#translate").addEventListener("change", refresh);
+    $("#beam").addEventListener("change", () => { if ($("#translate").checked) refresh(); });
+    await refresh();
+  }
+  function fillLang() {
+    const ls = $("#lang");
+    ls.replaceChildren(...Object.entries(S.strings.languages).map(([k, v]) => { const o = el("option", "", v); o.value = k; return o; }));
+    ls.value = S.lang;
+    ls.addEventListener("change", () => { S.lang = ls.value; document.documentElement.lang = S.lang; setTabs(); renderView(); });
+  }
+  document.addEventListener("DOMContentLoaded", () => { start().catch((err) => { showNotice("could not start: " + err, true); console.error(err); }); });
+})();

@@ -1,0 +1,61 @@
+"""Shared fixtures of the ``qkv serve`` tests: a tiny saved translator and a registry."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from qkv.data import Tokenizer
+from qkv.models import Seq2SeqTransformer, TransformerConfig, save_pretrained
+from qkv.serve.models import Registry, default_registry
+
+SENTS = ["a dog runs", "the boy trains the puppy", "le chien court", "le garçon entraîne le chiot"]
+
+
+def tiny_translator(directory: Path) -> Path:
+    """A small seq2seq model, fitted for a few steps on two pairs, saved with its tokenizer."""
+    tok = Tokenizer.train(SENTS * 10, vocab_size=340)
+    torch.manual_seed(0)
+    cfg = TransformerConfig(src_vocab_size=tok.vocab_size, tgt_vocab_size=tok.vocab_size,
+                            d_model=32, n_heads=4, d_ff=64, dropout=0.0, n_encoder_layers=2,
+                            n_decoder_layers=2)  # fmt: skip
+    model = Seq2SeqTransformer(cfg)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    pairs = [(SENTS[0], SENTS[2]), (SENTS[1], SENTS[3])]
+    with one_thread():
+        for _ in range(15):
+            for s, t in pairs:
+                src = torch.tensor([tok.encode(s) + [2]])  # (1, S)
+                tgt = torch.tensor([[1, *tok.encode(t), 2]])  # (1, T)
+                logits = model(src, tgt[:, :-1])  # (1, T - 1, V)
+                loss = torch.nn.functional.cross_entropy(logits[0], tgt[0, 1:])
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    return save_pretrained(model.eval(), directory, tokenizer=tok)
+
+
+@contextmanager
+def one_thread():
+    """torch on one thread while serving (small models: threads only contend)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
+_SAVED: dict[str, Path] = {}
+
+
+def registry(tmp: Path, *, minilm: bool = True) -> Registry:
+    """MiniLM (optional), random, and the tiny translator as ``tiny-fr`` (trained once per run)."""
+    if "tiny-fr" not in _SAVED:
+        _SAVED["tiny-fr"] = tiny_translator(tmp / "tiny-fr")
+    reg = default_registry({"tiny-fr": str(_SAVED["tiny-fr"])})
+    if not minilm:
+        reg._entries.pop("minilm")
+    return reg
