@@ -55,15 +55,38 @@ def build(args: argparse.Namespace) -> transformers.LlamaForCausalLM:
     return transformers.LlamaForCausalLM(cfg).eval()
 
 
-def best(fn, repeats: int) -> tuple[float, object]:
-    """Best wall time (s) of ``fn()`` over ``repeats`` runs after one warm-up, and its result."""
-    out = fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t)
-    return min(times), out
+def measure(model, ids: torch.Tensor, n_decode: int, repeats: int) -> dict[str, dict]:
+    """Prefill time (s), decode tokens/s and generated tokens per implementation.
+
+    Each quantity is the best of ``repeats`` runs after one warm-up; the two implementations
+    alternate run by run, so a burst of load on the machine hits both.
+    """
+    B = ids.shape[0]
+
+    def prefill():
+        return model(input_ids=ids, use_cache=True, logits_to_keep=1)
+
+    def gen(n: int):
+        return model.generate(input_ids=ids, max_new_tokens=n, min_new_tokens=n,
+                              do_sample=False, pad_token_id=0)  # fmt: skip
+
+    t_pre = {i: float("inf") for i in IMPLS}
+    t_one = dict(t_pre)
+    t_all = dict(t_pre)
+    tokens = {}
+    with torch.no_grad():
+        for rep in range(repeats + 1):
+            for impl in IMPLS:
+                model.set_attn_implementation(impl)
+                for store, fn in ((t_pre, prefill), (t_one, lambda: gen(1)),
+                                  (t_all, lambda: gen(n_decode + 1))):  # fmt: skip
+                    t = time.perf_counter()
+                    out = fn()
+                    if rep:  # rep 0 is the warm-up
+                        store[impl] = min(store[impl], time.perf_counter() - t)
+                tokens[impl] = out
+    tps = {i: B * n_decode / max(t_all[i] - t_one[i], 1e-9) for i in IMPLS}
+    return {"prefill": t_pre, "tps": tps, "tokens": tokens}
 
 
 def main() -> None:
@@ -77,7 +100,7 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=12)
     p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=None)
     args = p.parse_args()
     small = args.small
@@ -110,20 +133,8 @@ def main() -> None:
     g = torch.Generator().manual_seed(1)
     for T in args.prefill:
         ids = torch.randint(3, args.vocab, (args.batch, T), generator=g)
-        prefill, tps, tokens = {}, {}, {}
-        for impl in IMPLS:  # interleaved per length: both see the same load
-            model.set_attn_implementation(impl)
-            with torch.no_grad():
-                prefill[impl], _ = best(lambda: model(input_ids=ids, use_cache=True,
-                                                      logits_to_keep=1), args.repeats)  # fmt: skip
-
-                def gen(n: int):
-                    return model.generate(input_ids=ids, max_new_tokens=n, min_new_tokens=n,
-                                          do_sample=False, pad_token_id=0)  # fmt: skip
-
-                t_one, _ = best(lambda: gen(1), args.repeats)
-                t_all, tokens[impl] = best(lambda: gen(args.decode + 1), args.repeats)
-            tps[impl] = args.batch * args.decode / max(t_all - t_one, 1e-9)
+        r = measure(model, ids, args.decode, args.repeats)
+        prefill, tps, tokens = r["prefill"], r["tps"], r["tokens"]
         same = torch.equal(tokens["sdpa"], tokens["qkv"])
         p_ratio = prefill["sdpa"] / prefill["qkv"]
         d_ratio = tps["qkv"] / tps["sdpa"]

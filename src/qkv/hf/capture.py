@@ -24,7 +24,6 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor, nn
 
 from qkv.inspect.maps import AttentionMaps, merge_steps
@@ -171,7 +170,9 @@ def _select(
     for sel in layers:
         if isinstance(sel, int):
             if not -len(found) <= sel < len(found):
-                raise IndexError(f"layer index {sel} out of range for {len(found)} attention modules")
+                raise IndexError(
+                    f"layer index {sel} out of range for {len(found)} attention modules"
+                )
             keep.add(sel % len(found))
             continue
         hits = [i for i, (n, _) in enumerate(found) if fnmatch.fnmatchcase(n, sel)]

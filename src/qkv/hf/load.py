@@ -105,8 +105,7 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32) -> Loade
     >>> m = load_model("checkpoints/my-llama")        # doctest: +SKIP
     >>> m.kind, m.attention(ids, heads=[0]).layers[:2]  # doctest: +SKIP
     """
-    from transformers import (AutoConfig, AutoModel, AutoModelForCausalLM,
-                              AutoModelForSeq2SeqLM, AutoTokenizer)  # fmt: skip
+    import transformers as tf
 
     from qkv.hf import register
 
@@ -119,14 +118,14 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32) -> Loade
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"{path / 'config.json'} is not valid JSON: {e}") from None
     register()
-    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    config = tf.AutoConfig.from_pretrained(path, local_files_only=True)
     kind = model_kind(config)
-    auto = {"encoder-decoder": AutoModelForSeq2SeqLM, "decoder": AutoModelForCausalLM,
-            "encoder": AutoModel}[kind]  # fmt: skip
+    auto = {"encoder-decoder": tf.AutoModelForSeq2SeqLM, "decoder": tf.AutoModelForCausalLM,
+            "encoder": tf.AutoModel}[kind]  # fmt: skip
     model = auto.from_pretrained(path, local_files_only=True, attn_implementation="qkv",
                                  dtype=dtype).eval()  # fmt: skip
     tokenizer = None
     if any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.txt",
                                           "spiece.model", "source.spm")):  # fmt: skip
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        tokenizer = tf.AutoTokenizer.from_pretrained(path, local_files_only=True)
     return LoadedModel(model, kind, tokenizer, path)
