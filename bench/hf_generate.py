@@ -55,37 +55,46 @@ def build(args: argparse.Namespace) -> transformers.LlamaForCausalLM:
     return transformers.LlamaForCausalLM(cfg).eval()
 
 
+class StepClock(transformers.LogitsProcessor):
+    """Called by ``generate`` once per new token: the time of each call."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.times.append(time.perf_counter())
+        return scores
+
+
 def measure(model, ids: torch.Tensor, n_decode: int, repeats: int) -> dict[str, dict]:
     """Prefill time (s), decode tokens/s and generated tokens per implementation.
 
-    Each quantity is the best of ``repeats`` runs after one warm-up; the two implementations
+    Decode speed is read inside one ``generate`` call: the time between the first new token
+    (right after the prefill) and the last, over ``n_decode`` steps on the cache. Each
+    quantity is the best of ``repeats`` runs after one warm-up; the two implementations
     alternate run by run, so a burst of load on the machine hits both.
     """
     B = ids.shape[0]
-
-    def prefill():
-        return model(input_ids=ids, use_cache=True, logits_to_keep=1)
-
-    def gen(n: int):
-        return model.generate(input_ids=ids, max_new_tokens=n, min_new_tokens=n,
-                              do_sample=False, pad_token_id=0)  # fmt: skip
-
     t_pre = {i: float("inf") for i in IMPLS}
-    t_one = dict(t_pre)
-    t_all = dict(t_pre)
+    tps = {i: 0.0 for i in IMPLS}
     tokens = {}
     with torch.no_grad():
         for rep in range(repeats + 1):
             for impl in IMPLS:
                 model.set_attn_implementation(impl)
-                for store, fn in ((t_pre, prefill), (t_one, lambda: gen(1)),
-                                  (t_all, lambda: gen(n_decode + 1))):  # fmt: skip
-                    t = time.perf_counter()
-                    out = fn()
-                    if rep:  # rep 0 is the warm-up
-                        store[impl] = min(store[impl], time.perf_counter() - t)
-                tokens[impl] = out
-    tps = {i: B * n_decode / max(t_all[i] - t_one[i], 1e-9) for i in IMPLS}
+                t = time.perf_counter()
+                model(input_ids=ids, use_cache=True, logits_to_keep=1)
+                pre = time.perf_counter() - t
+                clock = StepClock()
+                tokens[impl] = model.generate(
+                    input_ids=ids, max_new_tokens=n_decode + 1, min_new_tokens=n_decode + 1,
+                    do_sample=False, pad_token_id=0,
+                    logits_processor=transformers.LogitsProcessorList([clock]),
+                )  # fmt: skip
+                if rep:  # rep 0 is the warm-up
+                    t_pre[impl] = min(t_pre[impl], pre)
+                    rate = B * n_decode / max(clock.times[-1] - clock.times[0], 1e-9)
+                    tps[impl] = max(tps[impl], rate)
     return {"prefill": t_pre, "tps": tps, "tokens": tokens}
 
 

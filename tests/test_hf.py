@@ -334,6 +334,13 @@ def test_fallback_warns_once_and_equals_eager(monkeypatch):
     rows = kw["attention_mask"].bool()
     for g in got:
         _close(g[rows], want[rows])
+    # capture still works there: the weights eager computes are recorded
+    out_e = _run(model, "eager", **kw, output_attentions=True)
+    with torch.no_grad(), qhf.capture_attention(model, heads=[1]) as cap:
+        model(**kw)
+    assert len(cap.records) == len(out_e.attentions) == 2
+    for rec, w in zip(cap.records, out_e.attentions):
+        _close_rows(rec.weights, w[:, 1:2], rows)
 
 
 def test_fallback_reasons():

@@ -142,6 +142,8 @@ def qkv_attention_forward(
     Returns:
         ``(output (B, Tq, h, d), weights (B, h, Tq, Tk) or None)``.
     """
+    recorder = _capture.active()
+    heads = None if recorder is None else recorder.heads_for(module, query.shape[1])
     why = fallback_reason(query, key, value, attention_mask, kwargs)
     if why is not None:
         reason, how = why
@@ -151,8 +153,15 @@ def qkv_attention_forward(
             extra["softcap"] = softcap
         if is_causal is not None:
             extra["is_causal"] = is_causal
-        return _fallback(how, module, query, key, value, attention_mask, dropout=dropout,
-                         scaling=scaling, **extra, **kwargs)  # fmt: skip
+        if heads is not None and how != "eager":
+            raise RuntimeError(f"cannot capture attention weights here: {reason}")
+        out, weights = _fallback(how, module, query, key, value, attention_mask, dropout=dropout,
+                                 scaling=scaling, **extra, **kwargs)  # fmt: skip
+        if heads is not None:  # eager returns every head's weights
+            causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+            recorder.record(module, weights.detach().index_select(1, _index(heads, weights)),
+                            heads, causal=causal)  # fmt: skip
+        return out, weights
 
     Tq, Tk = query.shape[2], key.shape[2]
     mask = bias = None
@@ -173,8 +182,6 @@ def qkv_attention_forward(
     options = dict(mask=mask, bias=bias, causal=causal, scale=scaling, softcap=softcap,
                    dropout_p=float(dropout))  # fmt: skip
     full = bool(kwargs.get("output_attentions", False))
-    recorder = _capture.active()
-    heads = None if recorder is None else recorder.heads_for(module, query.shape[1])
     weights = None
     if full:
         out, weights = scaled_dot_product_attention(query, key, value, **options,

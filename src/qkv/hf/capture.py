@@ -6,7 +6,8 @@ and returns its log-sum-exp; the weights of the chosen heads are then recomputed
 one head's ``Tq×Tk``, never all of them. They equal the model's ``output_attentions=True``
 under ``attn_implementation="eager"`` (rows of padded queries, which see no key, are zeros).
 
-The model runs with ``attn_implementation="qkv"`` for the duration of the block (switched and
+A call that qkv hands back to transformers' eager attention (see :mod:`qkv.hf.attention`)
+is recorded from the weights eager computes. The model runs with ``attn_implementation="qkv"`` for the duration of the block (switched and
 restored when it was loaded with another one). Each call of each chosen module is one
 :class:`HFRecord`, in call order: a ``generate`` gives one record per module per step.
 
