@@ -397,3 +397,19 @@ def test_load_model_errors(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="not valid JSON"):
         qhf.load_model(tmp_path)
+
+
+def test_bf16_error_within_transformers_own(models):
+    """bf16: qkv's error against the fp32 eager model is at most 2× that of bf16 eager."""
+    import copy
+
+    model, kw = models["llama"], _batch("llama")
+    want = _run(model, "eager", **kw).logits
+    rows = kw["attention_mask"].bool()
+    errs = {}
+    for impl in ("eager", "qkv"):
+        low = copy.deepcopy(model).to(torch.bfloat16)
+        got = _run(low, impl, **kw).logits.float()
+        assert got.dtype == torch.float32 and not got.isnan().any()
+        errs[impl] = float((got - want)[rows].abs().max())
+    assert errs["qkv"] <= 2 * errs["eager"] + 1e-3, errs
