@@ -413,3 +413,63 @@ def test_bf16_error_within_transformers_own(models):
         assert got.dtype == torch.float32 and not got.isnan().any()
         errs[impl] = float((got - want)[rows].abs().max())
     assert errs["qkv"] <= 2 * errs["eager"] + 1e-3, errs
+
+
+_SMALL = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+              vocab_size=V, max_position_embeddings=64)  # fmt: skip
+MORE = {  # name: (config class, model class, config kwargs)
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel",
+             dict(n_embd=32, n_layer=2, n_head=4, vocab_size=V, n_positions=64)),
+    "mistral": ("MistralConfig", "MistralForCausalLM",
+                dict(_SMALL, num_key_value_heads=2, sliding_window=4)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(_SMALL, num_key_value_heads=2)),
+    "opt": ("OPTConfig", "OPTForCausalLM",
+            dict(hidden_size=32, ffn_dim=48, num_hidden_layers=2, num_attention_heads=4,
+                 vocab_size=V, max_position_embeddings=64, word_embed_proj_dim=32)),
+    "roberta": ("RobertaConfig", "RobertaModel", dict(_SMALL, pad_token_id=1)),
+    "distilbert": ("DistilBertConfig", "DistilBertModel",
+                   dict(dim=32, hidden_dim=48, n_layers=2, n_heads=4, vocab_size=V,
+                        max_position_embeddings=64)),
+    "bart": ("BartConfig", "BartForConditionalGeneration",
+             dict(vocab_size=V, d_model=32, encoder_layers=2, decoder_layers=2,
+                  encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=48,
+                  decoder_ffn_dim=48, max_position_embeddings=64)),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+               dict(_SMALL, num_key_value_heads=2, head_dim=8, sliding_window=4,
+                    attn_logit_softcapping=3.0)),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(_SMALL)),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(_SMALL, num_key_value_heads=2, pad_token_id=0)),
+    "bert_decoder": ("BertConfig", "BertLMHeadModel", dict(_SMALL, is_decoder=True)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(MORE))
+def test_more_architectures_equal_eager(name):
+    conf_cls, model_cls, conf_kw = MORE[name]
+    if not hasattr(transformers, model_cls):
+        pytest.skip(f"transformers {transformers.__version__} has no {model_cls}")
+    torch.manual_seed(0)
+    cfg = getattr(transformers, conf_cls)(**conf_kw)
+    model = getattr(transformers, model_cls)(cfg).eval()
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, V, (2, 9), generator=g)
+    am = torch.ones_like(ids)
+    am[1, :2] = 0
+    kw = {"input_ids": ids, "attention_mask": am}
+    rows = am.bool()
+    if cfg.is_encoder_decoder:
+        kw["decoder_input_ids"] = torch.randint(3, V, (2, 4), generator=g)
+        rows = torch.ones(2, 4, dtype=torch.bool)
+    out_q, out_e = _run(model, "qkv", **kw), _run(model, "eager", **kw)
+    key = "logits" if "logits" in out_e else "last_hidden_state"
+    _close(out_q[key][rows], out_e[key][rows])
+
+
+def test_doctests():
+    import doctest
+
+    import qkv.hf.masks
+
+    for mod in (qhf, qkv.hf.masks):
+        failed, _ = doctest.testmod(mod)
+        assert failed == 0
