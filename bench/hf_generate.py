@@ -1,7 +1,7 @@
 """Hugging Face ``generate`` on a Llama-shaped model: ``attn_implementation="sdpa"`` vs "qkv".
 
     python bench/hf_generate.py            # 12 layers, d_model 768, GQA 12/4; prefill 1k, 8k
-    python bench/hf_generate.py --small    # 4 layers, d_model 256; prefill 256, 1k (a minute)
+    python bench/hf_generate.py --small    # 4 layers, d_model 256, GQA 4/2; prefill 256, 1k
     python bench/hf_generate.py --prefill 1024 --decode 64 --threads 1
 
 One model with random weights (fp32, CPU), run with both attention implementations side by
@@ -118,7 +118,7 @@ def main() -> None:
     args.layers = args.layers or (4 if small else 12)
     args.d_model = args.d_model or (256 if small else 768)
     if small and args.heads == 12:
-        args.heads, args.kv_heads = 8, 2
+        args.heads, args.kv_heads = 4, 2  # head dim 64, as in the full model
     args.d_ff = int(8 * args.d_model / 3 // 64 * 64)
     for name in ("decode", "batch", "layers", "d_model", "heads", "kv_heads", "repeats"):
         if getattr(args, name) < 1:
