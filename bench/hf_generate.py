@@ -48,7 +48,8 @@ def build(args: argparse.Namespace) -> transformers.LlamaForCausalLM:
     cfg = transformers.LlamaConfig(
         vocab_size=args.vocab, hidden_size=args.d_model, intermediate_size=args.d_ff,
         num_hidden_layers=args.layers, num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads, max_position_embeddings=max(args.prefill) + args.decode + 8,
+        num_key_value_heads=args.kv_heads,
+        max_position_embeddings=max(args.prefill) + args.decode + 8,
         pad_token_id=0, bos_token_id=1, eos_token_id=2,
     )  # fmt: skip
     torch.manual_seed(0)

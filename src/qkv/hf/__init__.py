@@ -5,7 +5,7 @@
 >>> model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="qkv")  # doctest: +SKIP
 >>> with qkv.hf.capture_attention(model, layers=[3], heads=[5]) as cap:  # doctest: +SKIP
 ...     model(ids)
->>> cap.records[0].weights.shape  # (B, 1, T, T), equal to eager's output_attentions  # doctest: +SKIP
+>>> cap.records[0].weights.shape  # (B, 1, T, T): eager's output_attentions  # doctest: +SKIP
 
 Modules: :mod:`qkv.hf.attention` (the adapter and what falls back), :mod:`qkv.hf.masks` (the
 boolean mask function), :mod:`qkv.hf.capture` (per-head weights), :mod:`qkv.hf.load` (a local

@@ -100,8 +100,8 @@ def _fallback(
 ) -> tuple[Tensor, Tensor | None]:
     """Run transformers' ``eager`` (the model's own function) or ``sdpa`` attention."""
     if how == "eager":
-        fn: Callable | None = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward",
-                                      None)  # fmt: skip
+        modeling = sys.modules.get(type(module).__module__)
+        fn: Callable | None = getattr(modeling, "eager_attention_forward", None)
         if fn is not None:
             if isinstance(mask, Tensor) and mask.dtype == torch.bool:  # eager adds the mask
                 mask = torch.zeros_like(mask, dtype=query.dtype).masked_fill(
@@ -175,7 +175,7 @@ def qkv_attention_forward(
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
     causal = bool(is_causal) and Tq > 1 and attention_mask is None
-    if causal and Tk > Tq:  # static-cache prefill: the keys after Tq are the empty cache
+    if causal and Tk > Tq:  # static-cache prefill: the keys after Tq are the empty cache (as sdpa)
         key, value = key[:, :, :Tq], value[:, :, :Tq]  # (B, h_kv, Tq, d)
         bias = None if bias is None else bias[..., :Tq]
 
@@ -190,8 +190,9 @@ def qkv_attention_forward(
             recorder.record(module, weights.detach().index_select(1, _index(heads, weights)),
                             heads, causal=bool(is_causal))  # fmt: skip
     elif heads is not None:
-        out, picked = scaled_dot_product_attention(query, key, value, **options,
-                                                   return_weights=True, weights_heads=heads)  # fmt: skip
+        out, picked = scaled_dot_product_attention(
+            query, key, value, **options, return_weights=True, weights_heads=heads
+        )
         recorder.record(module, picked, heads, causal=bool(is_causal))
     else:
         out = scaled_dot_product_attention(query, key, value, **options)

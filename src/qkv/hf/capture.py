@@ -7,9 +7,10 @@ one head's ``Tq×Tk``, never all of them. They equal the model's ``output_attent
 under ``attn_implementation="eager"`` (rows of padded queries, which see no key, are zeros).
 
 A call that qkv hands back to transformers' eager attention (see :mod:`qkv.hf.attention`)
-is recorded from the weights eager computes. The model runs with ``attn_implementation="qkv"`` for the duration of the block (switched and
-restored when it was loaded with another one). Each call of each chosen module is one
-:class:`HFRecord`, in call order: a ``generate`` gives one record per module per step.
+is recorded from the weights eager computes. The model runs with ``attn_implementation="qkv"``
+for the duration of the block (switched and restored when it was loaded with another one).
+Each call of each chosen module is one :class:`HFRecord`, in call order: a ``generate`` gives
+one record per module per step.
 
 >>> with capture_attention(model, layers=[0], heads=[2]) as cap:     # doctest: +SKIP
 ...     model(input_ids)

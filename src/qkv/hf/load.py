@@ -75,8 +75,8 @@ class LoadedModel:
         are computed). ``tokens`` label the (decoder) queries, ``source_tokens`` the source.
         """
         if not isinstance(input_ids, Tensor) or input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be a (B, T) tensor of token ids, got "
-                             f"{getattr(input_ids, 'shape', type(input_ids).__name__)}")  # fmt: skip
+            got = getattr(input_ids, "shape", type(input_ids).__name__)
+            raise ValueError(f"input_ids must be a (B, T) tensor of token ids, got {got}")
         kwargs: dict[str, Tensor] = {}
         if self.kind == "encoder-decoder":
             if decoder_input_ids is None:
