@@ -313,34 +313,71 @@ def test_attention_dropout_in_training():
     assert torch.equal(c, d)
 
 
-def test_fallback_warns_once_and_equals_eager(monkeypatch):
-    """gpt-oss's attention sinks (s_aux) are not qkv's: eager runs them, with one warning."""
-    monkeypatch.setattr(qattn, "_WARNED", set())
-    torch.manual_seed(0)
+def _gpt_oss():
     cfg = transformers.GptOssConfig(
         vocab_size=V, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=4,
         num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64, pad_token_id=0,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        eos_token_id=2, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     )  # fmt: skip
+    torch.manual_seed(0)
     model = transformers.GptOssForCausalLM(cfg).eval()
-    kw = _batch("llama")
-    want = _run(model, "eager", **kw).logits
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        got = [_run(model, "qkv", **kw).logits for _ in range(2)]
-    ours = [w for w in caught if "attn_implementation='qkv'" in str(w.message)]
-    assert len(ours) == 1 and "s_aux" in str(ours[0].message)
+    with torch.no_grad():  # sinks far from 0, so that they matter
+        for m in model.modules():
+            if hasattr(m, "sinks"):
+                m.sinks.copy_(
+                    torch.randn(m.sinks.shape, generator=torch.Generator().manual_seed(3))
+                )
+    return model
+
+
+def test_attention_sinks_equal_eager():
+    """gpt-oss's learned sink logits (s_aux): forward, weights, capture, generate, gradients."""
+    model, kw = _gpt_oss(), _batch("llama")
     rows = kw["attention_mask"].bool()
-    for g in got:
-        _close(g[rows], want[rows])
-    # capture still works there: the weights eager computes are recorded
+    out_q = _run(model, "qkv", **kw, output_attentions=True)
     out_e = _run(model, "eager", **kw, output_attentions=True)
+    _close(out_q.logits[rows], out_e.logits[rows])
+    for a, b in zip(out_q.attentions, out_e.attentions):
+        _close_rows(a, b, rows)
     with torch.no_grad(), qhf.capture_attention(model, heads=[1]) as cap:
         model(**kw)
+    for rec, w in zip(cap.records, out_e.attentions, strict=True):
+        _close_rows(rec.weights, w[:, 1:2], rows)
+    assert torch.equal(_gen(model, "qkv", kw), _gen(model, "eager", kw))
+    grads = {}
+    for impl in ("eager", "qkv"):
+        model.zero_grad()
+        model.set_attn_implementation(impl)
+        model(**kw, labels=kw["input_ids"].masked_fill(~rows, -100)).loss.backward()
+        grads[impl] = {n: p.grad.clone() for n, p in model.named_parameters() if "sinks" in n}
+    model.set_attn_implementation("qkv")
+    assert len(grads["qkv"]) == 2
+    for n in grads["eager"]:
+        _close(grads["qkv"][n], grads["eager"][n])
+
+
+def test_fallback_warns_once_and_equals_eager(monkeypatch, models):
+    """An integer 4-D mask is not qkv's: transformers' eager runs it, with one warning."""
+    monkeypatch.setattr(qattn, "_WARNED", set())
+    model = models["llama"]
+    ids = _batch("llama")["input_ids"]
+    mask4 = torch.ones(2, 1, ids.shape[1], ids.shape[1], dtype=torch.int64).tril()
+    want = _run(model, "eager", input_ids=ids, attention_mask=mask4).logits
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = [_run(model, "qkv", input_ids=ids, attention_mask=mask4).logits for _ in range(2)]
+    ours = [w for w in caught if "attn_implementation='qkv'" in str(w.message)]
+    assert len(ours) == 1 and "torch.int64" in str(ours[0].message)
+    for g in got:
+        _close(g, want)
+    # capture still works there: the weights eager computes are recorded
+    out_e = _run(model, "eager", input_ids=ids, attention_mask=mask4, output_attentions=True)
+    with torch.no_grad(), qhf.capture_attention(model, heads=[1]) as cap:
+        model(input_ids=ids, attention_mask=mask4)
     assert len(cap.records) == len(out_e.attentions) == 2
     for rec, w in zip(cap.records, out_e.attentions):
-        _close_rows(rec.weights, w[:, 1:2], rows)
+        _close(rec.weights, w[:, 1:2])
 
 
 def test_fallback_reasons():

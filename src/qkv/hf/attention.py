@@ -25,6 +25,8 @@ transformers           qkv
 ``sliding_window``     already in the mask (a layer gets ``None`` only while
                        ``Tk < window``), as for sdpa
 ``output_attentions``  ``return_weights=True``: exact per-head weights
+``s_aux`` (sinks)      one extra logit per head with no value (gpt-oss): the output
+                       and weights scaled by ``sigmoid(lse - sink)``
 =====================  ==========================================================
 
 ``None`` mask: transformers skips building the mask exactly when sdpa's ``is_causal`` (or no
@@ -33,9 +35,9 @@ mask) means the same; qkv's ``causal=True`` is aligned bottom-right, which is th
 (``Tk > Tq``, the cache's tail still empty), is cut to the first ``Tq`` keys, as sdpa does.
 
 What falls back (one ``warnings.warn`` per reason per process, then transformers' own path):
-attention sinks (``s_aux``, gpt-oss), paged caches (continuous batching), a mask that is
-neither bool nor float or does not broadcast as ``(B|1, h|1, Tq, Tk)``, and q/k/v of
-different dtypes or head counts that do not group.
+paged caches (continuous batching), a mask that is neither bool nor float or does not
+broadcast as ``(B|1, h|1, Tq, Tk)``, and q/k/v of different dtypes or head counts that do
+not group.
 """
 
 from __future__ import annotations
@@ -47,8 +49,10 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from qkv.functional import scaled_dot_product_attention
+from qkv.functional import attention_steps, scaled_dot_product_attention
 from qkv.hf import capture as _capture
+from qkv.kernels.flash import flash_attention
+from qkv.kernels.weights import weights_from_lse
 
 __all__ = ["qkv_attention_forward", "fallback_reason"]
 
@@ -68,8 +72,6 @@ def fallback_reason(
     query: Tensor, key: Tensor, value: Tensor, attention_mask: object, kwargs: dict
 ) -> tuple[str, str] | None:
     """``(reason, "eager" | "sdpa")`` when qkv cannot run this call exactly, else ``None``."""
-    if kwargs.get("s_aux") is not None:
-        return "attention sinks (s_aux) are not supported by qkv", "eager"
     cache = kwargs.get("cache")
     if cache is not None and type(cache).__name__ == "PagedAttentionCache":
         return "paged attention caches (continuous batching) are not supported by qkv", "sdpa"
@@ -182,6 +184,12 @@ def qkv_attention_forward(
     options = dict(mask=mask, bias=bias, causal=causal, scale=scaling, softcap=softcap,
                    dropout_p=float(dropout))  # fmt: skip
     full = bool(kwargs.get("output_attentions", False))
+    sinks = kwargs.get("s_aux")
+    if sinks is not None:
+        out, weights, picked = _with_sinks(query, key, value, sinks, full, heads, options)
+        if heads is not None:
+            recorder.record(module, picked, heads, causal=bool(is_causal))
+        return out.transpose(1, 2).contiguous(), weights
     weights = None
     if full:
         out, weights = scaled_dot_product_attention(query, key, value, **options,
@@ -197,6 +205,49 @@ def qkv_attention_forward(
     else:
         out = scaled_dot_product_attention(query, key, value, **options)
     return out.transpose(1, 2).contiguous(), weights  # (B, Tq, h, d)
+
+
+def _with_sinks(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    sinks: Tensor,
+    full: bool,
+    heads: list[int] | None,
+    options: dict,
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """Attention with one learned sink logit per head (gpt-oss): ``softmax([s, sink])``.
+
+    The sink takes a share of each row's probability and contributes no value, so with the
+    row's log-sum-exp ``lse`` over the real keys, every weight and the output are scaled by
+    ``keep = e^lse / (e^lse + e^sink) = sigmoid(lse - sink)`` (0 for a row with no key).
+    Prefill without gradients or dropout runs qkv's flash kernel, which returns ``lse`` (the
+    chosen heads' weights are recomputed from it); decoding (``Tq = 1``), training and
+    ``output_attentions`` run the reference math, which has ``lse`` and every weight.
+
+    Returns ``(output (B, h, Tq, d), all weights or None, the chosen heads' weights or None)``.
+    """
+    h = query.shape[1]
+    sink = sinks.reshape(1, h, 1).float()  # (1, h, 1)
+    bias = options["bias"]
+    grad = torch.is_grad_enabled() and (
+        any(t.requires_grad for t in (query, key, value, sinks))
+        or (bias is not None and bias.requires_grad)
+    )
+    if not (full or grad or options["dropout_p"] > 0) and query.shape[2] > 1:
+        flash = {k: v for k, v in options.items() if k != "dropout_p"}
+        out, lse = flash_attention(query, key, value, **flash, return_lse=True)
+        keep = torch.sigmoid(lse.float() - sink)  # (B, h, Tq)
+        out = out * keep.unsqueeze(-1).to(out.dtype)
+        if heads is None:
+            return out, None, None
+        picked = weights_from_lse(query, key, lse, heads=heads, **flash)  # (B, n, Tq, Tk)
+        return out, None, picked * keep[:, heads].unsqueeze(-1).to(picked.dtype)
+    steps = attention_steps(query, key, value, **options)
+    keep = torch.sigmoid(steps.lse.float() - sink).to(query.dtype).unsqueeze(-1)  # (B, h, Tq, 1)
+    weights = steps.weights * keep
+    picked = None if heads is None else weights.detach()[:, heads]
+    return steps.output * keep, (weights if full else None), picked
 
 
 def _index(heads: list[int], like: Tensor) -> Tensor:
