@@ -510,3 +510,22 @@ def test_doctests():
     for mod in (qhf, qkv.hf.masks):
         failed, _ = doctest.testmod(mod)
         assert failed == 0
+
+
+@pytest.mark.parametrize("name", ["llama", "marian"])
+def test_loaded_generate_maps_equal_teacher_forced(models, name, tmp_path):
+    """Maps captured while generating = maps of one forward over the generated sequence."""
+    models[name].save_pretrained(tmp_path)
+    loaded = qhf.load_model(tmp_path)
+    src = _batch(name)["input_ids"][:1, :6]
+    seq, maps = loaded.generate(src, max_new_tokens=4, heads=[0, 3])
+    assert seq.shape[1] > (1 if name == "marian" else 6)
+    if name == "marian":
+        whole = loaded.attention(src, decoder_input_ids=seq[:, :-1], heads=[0, 3])
+    else:
+        whole = loaded.attention(seq[:, :-1], heads=[0, 3])
+    assert maps.layers == whole.layers and maps.kinds == whole.kinds
+    for a, b in zip(maps.weights, whole.weights):
+        _close(a, b)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        loaded.generate(src, max_new_tokens=0)

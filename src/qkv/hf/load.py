@@ -13,7 +13,8 @@ kind                recognised by                                   loaded with
 
 Nothing is downloaded (``local_files_only=True``). The tokenizer is loaded when the directory
 has one. :meth:`LoadedModel.attention` runs the model once and returns its per-layer, per-head
-attention maps (:class:`~qkv.inspect.AttentionMaps`), through :mod:`qkv.hf.capture`.
+attention maps (:class:`~qkv.inspect.AttentionMaps`), through :mod:`qkv.hf.capture`;
+:meth:`LoadedModel.generate` generates (greedy) and returns the maps of every step, merged.
 """
 
 from __future__ import annotations
@@ -95,6 +96,37 @@ class LoadedModel:
             self.model(input_ids=input_ids, **kwargs)
         src = source_tokens if self.kind == "encoder-decoder" else None
         return cap.maps(tokens=tokens, source_tokens=src, batch_index=batch_index)
+
+    def generate(
+        self,
+        input_ids: Tensor,
+        *,
+        max_new_tokens: int = 20,
+        layers: Sequence[int | str] | None = None,
+        heads: Sequence[int] | None = None,
+        tokens: Sequence[str] | None = None,
+        source_tokens: Sequence[str] | None = None,
+        batch_index: int = 0,
+    ) -> tuple[Tensor, AttentionMaps]:
+        """Greedy ``generate`` from ``input_ids (B, T)``, capturing attention at every step.
+
+        Returns ``(sequences, maps)``: the model's output ids and the whole-sequence maps of
+        batch row ``batch_index`` (steps merged; an encoder-decoder adds the encoder's maps
+        and the cross-attention of every generated token to the source). ``tokens`` label
+        the decoder side, ``source_tokens`` the source.
+        """
+        if not isinstance(input_ids, Tensor) or input_ids.dim() != 2:
+            got = getattr(input_ids, "shape", type(input_ids).__name__)
+            raise ValueError(f"input_ids must be a (B, T) tensor of token ids, got {got}")
+        if self.kind == "encoder":
+            raise ValueError("generate needs a decoder; this model is an encoder")
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        with torch.no_grad(), capture_attention(self.model, layers, heads) as cap:
+            seq = self.model.generate(input_ids=input_ids, max_new_tokens=max_new_tokens,
+                                      do_sample=False, num_beams=1)  # fmt: skip
+        src = source_tokens if self.kind == "encoder-decoder" else None
+        return seq, cap.maps(tokens=tokens, source_tokens=src, batch_index=batch_index)
 
 
 def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32) -> LoadedModel:
