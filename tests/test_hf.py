@@ -529,3 +529,22 @@ def test_loaded_generate_maps_equal_teacher_forced(models, name, tmp_path):
         _close(a, b)
     with pytest.raises(ValueError, match="max_new_tokens"):
         loaded.generate(src, max_new_tokens=0)
+
+
+def test_capture_selection_and_errors(models):
+    model, kw = models["marian"], _batch("marian")
+    names = [n for n, _ in qhf.attention_modules(model)]
+    assert len(names) == 6
+    with torch.no_grad(), qhf.capture_attention(model, layers=["*encoder_attn"]) as cap:
+        model(**kw)
+    assert {r.kind for r in cap.records} == {"cross"} and len(cap.records) == 2
+    with pytest.raises(KeyError, match="no attention module matches"):
+        with qhf.capture_attention(model, layers=["nope.*"]):
+            pass
+    with pytest.raises(IndexError, match="out of range"):
+        with qhf.capture_attention(model, layers=[6]):
+            pass
+    with pytest.raises(ValueError, match=r"heads \[4\] out of range"):
+        with torch.no_grad(), qhf.capture_attention(model, heads=[4]):
+            model(**kw)
+    assert qhf.capture.active() is None  # the capture closed despite the error

@@ -159,5 +159,8 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32) -> Loade
     tokenizer = None
     if any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.txt",
                                           "spiece.model", "source.spm")):  # fmt: skip
-        tokenizer = tf.AutoTokenizer.from_pretrained(path, local_files_only=True)
+        try:
+            tokenizer = tf.AutoTokenizer.from_pretrained(path, local_files_only=True)
+        except Exception as e:  # a broken or unsupported tokenizer: say which, once
+            raise ValueError(f"the tokenizer in {str(path)!r} could not be loaded: {e}") from e
     return LoadedModel(model, kind, tokenizer, path)
