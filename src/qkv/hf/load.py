@@ -60,6 +60,7 @@ class LoadedModel:
         self,
         input_ids: Tensor,
         *,
+        attention_mask: Tensor | None = None,
         decoder_input_ids: Tensor | None = None,
         layers: Sequence[int | str] | None = None,
         heads: Sequence[int] | None = None,
@@ -69,6 +70,7 @@ class LoadedModel:
     ) -> AttentionMaps:
         """Run the model once on ``input_ids (B, T)``; per-layer, per-head attention maps.
 
+        ``attention_mask (B, T)``: 1 for tokens, 0 for padding (default: no padding).
         For an encoder-decoder, ``input_ids`` is the source and ``decoder_input_ids`` the
         target prefix (default: the decoder start token); the maps hold the encoder's
         self-attention, the decoder's causal self-attention and its cross-attention.
@@ -79,6 +81,8 @@ class LoadedModel:
             got = getattr(input_ids, "shape", type(input_ids).__name__)
             raise ValueError(f"input_ids must be a (B, T) tensor of token ids, got {got}")
         kwargs: dict[str, Tensor] = {}
+        if attention_mask is not None:
+            kwargs["attention_mask"] = attention_mask
         if self.kind == "encoder-decoder":
             if decoder_input_ids is None:
                 start = self.model.config.decoder_start_token_id
@@ -87,8 +91,6 @@ class LoadedModel:
                                      "decoder_start_token_id")  # fmt: skip
                 decoder_input_ids = torch.full((input_ids.shape[0], 1), int(start))
             kwargs["decoder_input_ids"] = decoder_input_ids
-            if source_tokens is None:
-                source_tokens, tokens = tokens, None
         elif decoder_input_ids is not None:
             raise ValueError(f"decoder_input_ids is only for encoder-decoder models, this one "
                              f"is {self.kind!r}")  # fmt: skip
