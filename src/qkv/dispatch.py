@@ -153,9 +153,13 @@ def invalid(case: Case) -> dict[str, str]:
     return out
 
 
-def _rule(case: Case, fused: bool) -> tuple[str, str]:
-    """The measured rule for ``"auto"``: (preferred backend, why)."""
+def _rule(case: Case, fused_why: str | None) -> tuple[str, str]:
+    """The measured rule for ``"auto"``: (preferred backend, why).
+
+    ``fused_why``: why flash's fused kernel cannot run the case (``None``: it can).
+    """
     s = case.shape
+    fused = fused_why is None
     if case.return_weights and case.weights_heads is None:
         return "math", "all heads' weights requested: math materialises them anyway"
     if case.return_weights:
@@ -176,10 +180,14 @@ def _rule(case: Case, fused: bool) -> tuple[str, str]:
     ratio = WINDOW_RATIO_LOW if low else WINDOW_RATIO
     if case.window is not None and ratio * case.window <= s.Tk:
         return "flash", f"window={case.window} <= Tk/{ratio}: flash skips empty blocks, O(T·w)"
-    return (
-        "torch",
-        "PyTorch's fused kernel is fastest here (bias, short inference)",
-    )
+    # the last row of the table, said for this call (no bias is named unless it was given)
+    if not fused:
+        return "torch", f"flash would run its PyTorch-ops kernel ({fused_why}): torch is faster"
+    if case.grad:
+        why = f"gradients needed, fp32, Tk={s.Tk} < {FUSED_GRAD_TK}"
+        return "torch", f"{why}: torch SDPA's fwd+bwd is faster (fused flash 0.5-1.0×)"
+    why = f"inference, Tq·Tk = {s.Tq}·{s.Tk} < 1024²"
+    return "torch", f"{why}: torch SDPA's forward is faster (fused flash 0.3-1.1×)"
 
 
 def _fused_reason(case: Case) -> str | None:
@@ -202,7 +210,7 @@ def choose(case: Case, backend: str = "auto") -> Decision:
             raise ValueError(f"backend={backend!r} cannot run this call: {bad[backend]}")
         reasons = {n: "not requested" for n in BACKENDS if n != backend}
         return Decision(backend, backend, reasons, _flash_kernel(backend, fused_why))
-    preferred, why = _rule(case, fused_why is None)
+    preferred, why = _rule(case, fused_why)
     if preferred in bad:  # e.g. dropout with softcap
         preferred, why = "math", "the only backend valid for this combination"
     reasons = dict(bad)

@@ -66,6 +66,8 @@ TILE_ELEMENTS = 1 << 18  # scores per block (1 MiB fp32), see _head_chunk
 
 _NEG_INF = float("-inf")
 _EXP_FLOOR = -80.0  # see _sub_exp
+_FP32_MAX = float(torch.finfo(torch.float32).max)
+_CAP_LSE = 2.0**14  # |lse| from which the backward clamps exp(s - lse) at 1 (see _sub_exp)
 
 
 @dataclass(frozen=True)
@@ -120,8 +122,14 @@ def _scores(
     return s, t
 
 
-def _sub_exp(s: Tensor, shift: Tensor, acc_dtype: torch.dtype, floor: bool) -> Tensor:
+def _sub_exp(
+    s: Tensor, shift: Tensor, acc_dtype: torch.dtype, floor: bool, cap: bool = False
+) -> Tensor:
     """``exp(s - shift)`` in ``acc_dtype``, in place when ``s`` has that dtype.
+
+    ``cap``: clamp the exponent at 0 (the backward, where ``shift`` is the row's log-sum-exp
+    and ``p <= 1`` in exact arithmetic; with logits of ~1e9 the rounding of the saved lse
+    alone would push ``exp`` past fp32's range).
 
     ``floor``: first clamp at -80, for blocks with masked (-inf) scores. This is for speed,
     not math: PyTorch's vectorised CPU ``exp`` takes a ~10-40× slower path for inputs that
@@ -131,7 +139,9 @@ def _sub_exp(s: Tensor, shift: Tensor, acc_dtype: torch.dtype, floor: bool) -> T
     Converting first: mixed-dtype ops are slow on CPU.
     """
     s = s.to(acc_dtype).sub_(shift)
-    return s.clamp_min_(_EXP_FLOOR).exp_() if floor else s.exp_()
+    if floor or cap:
+        s.clamp_(min=_EXP_FLOOR if floor else None, max=0.0 if cap else None)
+    return s.exp_()
 
 
 def _head_chunk(plan: _Plan, n_heads: int, rows: int, cols: int, masked: bool) -> int:
@@ -281,6 +291,7 @@ def _backward(
     dbias5 = torch.zeros(bias5.shape, dtype=acc_dtype, device=q4.device) if need_dbias else None
     masked = bias5 is not None or mask5 is not None
     lse = lse.masked_fill(lse == _NEG_INF, 0.0)  # empty rows: their dO is 0 (above)
+    cap = bool(lse.abs().amax() >= _CAP_LSE)  # huge logits: keep exp(s - lse) <= 1
 
     def add_mm(target: Tensor, x: Tensor, y: Tensor) -> None:
         """``target += x @ y``: in place for fp32 (no temporary); bf16 matmul, fp32 sum."""
@@ -313,7 +324,7 @@ def _backward(
                 kb, vb = k3[n0:n1, ks:ke], v3[n0:n1, ks:ke]
                 s, t = _scores(plan, qb, kb, bias5, mask5, qs, qe, ks, ke)
                 floor = masked or plan.structure.block_mask(qs, qe, ks, ke, q4.device) is not None
-                p = _sub_exp(s, lse_b, acc_dtype, floor)  # (n, G·bq, bk)
+                p = _sub_exp(s, lse_b, acc_dtype, floor, cap)  # (n, G·bq, bk)
                 add_mm(dv[n0:n1, ks:ke], p.transpose(1, 2), dob)  # dV += pᵀ dO
                 ds = torch.bmm(dob, vb.transpose(1, 2)).to(acc_dtype).sub_(D_b).mul_(p)  # dS
                 if dbias5 is not None:  # (masked: one chunk of all N heads)
@@ -345,15 +356,15 @@ def fused_kernel_rejects(
     for name, present in (("bias", has_bias), ("softcap", softcap is not None)):
         if present:
             return f"{name} given: the fused kernel takes causal/window structure and bool masks"
-    if scale is not None and scale <= 0:
-        return f"scale={scale} <= 0"
+    if scale is not None and not 0 < scale < _FP32_MAX:
+        return f"scale={scale} is not a positive fp32 number"
     if native_ops() is None:
         return f"fused kernel {native_status()}"
     return None
 
 
 def _native_ok(q: Tensor, k: Tensor, v: Tensor, mask, bias, softcap, scale: float) -> bool:
-    empty = min(q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]) == 0
+    empty = 0 in (q.numel(), k.numel(), v.numel())
     reason = fused_kernel_rejects(
         q.device, q.dtype, has_mask=mask is not None, has_bias=bias is not None,
         softcap=softcap, scale=scale,
@@ -361,6 +372,41 @@ def _native_ok(q: Tensor, k: Tensor, v: Tensor, mask, bias, softcap, scale: floa
     # a mask broadcast over the keys (last dim 1) is left to the PyTorch-ops kernel
     mask_ok = mask is None or (mask.dtype == torch.bool and mask.shape[-1] == k.shape[-2] > 1)
     return reason is None and not empty and mask_ok and k.dtype == v.dtype == q.dtype
+
+
+def _fp16_overflows(q: Tensor, k: Tensor, c: float) -> bool:
+    """Whether fp16 ``(q·c) kᵀ`` may leave fp16's range (max 65504): then run in fp32.
+
+    A bound, not an estimate: ``|q·c|·|k|·d_k``, from two passes over q and k (O(T·d)).
+    """
+    if q.dtype != torch.float16:
+        return False
+    qm, km = float(q.abs().amax()) * c, float(k.abs().amax())
+    return not (qm < 2.0**14 and qm * km * q.shape[-1] < 2.0**14)
+
+
+class _Empty(torch.autograd.Function):
+    """The answer when a batch dim, ``h``, ``Tq`` or ``Tk`` is 0 (``AttentionShape.empty``).
+
+    Output zeros ``(..., h, Tq, d_v)`` (with ``Tk = 0`` every query sees no key), lse
+    ``-inf``; the gradients of q, k, v and bias are zeros, as the math path gives.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, bias, shape):  # type: ignore[override]
+        ctx.like = [None if t is None else (t.shape, t.dtype, t.device) for t in (q, k, v, bias)]
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        out = q.new_zeros(*shape.batch, shape.h, shape.Tq, shape.d_v)
+        lse = torch.full((*shape.batch, shape.h, shape.Tq), _NEG_INF, dtype=acc, device=q.device)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):  # type: ignore[override]
+        grads = [
+            None if t is None else torch.zeros(t[0], dtype=t[1], device=t[2]) for t in ctx.like
+        ]
+        return (*grads, None)
 
 
 def _mask_view(mask: Tensor | None, shape: AttentionShape) -> Tensor | None:
@@ -453,7 +499,8 @@ def flash_attention(
         causal, window, scale, softcap: as :func:`qkv.functional.scaled_dot_product_attention`.
         return_lse: also return the log-sum-exp ``(..., h, Tq)`` (fp32; ``-inf`` for a row
             with no visible key).
-        block_q, block_k: tile sizes (default :data:`BLOCK_Q`, :data:`BLOCK_K`).
+        block_q, block_k: tile sizes (default :data:`BLOCK_Q`, :data:`BLOCK_K`), at most
+            the sequence lengths (larger ones are clamped).
 
     Returns:
         ``out (..., h, Tq, d_v)`` or ``(out, lse)``. Rows with no visible key are zeros.
@@ -470,6 +517,18 @@ def flash_attention(
         if b is not None and (not isinstance(b, int) or b < 1):
             raise ValueError(f"{name} must be an int >= 1 or None, got {b!r}")
     scale = 1.0 / math.sqrt(shape.d_k) if scale is None else float(scale)
+    if shape.empty:  # no score to compute (and nothing for the C++ kernel to index)
+        out, lse = _Empty.apply(q, k, v, bias, shape)
+        return (out, lse) if return_lse else out
+    c = scale if softcap is None else scale / softcap
+    if _fp16_overflows(q, k, c):  # run in fp32; autograd casts the gradients back
+        out, lse = flash_attention(
+            q.float(), k.float(), v.float(), mask=mask, bias=bias, causal=causal,
+            window=window, scale=scale, softcap=softcap, return_lse=True, block_q=block_q,
+            block_k=block_k,
+        )  # fmt: skip
+        out = out.to(q.dtype)
+        return (out, lse) if return_lse else out
     native = _native_ok(q, k, v, mask, bias, softcap, scale)
     if native:
         default_q, default_k = NATIVE_BLOCK_Q, NATIVE_BLOCK_K
@@ -479,10 +538,10 @@ def flash_attention(
     plan = _Plan(
         shape=shape,
         structure=Structure(shape.Tq, shape.Tk, bool(causal), window),
-        c=scale if softcap is None else scale / softcap,
+        c=c,
         softcap=None if softcap is None else float(softcap),
-        block_q=block_q or default_q,
-        block_k=block_k or default_k,
+        block_q=min(block_q or default_q, shape.Tq),  # a block never exceeds the sequence
+        block_k=min(block_k or default_k, shape.Tk),
         dtype=q.dtype,
         native=native,
         scale=scale,
