@@ -381,7 +381,7 @@ def _fp16_overflows(q: Tensor, k: Tensor, c: float) -> bool:
     """
     if q.dtype != torch.float16:
         return False
-    qm, km = float(q.abs().amax()) * c, float(k.abs().amax())
+    qm, km = float(q.detach().abs().amax()) * c, float(k.detach().abs().amax())
     return not (qm < 2.0**14 and qm * km * q.shape[-1] < 2.0**14)
 
 

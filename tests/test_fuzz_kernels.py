@@ -1,0 +1,259 @@
+"""Adversarial inputs for every attention backend, against float64 attention written here.
+
+Empty dimensions, magnitudes up to 1e4 in fp16, scales up to 1e10, every dtype and backend:
+no crash, no NaN/inf where the float64 answer is finite, and the answer within a tolerance
+derived from the dtype's precision (see :func:`tolerance`). The reference below is plain
+PyTorch float64 ops, independent of qkv's own math.
+"""
+
+import math
+import os
+import subprocess
+import sys
+
+import hypothesis.strategies as st
+import pytest
+import torch
+from hypothesis import given, settings
+
+from qkv.functional import attention_steps, scaled_dot_product_attention
+from qkv.kernels.flash import flash_attention
+from strategies import attention_inputs
+
+settings.register_profile("qkv-fuzz", deadline=None, max_examples=80, derandomize=True)
+settings.load_profile("qkv-fuzz")
+
+BACKENDS = ("math", "flash", "torch", "auto")
+_INF = float("inf")
+
+
+def reference(q, k, v, *, mask=None, bias=None, causal=False, window=None, scale=None,
+              softcap=None):  # fmt: skip
+    """``(out (..., h, Tq, d_v), weights (..., h, Tq, Tk))`` in float64, plain torch ops."""
+    q, k, v = (t.double() for t in (q, k, v))
+    h, h_kv, Tq, Tk = q.shape[-3], k.shape[-3], q.shape[-2], k.shape[-2]
+    if h_kv:
+        k, v = (t.repeat_interleave(h // h_kv, dim=-3) for t in (k, v))
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s = (q @ k.transpose(-2, -1)) * scale  # (..., h, Tq, Tk)
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    if bias is not None:
+        s = s + bias.double()
+    pos = torch.arange(Tq).unsqueeze(1) + (Tk - Tq)  # query i sits at key position Tk - Tq + i
+    key = torch.arange(Tk).unsqueeze(0)
+    allowed = torch.ones(Tq, Tk, dtype=torch.bool)
+    if causal:
+        allowed &= key <= pos
+    if window is not None:
+        allowed &= key > pos - window
+        if not causal:
+            allowed &= key < pos + window
+    if mask is not None:
+        allowed = allowed & mask
+    w = torch.softmax(s.masked_fill(~allowed, -_INF), dim=-1).nan_to_num(0.0)  # empty row: 0
+    return w @ v, w
+
+
+def _eps(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).eps
+
+
+def _absmax(t: torch.Tensor) -> float:
+    return float(t.double().abs().max()) if t.numel() else 0.0
+
+
+def logit_error(q, k, kw) -> torch.Tensor:
+    """A bound on each row's score error ``(..., h, Tq, 1)``, ours and the reference's.
+
+    Scores are sums of ``d`` products: rounded once to the input dtype (twice on the paths
+    that scale q first) after fp32 (fp64) accumulation; the fp64 reference has its own
+    ``d·eps(fp64)``. Soft-capping does not amplify an error (``|tanh'| <= 1``).
+    """
+    h, h_kv, d = q.shape[-3], k.shape[-3], q.shape[-1]
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    kk = k.double().abs().repeat_interleave(h // h_kv, dim=-3)
+    scale = kw.get("scale") or 1 / math.sqrt(d)
+    bound = scale * (q.double().abs() @ kk.transpose(-2, -1))  # (..., h, Tq, Tk)
+    rel = 3 * _eps(q.dtype) + d * (_eps(acc) + _eps(torch.float64))
+    if bound.shape[-1] == 0:  # Tk = 0: no score at all
+        return bound.new_zeros(*bound.shape[:-1], 1)
+    err = bound.amax(dim=-1, keepdim=True) * rel
+    if kw.get("bias") is not None:
+        err = err + 2 * _eps(q.dtype) * _absmax(kw["bias"])
+    return err
+
+
+def tolerance(q, k, v, kw) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(output tolerance (..., h, Tq, 1), weight tolerance (..., h, Tq, 1))``.
+
+    A score error ``E`` moves a softmax row by at most ``2E`` in the 1-norm (and never by
+    more than 2), so the output by ``2E·max|v|``; on top come the rounding of the weights and
+    of the output to the dtype and the sums over ``Tk`` keys.
+    """
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    E = logit_error(q, k, kw)
+    eps = _eps(q.dtype)
+    w_tol = (2 * E).clamp(max=2.0) + 8 * eps + k.shape[-2] * _eps(acc)
+    v_max = _absmax(v)
+    return w_tol * v_max + 1e-300, w_tol
+
+
+def _valid(backend: str, kw: dict, return_weights: bool) -> bool:
+    return not (backend == "torch" and (kw.get("softcap") is not None or return_weights))
+
+
+@st.composite
+def calls(draw, allow_empty=True):
+    q, k, v, kw = draw(attention_inputs(allow_empty=allow_empty))
+    backend = draw(st.sampled_from(BACKENDS))
+    if backend != "torch" and draw(st.booleans()):
+        kw["softcap"] = draw(st.sampled_from([0.5, 5.0, 50.0]))
+    return_weights = backend != "torch" and draw(st.booleans())
+    heads = None
+    if return_weights and q.shape[-3] and draw(st.booleans()):
+        heads = draw(st.lists(st.integers(0, q.shape[-3] - 1), min_size=1, max_size=2))
+    return q, k, v, kw, backend, return_weights, heads
+
+
+@given(calls())
+def test_every_backend_matches_fp64_on_adversarial_inputs(call):
+    q, k, v, kw, backend, return_weights, heads = call
+    ref_out, ref_w = reference(q, k, v, **kw)
+    assert torch.isfinite(ref_out).all()  # the float64 answer is a number everywhere here
+    res = scaled_dot_product_attention(
+        q, k, v, **kw, backend=backend, return_weights=return_weights, weights_heads=heads
+    )
+    out, w = res if return_weights else (res, None)
+    assert out.shape == ref_out.shape and out.dtype == q.dtype
+    assert torch.isfinite(out).all(), f"{backend}: NaN/inf where the fp64 answer is finite"
+    out_tol, w_tol = tolerance(q, k, v, kw)
+    err = (out.double() - ref_out).abs()
+    assert (err <= out_tol).all(), (backend, q.dtype, float((err - out_tol).max()))
+    if w is not None:
+        if heads is not None:
+            ref_w, w_tol = (t.index_select(-3, torch.tensor(heads)) for t in (ref_w, w_tol))
+        assert w.shape == ref_w.shape and torch.isfinite(w).all()
+        w_err = (w.double() - ref_w).abs()
+        assert (w_err <= w_tol).all(), (backend, q.dtype, float((w_err - w_tol).max()))
+
+
+@given(calls(allow_empty=False))
+def test_gradients_finite_and_close_to_fp64(call):
+    """fp32/fp64 gradients against fp64 autograd where the scores are moderate (|logit| <=
+    50, a well-conditioned softmax); every dtype's gradients finite where fp64's fit it."""
+    q, k, v, kw, backend, _, _ = call
+    inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+    ref_inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    out = scaled_dot_product_attention(*inputs, **kw, backend=backend)
+    ref, _ = reference(*ref_inputs, **kw)
+    g = torch.randn(ref.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    grads = torch.autograd.grad(out, inputs, g.to(q.dtype))
+    ref_grads = torch.autograd.grad(ref, ref_inputs, g)
+    top = max(float(r.abs().max()) for r in ref_grads)
+    if top < torch.finfo(q.dtype).max / 1e3:
+        assert all(torch.isfinite(x).all() for x in grads), backend
+    scale = kw.get("scale") or 1 / math.sqrt(q.shape[-1])
+    moderate = scale * _absmax(q) * _absmax(k) * q.shape[-1] <= 50  # a bound on |logit|
+    if q.dtype in (torch.float32, torch.float64) and moderate:
+        tol = 1e-3 if q.dtype == torch.float32 else 1e-9
+        for a, b in zip(grads, ref_grads):
+            assert (a.double() - b).abs().max() <= tol * (1 + top), backend
+
+
+EMPTY_SHAPES = [  # (B, h, h_kv, Tq, Tk)
+    (0, 4, 4, 40, 40),
+    (2, 0, 1, 5, 5),
+    (2, 0, 0, 5, 5),
+    (2, 4, 2, 0, 7),
+    (2, 4, 2, 7, 0),
+    (0, 4, 2, 0, 0),
+]
+
+
+@pytest.mark.parametrize("shape", EMPTY_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_empty_dims_same_answer_on_every_backend(shape, dtype):
+    B, h, h_kv, Tq, Tk = shape
+    mask = torch.ones(Tq, Tk, dtype=torch.bool)
+    for backend in BACKENDS:
+        for kw in ({}, {"causal": True}, {"mask": mask, "window": 3}):
+            q = torch.randn(B, h, Tq, 16).to(dtype).requires_grad_()
+            k = torch.randn(B, h_kv, Tk, 16).to(dtype).requires_grad_()
+            v = torch.randn(B, h_kv, Tk, 8).to(dtype).requires_grad_()
+            out = scaled_dot_product_attention(q, k, v, **kw, backend=backend)
+            assert out.shape == (B, h, Tq, 8) and out.dtype == dtype
+            assert (out == 0).all()  # Tk = 0: every query sees no key, its row is zero
+            for x, gx in zip((q, k, v), torch.autograd.grad(out.sum(), (q, k, v))):
+                assert gx.shape == x.shape and (gx == 0).all(), backend
+            if backend != "torch":
+                _, w = scaled_dot_product_attention(q, k, v, **kw, backend=backend,
+                                                    return_weights=True)  # fmt: skip
+                assert w.shape == (B, h, Tq, Tk) and (w == 0).all()
+    out, lse = flash_attention(q, k, v, return_lse=True)
+    steps = attention_steps(q, k, v)
+    assert lse.shape == steps.lse.shape == (B, h, Tq)
+    assert (lse == -_INF).all() and (steps.lse == -_INF).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_zero_head_dim_is_one_value_error_on_every_backend(backend):
+    q = torch.randn(2, 4, 5, 0)
+    with pytest.raises(ValueError, match=r"d_k >= 1.*q.shape=\(2, 4, 5, 0\)"):
+        scaled_dot_product_attention(q, q, q, backend=backend)
+    with pytest.raises(ValueError, match="d_k >= 1"):
+        flash_attention(q, q, q)
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan"), 0.0, -1.0])
+def test_non_finite_scale_or_softcap_is_a_value_error(value):
+    q = torch.randn(1, 2, 3, 4)
+    with pytest.raises(ValueError, match="scale must be a finite number"):
+        scaled_dot_product_attention(q, q, q, scale=value)
+    with pytest.raises(ValueError, match="softcap must be a finite number"):
+        scaled_dot_product_attention(q, q, q, softcap=value)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_huge_blocks_are_clamped_to_the_sequence(dtype):
+    """block_q/block_k of 2**20 run as one block (the fused kernel sizes buffers by them)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 40, 16, generator=g).to(dtype).requires_grad_() for _ in "qkv")
+    out = flash_attention(q, k, v, causal=True, block_q=2**20, block_k=2**20)
+    ref, _ = reference(q, k, v, causal=True)
+    assert (out.double() - ref).abs().max() <= 8 * _eps(dtype) * 40 + 1e-6
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    assert all(torch.isfinite(x).all() for x in grads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_huge_logits_give_the_argmax_value(dtype):
+    """scale=1e10: each query's softmax is one-hot on its largest score (all backends)."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 4, 64, 64, generator=g).to(dtype) for _ in "qkv")
+    ref, _ = reference(q, k, v, scale=1e10)
+    for backend in BACKENDS:
+        out = scaled_dot_product_attention(q, k, v, scale=1e10, backend=backend)
+        assert torch.isfinite(out).all(), backend
+        assert (out.double() - ref).abs().max() <= 2 * _eps(dtype) * ref.abs().max(), backend
+    for heads in (None, [1]):
+        _, w = scaled_dot_product_attention(
+            q, k, v, scale=1e10, backend="flash", return_weights=True, weights_heads=heads
+        )
+        assert torch.isfinite(w).all() and ((w.double().sum(-1) - 1).abs() < 1e-2).all()
+
+
+_FRESH_PROCESS = """
+import torch
+from qkv.functional import scaled_dot_product_attention
+for dtype in (torch.float32, torch.bfloat16):  # the first fused call of each dtype
+    q = torch.randn(0, 4, 40, 16, dtype=dtype)
+    assert scaled_dot_product_attention(q, q, q, backend="flash").shape == q.shape
+print("ok")
+"""
+
+
+def test_empty_batch_first_fused_call_in_a_fresh_process():
+    res = subprocess.run([sys.executable, "-c", _FRESH_PROCESS], capture_output=True, text=True,
+                         env=dict(os.environ), timeout=600)  # fmt: skip
+    assert res.returncode == 0 and res.stdout.strip() == "ok", (res.returncode, res.stderr[-2000:])
