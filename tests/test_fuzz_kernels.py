@@ -18,6 +18,7 @@ from hypothesis import given, settings
 
 from qkv.functional import attention_steps, scaled_dot_product_attention
 from qkv.kernels.flash import flash_attention
+from qkv.kernels.varlen import varlen_attention
 from strategies import attention_inputs
 
 settings.register_profile("qkv-fuzz", deadline=None, max_examples=80, derandomize=True)
@@ -27,13 +28,23 @@ BACKENDS = ("math", "flash", "torch", "auto")
 _INF = float("inf")
 
 
-def reference(q, k, v, *, mask=None, bias=None, causal=False, window=None, scale=None,
-              softcap=None):  # fmt: skip
+def reference(q, k, v, **kw):
     """``(out (..., h, Tq, d_v), weights (..., h, Tq, Tk))`` in float64, plain torch ops."""
-    q, k, v = (t.double() for t in (q, k, v))
+    s = masked_scores(q, k, **kw)
+    w = torch.softmax(s, dim=-1).nan_to_num(0.0)  # a row with no visible key: 0
+    v = v.double()
+    if k.shape[-3]:
+        v = v.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+    return w @ v, w
+
+
+def masked_scores(q, k, *, mask=None, bias=None, causal=False, window=None, scale=None,
+                  softcap=None):  # fmt: skip
+    """float64 scores ``(..., h, Tq, Tk)``, ``-inf`` where a query may not attend."""
+    q, k = q.double(), k.double()
     h, h_kv, Tq, Tk = q.shape[-3], k.shape[-3], q.shape[-2], k.shape[-2]
     if h_kv:
-        k, v = (t.repeat_interleave(h // h_kv, dim=-3) for t in (k, v))
+        k = k.repeat_interleave(h // h_kv, dim=-3)
     scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
     s = (q @ k.transpose(-2, -1)) * scale  # (..., h, Tq, Tk)
     if softcap is not None:
@@ -51,8 +62,7 @@ def reference(q, k, v, *, mask=None, bias=None, causal=False, window=None, scale
             allowed &= key < pos + window
     if mask is not None:
         allowed = allowed & mask
-    w = torch.softmax(s.masked_fill(~allowed, -_INF), dim=-1).nan_to_num(0.0)  # empty row: 0
-    return w @ v, w
+    return s.masked_fill(~allowed, -_INF)
 
 
 def _eps(dtype: torch.dtype) -> float:
@@ -161,6 +171,26 @@ def test_gradients_finite_and_close_to_fp64(call):
             assert (a.double() - b).abs().max() <= tol * (1 + top), backend
 
 
+@given(attention_inputs(max_T=40), st.integers(1, 16), st.integers(1, 16), st.booleans())
+def test_flash_tiles_match_fp64_with_lse(case, block_q, block_k, softcap):
+    """Small tiles: many key blocks per row (the online softmax's rescaling, the fused
+    kernel's lazy maximum) under extreme magnitudes; the lse too."""
+    q, k, v, kw = case
+    if softcap:
+        kw["softcap"] = 5.0
+    out, lse = flash_attention(q, k, v, **kw, return_lse=True, block_q=block_q, block_k=block_k)
+    ref_out, _ = reference(q, k, v, **kw)
+    ref_lse = torch.logsumexp(masked_scores(q, k, **kw), dim=-1)  # (..., h, Tq)
+    assert torch.isfinite(out).all()
+    out_tol, _ = tolerance(q, k, v, kw)
+    assert ((out.double() - ref_out).abs() <= out_tol).all()
+    assert torch.equal(lse == -_INF, ref_lse == -_INF) and not lse.isnan().any()
+    seen = ref_lse > -_INF
+    E = logit_error(q, k, kw).squeeze(-1)  # (..., h, Tq)
+    lse_tol = E + 4 * _eps(lse.dtype) * ref_lse.abs() + 2 * _eps(q.dtype) + 1e-12
+    assert ((lse.double() - ref_lse).abs()[seen] <= lse_tol[seen]).all()
+
+
 EMPTY_SHAPES = [  # (B, h, h_kv, Tq, Tk)
     (0, 4, 4, 40, 40),
     (2, 0, 1, 5, 5),
@@ -257,3 +287,21 @@ def test_empty_batch_first_fused_call_in_a_fresh_process():
     res = subprocess.run([sys.executable, "-c", _FRESH_PROCESS], capture_output=True, text=True,
                          env=dict(os.environ), timeout=600)  # fmt: skip
     assert res.returncode == 0 and res.stdout.strip() == "ok", (res.returncode, res.stderr[-2000:])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_varlen_with_empty_sequences(backend):
+    """Packed sequences of length 0 (queries or keys) give zero rows and zero gradients."""
+    g = torch.Generator().manual_seed(0)
+    cq, ck = [0, 0, 3, 3, 7], [0, 2, 2, 5, 9]  # lengths q: 0 3 0 4, k: 2 0 3 4
+    q, k, v = (torch.randn(n, 2, 8, generator=g).requires_grad_() for n in (7, 9, 9))
+    out = varlen_attention(q, k, v, cq, ck, causal=True, backend=backend)
+    for a, b, c, d in zip(cq, cq[1:], ck, ck[1:]):
+        ref, _ = reference(*(t.transpose(0, 1) for t in (q[a:b], k[c:d], v[c:d])), causal=True)
+        torch.testing.assert_close(out[a:b], ref.transpose(0, 1).float())
+    assert (out[0:3] == 0).all()  # the sequence with no key
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    assert all(torch.isfinite(x).all() for x in grads)
+    assert (grads[1][0:2] == 0).all() and (grads[2][0:2] == 0).all()  # keys no query sees
+    empty = varlen_attention(q[:0], k[:0], v[:0], [0, 0], backend=backend)
+    assert empty.shape == (0, 2, 8)
