@@ -305,3 +305,13 @@ def test_varlen_with_empty_sequences(backend):
     assert (grads[1][0:2] == 0).all() and (grads[2][0:2] == 0).all()  # keys no query sees
     empty = varlen_attention(q[:0], k[:0], v[:0], [0, 0], backend=backend)
     assert empty.shape == (0, 2, 8)
+
+
+@pytest.mark.parametrize("heads", [[4], [-1], [True], ["0"], "0", 3])
+@pytest.mark.parametrize("backend", ["math", "flash", "auto"])
+def test_weights_heads_out_of_range_is_one_value_error(heads, backend):
+    q = torch.randn(1, 4, 3, 8)
+    with pytest.raises(ValueError, match=r"weights_heads must be a list of query-head indices"):
+        scaled_dot_product_attention(
+            q, q, q, return_weights=True, weights_heads=heads, backend=backend
+        )

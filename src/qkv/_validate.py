@@ -160,3 +160,16 @@ def check_options(
         raise ValueError(f"softcap must be a finite number > 0 or None, got {softcap!r}")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+
+
+def check_heads(heads, h: int, name: str = "weights_heads") -> tuple[int, ...] | None:
+    """Query-head indices: ints in ``[0, h)`` (``None`` passes through)."""
+    if heads is None:
+        return None
+    ok = not isinstance(heads, (str, bytes)) and hasattr(heads, "__iter__")
+    items = list(heads.tolist() if isinstance(heads, Tensor) else heads) if ok else []
+    if not ok or not all(
+        isinstance(i, int) and not isinstance(i, bool) and 0 <= i < h for i in items
+    ):
+        raise ValueError(f"{name} must be a list of query-head indices in [0, {h}), got {heads!r}")
+    return tuple(items)

@@ -49,7 +49,7 @@ import torch.nn.functional as TF
 from torch import Tensor
 
 from qkv import masks
-from qkv._validate import AttentionShape, check_qkv
+from qkv._validate import AttentionShape, check_heads, check_qkv
 from qkv.kernels.flash import fused_kernel_rejects
 
 __all__ = ["BACKENDS", "Case", "Decision", "choose", "describe", "explain_dispatch", "torch_sdpa"]
@@ -122,8 +122,9 @@ def describe(
     scale: float | None = None,
 ) -> Case:
     """The :class:`Case` of a call with these arguments (``scale`` does not matter)."""
+    shape = check_qkv(q, k, v)
     return Case(
-        shape=check_qkv(q, k, v),
+        shape=shape,
         dtype=q.dtype,
         has_mask=mask is not None,
         has_bias=bias is not None,
@@ -133,7 +134,7 @@ def describe(
         softcap=softcap,
         dropout_p=float(dropout_p),
         return_weights=bool(return_weights),
-        weights_heads=None if weights_heads is None else tuple(int(i) for i in weights_heads),
+        weights_heads=check_heads(weights_heads, shape.h),
         device=q.device.type,
         grad=torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)),
     )
