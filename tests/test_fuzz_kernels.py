@@ -16,7 +16,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from qkv.functional import attention_steps, scaled_dot_product_attention
+from qkv.functional import attention_steps, explain_dispatch, scaled_dot_product_attention
 from qkv.kernels.flash import flash_attention
 from qkv.kernels.varlen import varlen_attention
 from strategies import attention_inputs
@@ -213,6 +213,8 @@ def test_empty_dims_same_answer_on_every_backend(shape, dtype):
             v = torch.randn(B, h_kv, Tk, 8).to(dtype).requires_grad_()
             out = scaled_dot_product_attention(q, k, v, **kw, backend=backend)
             assert out.shape == (B, h, Tq, 8) and out.dtype == dtype
+            decision = explain_dispatch(q, k, v, **kw, backend=backend)
+            assert decision.backend == "math" and "empty input" in decision.reasons["flash"]
             assert (out == 0).all()  # Tk = 0: every query sees no key, its row is zero
             for x, gx in zip((q, k, v), torch.autograd.grad(out.sum(), (q, k, v))):
                 assert gx.shape == x.shape and (gx == 0).all(), backend

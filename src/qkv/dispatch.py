@@ -31,6 +31,9 @@ fused, ``Tq·Tk >= 1024²``                           flash    forward 1.0-1.2×
 everything else (bias, shorter inference)           torch    flash's forward is 0.3-1.1× of it there
 ==================================================  =======  =======================================
 
+Empty inputs (a zero batch dim, ``h``, ``Tq`` or ``Tk``) run the reference whatever the
+request: every backend's answer is the same zeros (see :mod:`qkv.functional`).
+
 "torch" is rejected for: ``softcap``; weights/lse requested (it returns neither); a bias that
 requires grad. "flash" is rejected for ``dropout_p > 0``. Fully masked rows: PyTorch 2.13's CPU
 kernels return zeros for them, as qkv requires (checked in tests/test_dispatch.py).
@@ -204,11 +207,16 @@ def choose(case: Case, backend: str = "auto") -> Decision:
     if backend not in (*BACKENDS, "auto"):
         raise ValueError(f"backend must be 'auto' or one of {BACKENDS}, got {backend!r}")
     bad = invalid(case)
+    if backend != "auto" and backend in bad:
+        raise ValueError(f"backend={backend!r} cannot run this call: {bad[backend]}")
+    if case.shape.empty:  # the same zeros from every backend: the reference returns them
+        why = "empty input (a zero batch dim, h, Tq or Tk): no score to compute"
+        reasons = {n: f"{why}; every backend gives the same zeros" for n in BACKENDS}
+        reasons.pop("math")
+        return Decision("math", backend, reasons)
     # only "auto" and "flash" look at flash's kernels (the first look may build the fused one)
     fused_why = _fused_reason(case) if backend in ("auto", "flash") else None
     if backend != "auto":
-        if backend in bad:
-            raise ValueError(f"backend={backend!r} cannot run this call: {bad[backend]}")
         reasons = {n: "not requested" for n in BACKENDS if n != backend}
         return Decision(backend, backend, reasons, _flash_kernel(backend, fused_why))
     preferred, why = _rule(case, fused_why)

@@ -215,7 +215,7 @@ def scaled_dot_product_attention(
     )  # fmt: skip
     decision = dispatch.choose(case, backend)
     dispatch.log_decision(decision, case)
-    if decision.backend == "math" or case.shape.empty:  # empty: no score to compute
+    if decision.backend == "math":  # also every empty input (see dispatch.choose)
         steps = attention_steps(q, k, v, **options, dropout_p=dropout_p)
         if not return_weights:
             return steps.output
