@@ -56,5 +56,7 @@ def attention_inputs(draw, *, allow_empty: bool = True, max_T: int = 24):
         scale=draw(st.none() | st.sampled_from([1e-3, 0.1, 1.0, 30.0, 1e4, 1e10])),
     )
     mask, bias = draw_mask_and_bias(draw, g, B, h, Tq, Tk, dtype)
+    if bias is not None and draw(st.booleans()):  # an additive mask: -inf entries, whole rows
+        bias = bias.masked_fill(torch.rand(bias.shape, generator=g) < 0.4, float("-inf"))
     kw.update({n: t for n, t in (("mask", mask), ("bias", bias)) if t is not None})
     return q, k, v, kw

@@ -14,8 +14,8 @@ Shapes (the leading ``...`` is any batch shape, usually ``B``)::
 
 Order of operations: ``scores = q kᵀ`` → ``scaled = scores · scale`` → soft-capping
 ``c·tanh(scaled/c)`` → ``+ bias`` → mask (``-inf`` where not allowed) → softmax → dropout
-→ ``weights · v``; for bf16/fp16 inputs the scores and the softmax are computed in float32
-(fp16 cannot hold ``q·kᵀ`` of moderate inputs). A query row with no visible key gets zero
+→ ``weights · v``; for bf16/fp16 inputs all of it is computed in float32 (fp16 cannot hold
+``q·kᵀ`` of moderate inputs) and only the results are rounded. A query row with no visible key gets zero
 weights and a zero output (never NaN), and its gradients are zero.
 
 Empty inputs: a zero batch dim, ``h``, ``Tq`` or ``Tk`` gives the same on every backend, an
@@ -149,10 +149,11 @@ def attention_steps(
     structure = structure_mask(shape.Tq, shape.Tk, causal=causal, window=window, device=q.device)
     full_mask = masks.combine(mask, structure)
     masked = scaled if full_mask is None else scaled.masked_fill(~full_mask, float("-inf"))
-    weights, lse = _safe_softmax(masked)
-    weights = weights.to(q.dtype)
+    weights, lse = _safe_softmax(masked)  # (fp32 for bf16/fp16, as the scores)
     attn = F.dropout(weights, p=dropout_p) if dropout_p > 0 else weights
-    output = attn @ v  # (..., h, Tq, d_v)
+    # in fp32 for bf16/fp16 as well: the backward's dO·vᵀ overflows fp16 from |v| ~ 1e4
+    output = (attn @ v.to(wide)).to(q.dtype)  # (..., h, Tq, d_v)
+    weights = weights.to(q.dtype)
     return AttentionSteps(q, k, v, scores, scale, scaled, full_mask, masked, lse, weights, output)
 
 

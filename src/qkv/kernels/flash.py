@@ -1,6 +1,8 @@
 """Tiled ("flash") attention: online softmax, O(T) memory, block skipping.
 
-Two kernels behind one function. fp32/bf16 CPU calls with causal/window structure, maybe a
+Two kernels behind one function. fp16 inputs run in fp32 (fp16 cannot hold ``q·kᵀ`` of
+moderate inputs, nor the backward's ``dO·vᵀ``, and CPU fp16 matmuls ran ~17× slower than the
+fp32 fused kernel: T=1024, h=8, d=64, causal, 1 thread). fp32/bf16 CPU calls with causal/window structure, maybe a
 bool mask, and no bias or soft-cap run the fused C++ kernel (``qkv/csrc/flash_cpu.cpp``, loaded by
 :mod:`qkv.kernels._native`; :func:`fused_kernel_rejects` says when it does not apply). All
 other calls run the PyTorch-ops kernel of this module, described below.
@@ -16,7 +18,7 @@ maximum ``m`` and sum ``l`` of ``exp(s - m)``::
 
 fp32/fp64 (``_forward``) run exactly this, each pass over a score block in place, on blocks
 of a few heads sized to stay in L2 (``TILE_ELEMENTS``); only the key blocks on a causal/window
-edge are masked. bf16/fp16 (``_forward_low``) keep ``(m, l)`` as the log-sum-exp and ``acc``
+edge are masked. bf16 (``_forward_low``) keep ``(m, l)`` as the log-sum-exp and ``acc``
 normalised, so each block is one fused ``torch.softmax`` on the bf16 scores (fp32 inside):
 ``lse' = logaddexp(lse, lse_blk)``, ``acc = e^(lse - lse')·acc + e^(lse_blk - lse')·(p v)``.
 Speed vs PyTorch's SDPA: ``bench/flash_vs_sdpa.py`` and README ``## Speed (issue 3)``.
@@ -27,7 +29,7 @@ Backward recomputes ``p = exp(s - lse)`` block by block from the saved log-sum-e
 sliding window costs O(T·w). Grouped-query heads fold the ``G`` query heads of one kv head into
 the rows of one matmul, so K/V are never repeated in memory.
 
-bf16/fp16: matmuls run in the input dtype (fp32 accumulation inside the matmul), the softmax
+bf16: matmuls run in the input dtype (fp32 accumulation inside the matmul), the softmax
 statistics, ``acc`` and the gradients accumulate in fp32; the scores ``q kᵀ`` and the block
 softmax are rounded to the input dtype (a pure-PyTorch CPU matmul cannot return fp32 from
 bf16 inputs), so the bf16 forward error is up to ~3× PyTorch's fused kernel's (gradients:
@@ -347,12 +349,13 @@ def fused_kernel_rejects(
     """Why the fused C++ kernel cannot run a call (``None``: it runs; see :mod:`._native`).
 
     It covers fp32/bf16 on the CPU with causal/window structure and bool masks (True = may
-    attend); biases, soft-capping, fp64/fp16 run on the PyTorch-ops kernel of this module.
+    attend), and fp16 converted to fp32; biases, soft-capping and fp64 run on the PyTorch-ops
+    kernel of this module.
     """
     if torch.device(device).type != "cpu":
         return f"device {torch.device(device).type}: the fused kernel is CPU-only"
-    if dtype not in (torch.float32, torch.bfloat16):
-        return f"dtype {dtype}: the fused kernel takes float32/bfloat16"
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"dtype {dtype}: the fused kernel takes float32/bfloat16 (and float16 as float32)"
     for name, present in (("bias", has_bias), ("softcap", softcap is not None)):
         if present:
             return f"{name} given: the fused kernel takes causal/window structure and bool masks"
@@ -372,17 +375,6 @@ def _native_ok(q: Tensor, k: Tensor, v: Tensor, mask, bias, softcap, scale: floa
     # a mask broadcast over the keys (last dim 1) is left to the PyTorch-ops kernel
     mask_ok = mask is None or (mask.dtype == torch.bool and mask.shape[-1] == k.shape[-2] > 1)
     return reason is None and not empty and mask_ok and k.dtype == v.dtype == q.dtype
-
-
-def _fp16_overflows(q: Tensor, k: Tensor, c: float) -> bool:
-    """Whether fp16 ``(q·c) kᵀ`` may leave fp16's range (max 65504): then run in fp32.
-
-    A bound, not an estimate: ``|q·c|·|k|·d_k``, from two passes over q and k (O(T·d)).
-    """
-    if q.dtype != torch.float16:
-        return False
-    qm, km = float(q.detach().abs().amax()) * c, float(k.detach().abs().amax())
-    return not (qm < 2.0**14 and qm * km * q.shape[-1] < 2.0**14)
 
 
 class _Empty(torch.autograd.Function):
@@ -520,8 +512,7 @@ def flash_attention(
     if shape.empty:  # no score to compute (and nothing for the C++ kernel to index)
         out, lse = _Empty.apply(q, k, v, bias, shape)
         return (out, lse) if return_lse else out
-    c = scale if softcap is None else scale / softcap
-    if _fp16_overflows(q, k, c):  # run in fp32; autograd casts the gradients back
+    if q.dtype == torch.float16:  # in fp32 (module docstring); autograd casts the gradients
         out, lse = flash_attention(
             q.float(), k.float(), v.float(), mask=mask, bias=bias, causal=causal,
             window=window, scale=scale, softcap=softcap, return_lse=True, block_q=block_q,
@@ -538,7 +529,7 @@ def flash_attention(
     plan = _Plan(
         shape=shape,
         structure=Structure(shape.Tq, shape.Tk, bool(causal), window),
-        c=c,
+        c=scale if softcap is None else scale / softcap,
         softcap=None if softcap is None else float(softcap),
         block_q=min(block_q or default_q, shape.Tq),  # a block never exceeds the sequence
         block_k=min(block_k or default_k, shape.Tk),
