@@ -30,7 +30,7 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 def attention_inputs(draw, *, allow_empty: bool = True, max_T: int = 24):
     """Random ``(q, k, v, kw)`` for one attention call, adversarial on purpose.
 
-    Any of ``B``, ``h``, ``Tq``, ``Tk`` may be 0 (``allow_empty``); the dtype is one of
+    Any of ``B``, ``h``, ``Tq``, ``Tk`` may be 0 (``allow_empty``), ``d_v`` always; the dtype is one of
     fp16/bf16/fp32/fp64; values have magnitude up to 1e4 and ``scale`` goes up to 1e10, so
     the logits reach ~1e19. ``kw`` holds ``causal``, ``window``, ``scale`` and maybe a
     ``mask``/``bias`` (:func:`draw_mask_and_bias`); q, k, v are exact in their dtype, so an
@@ -41,7 +41,7 @@ def attention_inputs(draw, *, allow_empty: bool = True, max_T: int = 24):
     h_kv = draw(st.integers(1, 2))
     h = h_kv * draw(st.integers(lo, 2))
     Tq, Tk = draw(st.integers(lo, max_T)), draw(st.integers(lo, max_T))
-    d, d_v = draw(st.integers(1, 16)), draw(st.integers(1, 8))
+    d, d_v = draw(st.integers(1, 16)), draw(st.integers(0, 8))
     dtype = draw(st.sampled_from(DTYPES))
     magnitude = draw(st.sampled_from([1.0, 35.0, 1e3, 1e4]))
     g = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))

@@ -169,7 +169,7 @@ def test_gradients_finite_and_close_to_fp64(call):
     g = torch.randn(ref.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     grads = torch.autograd.grad(out, inputs, g.to(q.dtype))
     ref_grads = torch.autograd.grad(ref, ref_inputs, g)
-    top = max(float(r.abs().max()) for r in ref_grads)
+    top = max(_absmax(r) for r in ref_grads)
     scale = kw.get("scale") or 1 / math.sqrt(q.shape[-1])
     moderate = scale * _absmax(q) * _absmax(k) * q.shape[-1] <= 50  # a bound on |logit|
     # PyTorch's own SDPA backward is not ours to fix: with huge logits it can give inf/NaN
@@ -180,7 +180,8 @@ def test_gradients_finite_and_close_to_fp64(call):
     if q.dtype in (torch.float32, torch.float64) and moderate:
         tol = 1e-3 if q.dtype == torch.float32 else 1e-9
         for a, b in zip(grads, ref_grads):
-            assert (a.double() - b).abs().max() <= tol * (1 + top), backend
+            err = (a.double() - b).abs()
+            assert err.numel() == 0 or err.max() <= tol * (1 + top), backend
 
 
 @given(attention_inputs(max_T=40), st.integers(1, 16), st.integers(1, 16), st.booleans())

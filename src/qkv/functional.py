@@ -15,8 +15,8 @@ Shapes (the leading ``...`` is any batch shape, usually ``B``)::
 Order of operations: ``scores = q kᵀ`` → ``scaled = scores · scale`` → soft-capping
 ``c·tanh(scaled/c)`` → ``+ bias`` → mask (``-inf`` where not allowed) → softmax → dropout
 → ``weights · v``; for bf16/fp16 inputs all of it is computed in float32 (fp16 cannot hold
-``q·kᵀ`` of moderate inputs) and only the results are rounded. A query row with no visible key gets zero
-weights and a zero output (never NaN), and its gradients are zero.
+``q·kᵀ`` of moderate inputs) and only the results are rounded. A query row with no visible
+key gets zero weights and a zero output (never NaN), and its gradients are zero.
 
 Empty inputs: a zero batch dim, ``h``, ``Tq`` or ``Tk`` gives the same on every backend, an
 output of zeros of shape ``(..., h, Tq, d_v)`` (with ``Tk = 0`` each query sees no key, so its

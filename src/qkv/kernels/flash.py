@@ -2,10 +2,11 @@
 
 Two kernels behind one function. fp16 inputs run in fp32 (fp16 cannot hold ``q·kᵀ`` of
 moderate inputs, nor the backward's ``dO·vᵀ``, and CPU fp16 matmuls ran ~17× slower than the
-fp32 fused kernel: T=1024, h=8, d=64, causal, 1 thread). fp32/bf16 CPU calls with causal/window structure, maybe a
-bool mask, and no bias or soft-cap run the fused C++ kernel (``qkv/csrc/flash_cpu.cpp``, loaded by
-:mod:`qkv.kernels._native`; :func:`fused_kernel_rejects` says when it does not apply). All
-other calls run the PyTorch-ops kernel of this module, described below.
+fp32 fused kernel: T=1024, h=8, d=64, causal, 1 thread). fp32/bf16 CPU calls with
+causal/window structure, maybe a bool mask, and no bias or soft-cap run the fused C++ kernel
+(``qkv/csrc/flash_cpu.cpp``, loaded by :mod:`qkv.kernels._native`;
+:func:`fused_kernel_rejects` says when it does not apply). All other calls run the
+PyTorch-ops kernel of this module, described below.
 
 FlashAttention's algorithm (Dao et al. 2022; backward of FlashAttention-2), written with block
 matmuls. For each query block the keys are visited in blocks, keeping per row a running
@@ -58,7 +59,7 @@ __all__ = ["flash_attention", "fused_kernel_rejects", "BLOCK_Q", "BLOCK_K"]
 # (bench/flash_vs_sdpa.py); see README.
 BLOCK_Q = 256
 BLOCK_K = 1024
-BLOCK_K_LOW = 512  # bf16/fp16: the fused-softmax path (_forward_low) prefers smaller blocks
+BLOCK_K_LOW = 512  # bf16: the fused-softmax path (_forward_low) prefers smaller blocks
 BLOCK_Q_WINDOW = 64  # with a window, small query blocks waste less of each key block
 # The fused C++ kernel (qkv/csrc/flash_cpu.cpp): tiles measured best for fwd and fwd+bwd,
 # fp32 and bf16, T=1024-4096 (bench/flash_vs_sdpa.py)
@@ -233,7 +234,7 @@ def _block_softmax(s: Tensor, acc_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
 def _forward_low(
     plan: _Plan, q4: Tensor, k3: Tensor, v3: Tensor, bias5: Tensor | None, mask5: Tensor | None
 ) -> tuple[Tensor, Tensor]:
-    """:func:`_forward` for bf16/fp16: one fused ``torch.softmax`` per block on the low-precision
+    """:func:`_forward` for bf16: one fused ``torch.softmax`` per block on the low-precision
     scores (it computes in fp32 inside), fewer passes than converting the block to fp32
     first (measured 0.30× vs 0.25× SDPA, bf16 causal T=1024, 1 core).
 
@@ -511,6 +512,14 @@ def flash_attention(
     scale = 1.0 / math.sqrt(shape.d_k) if scale is None else float(scale)
     if shape.empty:  # no score to compute (and nothing for the C++ kernel to index)
         out, lse = _Empty.apply(q, k, v, bias, shape)
+        return (out, lse) if return_lse else out
+    if shape.d_v == 0:  # no value column: one zero column gives the lse, then is dropped
+        v1 = torch.cat([v, v.new_zeros(*v.shape[:-1], 1)], dim=-1)  # (..., h_kv, Tk, 1)
+        out, lse = flash_attention(
+            q, k, v1, mask=mask, bias=bias, causal=causal, window=window, scale=scale,
+            softcap=softcap, return_lse=True, block_q=block_q, block_k=block_k,
+        )  # fmt: skip
+        out = out[..., :0]  # (..., h, Tq, 0)
         return (out, lse) if return_lse else out
     if q.dtype == torch.float16:  # in fp32 (module docstring); autograd casts the gradients
         out, lse = flash_attention(
