@@ -76,6 +76,17 @@ def test_explain_dispatch_says_why():
         explain_dispatch(q, k, v, windw=3)  # a misspelt option is not silently ignored
 
 
+def test_reasons_name_only_what_the_call_has():
+    """A decoding call (one query, a KV cache's keys) without a bias: no reason names one."""
+    q, k = torch.randn(1, 4, 1, 16), torch.randn(1, 4, 30, 16)
+    for kw in ({"causal": True}, {}, {"mask": torch.ones(1, 30, dtype=torch.bool)}):
+        d = explain_dispatch(q, k, k, **kw)
+        assert d.backend == "torch" and not any("bias" in r for r in d.reasons.values()), d
+        assert "Tq·Tk = 1·30" in d.reasons["flash"] or "PyTorch-ops" in d.reasons["flash"]
+    d = explain_dispatch(q, k, k, bias=torch.zeros(1, 4, 1, 30))
+    assert d.backend == "torch" and "bias" in d.reasons["flash"], d
+
+
 def test_invalid_backend_requests_raise():
     q = k = v = torch.randn(1, 2, 8, 4)
     with pytest.raises(ValueError, match="backend='torch' cannot run.*softcap"):

@@ -234,6 +234,15 @@ for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
         g = torch.autograd.grad(out.sum(), (q, k, v))
         r = torch.autograd.grad(ref.sum(), (q, k, v))
         assert max((a.double() - b.double()).abs().max() for a, b in zip(g, r)) < 10 * tol
+    # huge logits (exponent argument), huge blocks (clamped), an empty batch: as AVX-512
+    x = torch.randn(2, 4, 64, 32).to(dtype)
+    out = flash_attention(x, x, x, scale=1e10)
+    ref = attention_steps(*(x.double() for _ in "qkv"), scale=1e10).output
+    assert torch.isfinite(out).all() and (out.double() - ref).abs().max() < tol, dtype
+    out = flash_attention(q, k, v, causal=True, block_q=2**20, block_k=2**20)
+    ref = attention_steps(*(t.double() for t in (q, k, v)), causal=True).output
+    assert (out.double() - ref).abs().max() < tol, dtype
+    assert flash_attention(x[:0], x[:0], x[:0]).shape == (0, 4, 64, 32)
 print("ok")
 """
 

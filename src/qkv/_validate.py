@@ -7,6 +7,7 @@ be 2-D ``(Tq, Tk)`` or have exactly as many dims as the scores ``(..., h, Tq, Tk
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +32,17 @@ class AttentionShape:
 
     @property
     def group(self) -> int:
-        return self.h // self.h_kv
+        return self.h // self.h_kv if self.h_kv else 1  # h = h_kv = 0: no heads at all
+
+    @property
+    def empty(self) -> bool:
+        """No score to compute: a zero batch dim, ``h``, ``Tq`` or ``Tk``.
+
+        Every backend then returns the same: an output of zeros (empty unless only
+        ``Tk = 0``: each query sees no key, so its row is zero), log-sum-exp ``-inf``, and
+        zero gradients. ``d_k = 0`` is an error (:func:`check_qkv`).
+        """
+        return 0 in (*self.batch, self.h, self.Tq, self.Tk)
 
 
 def _shape(t: Tensor) -> tuple[int, ...]:
@@ -77,7 +88,12 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> AttentionShape:
         raise ValueError(
             f"v must be (..., h_kv={h_kv}, Tk={Tk}, d_v) to match k, got v.shape={_shape(v)}"
         )
-    if h_kv == 0 or h % h_kv != 0:
+    if d_k == 0:
+        raise ValueError(
+            f"q and k need a head dim d_k >= 1 (the scores q·kᵀ are sums over it), "
+            f"got q.shape={_shape(q)}, k.shape={_shape(k)}"
+        )
+    if (h_kv == 0 and h != 0) or (h_kv != 0 and h % h_kv != 0):
         raise ValueError(
             f"q's heads must be a multiple of k/v's heads (grouped-query attention): "
             f"h={h}, h_kv={h_kv}, h % h_kv = {h % h_kv if h_kv else 'undefined'}"
@@ -138,9 +154,22 @@ def check_options(
         isinstance(window, bool) or not isinstance(window, int) or window < 1
     ):
         raise ValueError(f"window must be an int >= 1 or None, got {window!r}")
-    if scale is not None and not scale > 0:
-        raise ValueError(f"scale must be > 0 or None, got {scale!r}")
-    if softcap is not None and not softcap > 0:
-        raise ValueError(f"softcap must be > 0 or None, got {softcap!r}")
+    if scale is not None and not 0 < scale < math.inf:
+        raise ValueError(f"scale must be a finite number > 0 or None, got {scale!r}")
+    if softcap is not None and not 0 < softcap < math.inf:
+        raise ValueError(f"softcap must be a finite number > 0 or None, got {softcap!r}")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+
+
+def check_heads(heads, h: int, name: str = "weights_heads") -> tuple[int, ...] | None:
+    """Query-head indices: ints in ``[0, h)`` (``None`` passes through)."""
+    if heads is None:
+        return None
+    ok = not isinstance(heads, (str, bytes)) and hasattr(heads, "__iter__")
+    items = list(heads.tolist() if isinstance(heads, Tensor) else heads) if ok else []
+    if not ok or not all(
+        isinstance(i, int) and not isinstance(i, bool) and 0 <= i < h for i in items
+    ):
+        raise ValueError(f"{name} must be a list of query-head indices in [0, {h}), got {heads!r}")
+    return tuple(items)

@@ -31,6 +31,9 @@ fused, ``Tq·Tk >= 1024²``                           flash    forward 1.0-1.2×
 everything else (bias, shorter inference)           torch    flash's forward is 0.3-1.1× of it there
 ==================================================  =======  =======================================
 
+Empty inputs (a zero batch dim, ``h``, ``Tq`` or ``Tk``) run the reference whatever the
+request: every backend's answer is the same zeros (see :mod:`qkv.functional`).
+
 "torch" is rejected for: ``softcap``; weights/lse requested (it returns neither); a bias that
 requires grad. "flash" is rejected for ``dropout_p > 0``. Fully masked rows: PyTorch 2.13's CPU
 kernels return zeros for them, as qkv requires (checked in tests/test_dispatch.py).
@@ -49,7 +52,7 @@ import torch.nn.functional as TF
 from torch import Tensor
 
 from qkv import masks
-from qkv._validate import AttentionShape, check_qkv
+from qkv._validate import AttentionShape, check_heads, check_qkv
 from qkv.kernels.flash import fused_kernel_rejects
 
 __all__ = ["BACKENDS", "Case", "Decision", "choose", "describe", "explain_dispatch", "torch_sdpa"]
@@ -122,8 +125,9 @@ def describe(
     scale: float | None = None,
 ) -> Case:
     """The :class:`Case` of a call with these arguments (``scale`` does not matter)."""
+    shape = check_qkv(q, k, v)
     return Case(
-        shape=check_qkv(q, k, v),
+        shape=shape,
         dtype=q.dtype,
         has_mask=mask is not None,
         has_bias=bias is not None,
@@ -133,7 +137,7 @@ def describe(
         softcap=softcap,
         dropout_p=float(dropout_p),
         return_weights=bool(return_weights),
-        weights_heads=None if weights_heads is None else tuple(int(i) for i in weights_heads),
+        weights_heads=check_heads(weights_heads, shape.h),
         device=q.device.type,
         grad=torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)),
     )
@@ -153,9 +157,13 @@ def invalid(case: Case) -> dict[str, str]:
     return out
 
 
-def _rule(case: Case, fused: bool) -> tuple[str, str]:
-    """The measured rule for ``"auto"``: (preferred backend, why)."""
+def _rule(case: Case, fused_why: str | None) -> tuple[str, str]:
+    """The measured rule for ``"auto"``: (preferred backend, why).
+
+    ``fused_why``: why flash's fused kernel cannot run the case (``None``: it can).
+    """
     s = case.shape
+    fused = fused_why is None
     if case.return_weights and case.weights_heads is None:
         return "math", "all heads' weights requested: math materialises them anyway"
     if case.return_weights:
@@ -176,10 +184,14 @@ def _rule(case: Case, fused: bool) -> tuple[str, str]:
     ratio = WINDOW_RATIO_LOW if low else WINDOW_RATIO
     if case.window is not None and ratio * case.window <= s.Tk:
         return "flash", f"window={case.window} <= Tk/{ratio}: flash skips empty blocks, O(T·w)"
-    return (
-        "torch",
-        "PyTorch's fused kernel is fastest here (bias, short inference)",
-    )
+    # the last row of the table, said for this call (no bias is named unless it was given)
+    if not fused:
+        return "torch", f"flash would run its PyTorch-ops kernel ({fused_why}): torch is faster"
+    if case.grad:
+        why = f"gradients needed, fp32, Tk={s.Tk} < {FUSED_GRAD_TK}"
+        return "torch", f"{why}: torch SDPA's fwd+bwd is faster (fused flash 0.5-1.0×)"
+    why = f"inference, Tq·Tk = {s.Tq}·{s.Tk} < 1024²"
+    return "torch", f"{why}: torch SDPA's forward is faster (fused flash 0.3-1.1×)"
 
 
 def _fused_reason(case: Case) -> str | None:
@@ -195,14 +207,19 @@ def choose(case: Case, backend: str = "auto") -> Decision:
     if backend not in (*BACKENDS, "auto"):
         raise ValueError(f"backend must be 'auto' or one of {BACKENDS}, got {backend!r}")
     bad = invalid(case)
+    if backend != "auto" and backend in bad:
+        raise ValueError(f"backend={backend!r} cannot run this call: {bad[backend]}")
+    if case.shape.empty:  # the same zeros from every backend: the reference returns them
+        why = "empty input (a zero batch dim, h, Tq or Tk): no score to compute"
+        reasons = {n: f"{why}; every backend gives the same zeros" for n in BACKENDS}
+        reasons.pop("math")
+        return Decision("math", backend, reasons)
     # only "auto" and "flash" look at flash's kernels (the first look may build the fused one)
     fused_why = _fused_reason(case) if backend in ("auto", "flash") else None
     if backend != "auto":
-        if backend in bad:
-            raise ValueError(f"backend={backend!r} cannot run this call: {bad[backend]}")
         reasons = {n: "not requested" for n in BACKENDS if n != backend}
         return Decision(backend, backend, reasons, _flash_kernel(backend, fused_why))
-    preferred, why = _rule(case, fused_why is None)
+    preferred, why = _rule(case, fused_why)
     if preferred in bad:  # e.g. dropout with softcap
         preferred, why = "math", "the only backend valid for this combination"
     reasons = dict(bad)

@@ -14,8 +14,13 @@ Shapes (the leading ``...`` is any batch shape, usually ``B``)::
 
 Order of operations: ``scores = q kᵀ`` → ``scaled = scores · scale`` → soft-capping
 ``c·tanh(scaled/c)`` → ``+ bias`` → mask (``-inf`` where not allowed) → softmax → dropout
-→ ``weights · v``. A query row with no visible key gets zero weights and a zero output
-(never NaN), and its gradients are zero.
+→ ``weights · v``; for bf16/fp16 inputs all of it is computed in float32 (fp16 cannot hold
+``q·kᵀ`` of moderate inputs) and only the results are rounded. A query row with no visible
+key gets zero weights and a zero output (never NaN), and its gradients are zero.
+
+Empty inputs: a zero batch dim, ``h``, ``Tq`` or ``Tk`` gives the same on every backend, an
+output of zeros of shape ``(..., h, Tq, d_v)`` (with ``Tk = 0`` each query sees no key, so its
+row is zero) and zero gradients; ``d_k = 0`` is a ``ValueError``.
 """
 
 from __future__ import annotations
@@ -54,7 +59,7 @@ class AttentionSteps:
     q: Tensor
     k: Tensor  # (..., h, Tk, d_k), after repeating kv heads for GQA
     v: Tensor  # (..., h, Tk, d_v)
-    scores: Tensor  # (..., h, Tq, Tk)  q kᵀ
+    scores: Tensor  # (..., h, Tq, Tk)  q kᵀ (float32 for bf16/fp16 inputs, as what follows)
     scale: float
     scaled: Tensor  # (..., h, Tq, Tk)  scores · scale (soft-capped, plus bias, when given)
     mask: Tensor | None  # broadcastable to (..., h, Tq, Tk)
@@ -91,6 +96,8 @@ def _safe_softmax(masked: Tensor) -> tuple[Tensor, Tensor]:
     Returns ``(weights, lse)``. Computed in float32 at least, for bf16/fp16 inputs.
     """
     x = masked.float() if masked.dtype in (torch.float16, torch.bfloat16) else masked
+    if x.shape[-1] == 0:  # Tk = 0: no key at all; exp keeps the graph (zero gradients)
+        return x.exp(), x.new_full(x.shape[:-1], float("-inf"))
     row_max = x.amax(dim=-1, keepdim=True).detach()  # (..., Tq, 1)
     row_max = row_max.masked_fill(row_max == float("-inf"), 0.0)  # empty row: any finite shift
     e = torch.exp(x - row_max)  # exp(-inf) = 0, so masked keys contribute nothing
@@ -131,7 +138,9 @@ def attention_steps(
 
     k = repeat_kv(k, shape.group)  # (..., h, Tk, d_k)
     v = repeat_kv(v, shape.group)  # (..., h, Tk, d_v)
-    scores = q @ k.transpose(-2, -1)  # (..., h, Tq, Tk)
+    # fp32 for bf16/fp16 inputs: in fp16, q·kᵀ overflows from |q|, |k| ~ 35 at d_k = 64
+    wide = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    scores = q.to(wide) @ k.to(wide).transpose(-2, -1)  # (..., h, Tq, Tk)
     scaled = scores * scale
     if softcap is not None:
         scaled = softcap * torch.tanh(scaled / softcap)
@@ -140,10 +149,11 @@ def attention_steps(
     structure = structure_mask(shape.Tq, shape.Tk, causal=causal, window=window, device=q.device)
     full_mask = masks.combine(mask, structure)
     masked = scaled if full_mask is None else scaled.masked_fill(~full_mask, float("-inf"))
-    weights, lse = _safe_softmax(masked)
-    weights = weights.to(q.dtype)
+    weights, lse = _safe_softmax(masked)  # (fp32 for bf16/fp16, as the scores)
     attn = F.dropout(weights, p=dropout_p) if dropout_p > 0 else weights
-    output = attn @ v  # (..., h, Tq, d_v)
+    # in fp32 for bf16/fp16 as well: the backward's dO·vᵀ overflows fp16 from |v| ~ 1e4
+    output = (attn @ v.to(wide)).to(q.dtype)  # (..., h, Tq, d_v)
+    weights = weights.to(q.dtype)
     return AttentionSteps(q, k, v, scores, scale, scaled, full_mask, masked, lse, weights, output)
 
 
@@ -206,7 +216,7 @@ def scaled_dot_product_attention(
     )  # fmt: skip
     decision = dispatch.choose(case, backend)
     dispatch.log_decision(decision, case)
-    if decision.backend == "math":
+    if decision.backend == "math":  # also every empty input (see dispatch.choose)
         steps = attention_steps(q, k, v, **options, dropout_p=dropout_p)
         if not return_weights:
             return steps.output

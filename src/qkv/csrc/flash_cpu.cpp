@@ -47,14 +47,15 @@ namespace cpublas = at::native::cpublas;
 
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-constexpr int64_t kPack = 64;
-constexpr float kLazyLog2 = 8.f;  // see forward_impl  // oneDNN's VNNI pack takes blocks of 64 columns
+constexpr int64_t kPack = 64;  // oneDNN's VNNI pack takes blocks of 64 columns
+constexpr float kLazyLog2 = 8.f;  // see forward_impl
 
 // 2^t for t <= 0 (0 below 2^-126, also for t = -inf): round-to-nearest split t = n + f,
 // |f| <= 1/2, a degree-5 polynomial of 2^f fitted for relative error (< 2e-7), 2^n from the
-// exponent bits. Branch-free so that `omp simd` vectorises it.
+// exponent bits. Branch-free so that `omp simd` vectorises it. Callers pass t <= kLazyLog2;
+// t is clamped at 64 anyway so that the exponent bits can never overflow.
 static inline float exp2_neg(float t) {
-  const float tc = t < -126.f ? -126.f : t;
+  const float tc = t < -126.f ? -126.f : (t > 64.f ? 64.f : t);
   const float n = (tc + 12582912.f) - 12582912.f;  // round to nearest (1.5 * 2^23 trick)
   const float f = tc - n;
   float p = 0.0013264614390209317f;
@@ -185,12 +186,19 @@ static inline float row_max_masked(const float* x, const uint8_t* m, int64_t n) 
   return mx;
 }
 
-// p[c] = 2^(s[c]·c2 - shift) for c in [c0, c1), 0 elsewhere in [0, width); returns the sum
+// p[c] = 2^((s[c] - mref)·c2) for c in [c0, c1), 0 elsewhere in [0, width); returns the sum
 // of the fp32 values (before any rounding of p to bf16). With smax, also the max of s[c0:c1].
-template <typename T>
-static inline float exp_row(const float* s, T* p, int64_t c0, int64_t c1, int64_t width,
-                            float c2, float shift, float* smax = nullptr,
-                            const uint8_t* m = nullptr) {
+// kExact = false computes the exponent as one fma, s[c]·c2 - shift with shift = mref·c2
+// rounded; its error, up to |shift|·2^-24, is the same for the whole row (so it cancels in
+// out = acc / l) but past |shift| ~ 2^31 it would push 2^t beyond fp32's range (NaN with
+// scale = 1e10). Rows with |shift| >= kExactShift take kExact = true: (s[c] - mref)·c2, whose
+// argument is <= 0 for s[c] <= mref exactly (one more instruction per 16 scores).
+constexpr float kExactShift = 16384.f;  // fma error <= 2^-10 below it
+
+template <typename T, bool kExact>
+static inline float exp_row_t(const float* s, T* p, int64_t c0, int64_t c1, int64_t width,
+                              float c2, float mref, float* smax, const uint8_t* m) {
+  const float shift = mref * c2;
   for (int64_t c = 0; c < c0; ++c) store<T>(p + c, 0.f);
   for (int64_t c = c1; c < width; ++c) store<T>(p + c, 0.f);
   int64_t c = c0;
@@ -198,12 +206,17 @@ static inline float exp_row(const float* s, T* p, int64_t c0, int64_t c1, int64_
 #ifdef __AVX512F__
   constexpr bool kLowT = !std::is_same_v<T, float>;
   const __m512 vc2 = _mm512_set1_ps(c2), vshift = _mm512_set1_ps(shift);
+  const __m512 vm = _mm512_set1_ps(mref);
+  // the exponent argument in log2 units (see above)
+  auto arg = [&](__m512 x) {
+    return kExact ? _mm512_mul_ps(_mm512_sub_ps(x, vm), vc2) : _mm512_fmsub_ps(x, vc2, vshift);
+  };
   __m512 vsum = _mm512_setzero_ps(), vsum2 = vsum;
   __m512 vmax = _mm512_set1_ps(kNegInf), vmax2 = vmax;
   for (; !m && c + 32 <= c1; c += 32) {  // two independent chains (no mask)
     const __m512 s0 = _mm512_loadu_ps(s + c), s1 = _mm512_loadu_ps(s + c + 16);
-    const __m512 e0 = exp2_v<kLowT>(_mm512_fmsub_ps(s0, vc2, vshift), 0xffff);
-    const __m512 e1 = exp2_v<kLowT>(_mm512_fmsub_ps(s1, vc2, vshift), 0xffff);
+    const __m512 e0 = exp2_v<kLowT>(arg(s0), 0xffff);
+    const __m512 e1 = exp2_v<kLowT>(arg(s1), 0xffff);
     vsum = _mm512_add_ps(vsum, e0);
     vsum2 = _mm512_add_ps(vsum2, e1);
     if (smax) vmax = _mm512_max_ps(vmax, s0), vmax2 = _mm512_max_ps(vmax2, s1);
@@ -214,7 +227,7 @@ static inline float exp_row(const float* s, T* p, int64_t c0, int64_t c1, int64_
     const __mmask16 k = c + 16 <= c1 ? __mmask16(0xffff) : __mmask16((1u << (c1 - c)) - 1u);
     const __mmask16 vis = m ? mask_bits(m + c, k) : k;  // masked-out lanes: p = 0
     const __m512 x = _mm512_mask_loadu_ps(_mm512_set1_ps(kNegInf), vis, s + c);
-    const __m512 e = exp2_v<kLowT>(_mm512_fmsub_ps(x, vc2, vshift), vis);
+    const __m512 e = exp2_v<kLowT>(arg(x), vis);
     vsum = _mm512_add_ps(vsum, e);
     if (smax) vmax = _mm512_max_ps(vmax, x);
     store16<T>(p + c, e, k);
@@ -225,7 +238,7 @@ static inline float exp_row(const float* s, T* p, int64_t c0, int64_t c1, int64_
   float mx = kNegInf;
   for (c = c0; c < c1; ++c) {
     const bool allowed = !m || m[c];
-    const float e = allowed ? exp2_neg(s[c] * c2 - shift) : 0.f;
+    const float e = allowed ? exp2_neg(kExact ? (s[c] - mref) * c2 : s[c] * c2 - shift) : 0.f;
     sum += e;
     store<T>(p + c, e);
     if (allowed) mx = s[c] > mx ? s[c] : mx;
@@ -233,6 +246,15 @@ static inline float exp_row(const float* s, T* p, int64_t c0, int64_t c1, int64_
   if (smax) *smax = mx;
 #endif
   return sum;
+}
+
+template <typename T>
+static inline float exp_row(const float* s, T* p, int64_t c0, int64_t c1, int64_t width,
+                            float c2, float mref, float* smax = nullptr,
+                            const uint8_t* m = nullptr) {
+  return std::fabs(mref * c2) < kExactShift
+             ? exp_row_t<T, false>(s, p, c0, c1, width, c2, mref, smax, m)
+             : exp_row_t<T, true>(s, p, c0, c1, width, c2, mref, smax, m);
 }
 
 // Runs f(first, end, step) once on each of at::get_num_threads() OpenMP threads (PyTorch's
@@ -282,7 +304,10 @@ static inline void grad_row(float* s, float* dp, T* p_low, T* ds_low, int64_t c0
     const int64_t a = std::clamp<int64_t>(c0 - c, 0, 16), b = std::clamp<int64_t>(c1 - c, 0, 16);
     __mmask16 vis = __mmask16(((1u << b) - 1u) & ~((1u << a) - 1u));
     if (m) vis = mask_bits(m + c, vis);
-    const __m512 t = _mm512_fmsub_ps(_mm512_maskz_loadu_ps(vis, s + c), vc2, vsh);
+    // p = exp(s - lse) <= 1 exactly; the clamp keeps the lse's rounding (|lse|·2^-24,
+    // large for logits of ~1e9) from pushing it past fp32's range
+    const __m512 t = _mm512_min_ps(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(vis, s + c), vc2, vsh),
+                                   _mm512_setzero_ps());
     const __m512 p = exp2_v<false>(t, vis);
     const __m512 ds = _mm512_mul_ps(p, _mm512_sub_ps(_mm512_maskz_loadu_ps(in, dp + c), vD));
     _mm512_mask_storeu_ps(s + c, in, p);
@@ -296,7 +321,7 @@ static inline void grad_row(float* s, float* dp, T* p_low, T* ds_low, int64_t c0
 #pragma omp simd
   for (int64_t c = 0; c < nk; ++c) {
     const bool visible = c >= c0 && c < c1 && (!m || m[c]);
-    const float p = visible ? exp2_neg(s[c] * c2 - sh) : 0.f;
+    const float p = visible ? exp2_neg(std::min(s[c] * c2 - sh, 0.f)) : 0.f;  // p <= 1
     s[c] = p;
     dp[c] = p * (dp[c] - Dr);
   }
@@ -564,16 +589,16 @@ static void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tens
             // (p stays below 2^kLazyLog2, harmless in fp32 sums and in bf16). Measured 1.2-1.5x
             // on the bf16 forward at T=4096 (no separate max pass, no rescaling of acc).
             float mx;
-            sum = exp_row<T>(s, p, c0, c1, enk, c2, m[r] * c2, &mx, mr);
+            sum = exp_row<T>(s, p, c0, c1, enk, c2, m[r], &mx, mr);
             if (!(mx - m[r] > kLazyLog2 / c2)) {  // (also when the mask hid every key: mx = -inf)
               m_new = m[r], a = 1.f;
             } else {
               m_new = mx, a = exp2_neg((m[r] - m_new) * c2);
-              sum = exp_row<T>(s, p, c0, c1, enk, c2, m_new * c2, nullptr, mr);
+              sum = exp_row<T>(s, p, c0, c1, enk, c2, m_new, nullptr, mr);
             }
           } else {
             m_new = bmax, a = 0.f;  // first visible key: nothing to rescale
-            sum = exp_row<T>(s, p, c0, c1, enk, c2, m_new * c2, nullptr, mr);
+            sum = exp_row<T>(s, p, c0, c1, enk, c2, m_new, nullptr, mr);
           }
           l[r] = l[r] * a + sum;
           m[r] = m_new;
@@ -620,10 +645,21 @@ std::tuple<Tensor, Tensor> flash_fwd(const Tensor& q, const Tensor& k, const Ten
   TORCH_CHECK(q.dim() == 4 && k.dim() == 3 && v.dim() == 3, "qkv flash_fwd: bad ranks");
   TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(),
               "qkv flash_fwd: inputs must be contiguous");
-  TORCH_CHECK(scale > 0, "qkv flash_fwd: scale must be > 0");
+  TORCH_CHECK(scale > 0 && std::isfinite(static_cast<float>(scale)),
+              "qkv flash_fwd: scale must be finite and > 0 in fp32");
+  TORCH_CHECK(q.size(3) > 0 && q.size(3) == k.size(2) && v.size(2) > 0,
+              "qkv flash_fwd: head dims must be >= 1 and q, k must share theirs");
   const Structure st{q.size(2), k.size(1), causal, window};
   Tensor out = at::empty({q.size(0), q.size(1), q.size(2), v.size(2)}, q.options());
   Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
+  if (out.numel() == 0 || k.size(1) == 0) {  // no score: zeros, lse = -inf (no work, no
+    out.zero_();                            // buffer indexed)
+    lse.fill_(kNegInf);
+    return {out, lse};
+  }
+  // a block never exceeds the sequence (the scratch buffers are sized by the blocks)
+  block_q = std::clamp<int64_t>(block_q, 1, q.size(2));
+  block_k = std::clamp<int64_t>(block_k, 1, k.size(1));
   if (q.scalar_type() == at::kFloat) {
     forward_impl<float>(q, k, v, out, lse, scale, st, block_q, block_k, false, mk);
   } else {
@@ -753,10 +789,18 @@ std::tuple<Tensor, Tensor, Tensor> flash_bwd(const Tensor& q, const Tensor& k, c
                   out.is_contiguous() && dout.is_contiguous() && lse.is_contiguous(),
               "qkv flash_bwd: inputs must be contiguous");
   TORCH_CHECK(lse.scalar_type() == at::kFloat, "qkv flash_bwd: lse must be fp32");
+  TORCH_CHECK(scale > 0 && std::isfinite(static_cast<float>(scale)),
+              "qkv flash_bwd: scale must be finite and > 0 in fp32");
   const Structure st{q.size(2), k.size(1), causal, window};
   auto f32 = q.options().dtype(at::kFloat);
   Tensor dq = at::zeros(q.sizes(), f32), dk = at::empty(k.sizes(), f32);
   Tensor dv = at::empty(v.sizes(), f32);
+  if (q.numel() == 0 || k.numel() == 0 || v.numel() == 0) {  // nothing to differentiate
+    dk.zero_(), dv.zero_();
+    return {dq, dk, dv};
+  }
+  block_q = std::clamp<int64_t>(block_q, 1, q.size(2));
+  block_k = std::clamp<int64_t>(block_k, 1, k.size(1));
   if (q.scalar_type() == at::kFloat) {
     backward_impl<float>(q, k, v, out, dout, lse, dq, dk, dv, scale, st, block_q, block_k, mk);
   } else {

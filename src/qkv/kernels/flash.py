@@ -1,9 +1,12 @@
 """Tiled ("flash") attention: online softmax, O(T) memory, block skipping.
 
-Two kernels behind one function. fp32/bf16 CPU calls with causal/window structure, maybe a
-bool mask, and no bias or soft-cap run the fused C++ kernel (``qkv/csrc/flash_cpu.cpp``, loaded by
-:mod:`qkv.kernels._native`; :func:`fused_kernel_rejects` says when it does not apply). All
-other calls run the PyTorch-ops kernel of this module, described below.
+Two kernels behind one function. fp16 inputs run in fp32 (fp16 cannot hold ``q·kᵀ`` of
+moderate inputs, nor the backward's ``dO·vᵀ``, and CPU fp16 matmuls ran ~17× slower than the
+fp32 fused kernel: T=1024, h=8, d=64, causal, 1 thread). fp32/bf16 CPU calls with
+causal/window structure, maybe a bool mask, and no bias or soft-cap run the fused C++ kernel
+(``qkv/csrc/flash_cpu.cpp``, loaded by :mod:`qkv.kernels._native`;
+:func:`fused_kernel_rejects` says when it does not apply). All other calls run the
+PyTorch-ops kernel of this module, described below.
 
 FlashAttention's algorithm (Dao et al. 2022; backward of FlashAttention-2), written with block
 matmuls. For each query block the keys are visited in blocks, keeping per row a running
@@ -16,7 +19,7 @@ maximum ``m`` and sum ``l`` of ``exp(s - m)``::
 
 fp32/fp64 (``_forward``) run exactly this, each pass over a score block in place, on blocks
 of a few heads sized to stay in L2 (``TILE_ELEMENTS``); only the key blocks on a causal/window
-edge are masked. bf16/fp16 (``_forward_low``) keep ``(m, l)`` as the log-sum-exp and ``acc``
+edge are masked. bf16 (``_forward_low``) keep ``(m, l)`` as the log-sum-exp and ``acc``
 normalised, so each block is one fused ``torch.softmax`` on the bf16 scores (fp32 inside):
 ``lse' = logaddexp(lse, lse_blk)``, ``acc = e^(lse - lse')·acc + e^(lse_blk - lse')·(p v)``.
 Speed vs PyTorch's SDPA: ``bench/flash_vs_sdpa.py`` and README ``## Speed (issue 3)``.
@@ -27,7 +30,7 @@ Backward recomputes ``p = exp(s - lse)`` block by block from the saved log-sum-e
 sliding window costs O(T·w). Grouped-query heads fold the ``G`` query heads of one kv head into
 the rows of one matmul, so K/V are never repeated in memory.
 
-bf16/fp16: matmuls run in the input dtype (fp32 accumulation inside the matmul), the softmax
+bf16: matmuls run in the input dtype (fp32 accumulation inside the matmul), the softmax
 statistics, ``acc`` and the gradients accumulate in fp32; the scores ``q kᵀ`` and the block
 softmax are rounded to the input dtype (a pure-PyTorch CPU matmul cannot return fp32 from
 bf16 inputs), so the bf16 forward error is up to ~3× PyTorch's fused kernel's (gradients:
@@ -56,7 +59,7 @@ __all__ = ["flash_attention", "fused_kernel_rejects", "BLOCK_Q", "BLOCK_K"]
 # (bench/flash_vs_sdpa.py); see README.
 BLOCK_Q = 256
 BLOCK_K = 1024
-BLOCK_K_LOW = 512  # bf16/fp16: the fused-softmax path (_forward_low) prefers smaller blocks
+BLOCK_K_LOW = 512  # bf16: the fused-softmax path (_forward_low) prefers smaller blocks
 BLOCK_Q_WINDOW = 64  # with a window, small query blocks waste less of each key block
 # The fused C++ kernel (qkv/csrc/flash_cpu.cpp): tiles measured best for fwd and fwd+bwd,
 # fp32 and bf16, T=1024-4096 (bench/flash_vs_sdpa.py)
@@ -66,6 +69,8 @@ TILE_ELEMENTS = 1 << 18  # scores per block (1 MiB fp32), see _head_chunk
 
 _NEG_INF = float("-inf")
 _EXP_FLOOR = -80.0  # see _sub_exp
+_FP32_MAX = float(torch.finfo(torch.float32).max)
+_CAP_LSE = 2.0**14  # |lse| from which the backward clamps exp(s - lse) at 1 (see _sub_exp)
 
 
 @dataclass(frozen=True)
@@ -120,8 +125,14 @@ def _scores(
     return s, t
 
 
-def _sub_exp(s: Tensor, shift: Tensor, acc_dtype: torch.dtype, floor: bool) -> Tensor:
+def _sub_exp(
+    s: Tensor, shift: Tensor, acc_dtype: torch.dtype, floor: bool, cap: bool = False
+) -> Tensor:
     """``exp(s - shift)`` in ``acc_dtype``, in place when ``s`` has that dtype.
+
+    ``cap``: clamp the exponent at 0 (the backward, where ``shift`` is the row's log-sum-exp
+    and ``p <= 1`` in exact arithmetic; with logits of ~1e9 the rounding of the saved lse
+    alone would push ``exp`` past fp32's range).
 
     ``floor``: first clamp at -80, for blocks with masked (-inf) scores. This is for speed,
     not math: PyTorch's vectorised CPU ``exp`` takes a ~10-40× slower path for inputs that
@@ -131,7 +142,9 @@ def _sub_exp(s: Tensor, shift: Tensor, acc_dtype: torch.dtype, floor: bool) -> T
     Converting first: mixed-dtype ops are slow on CPU.
     """
     s = s.to(acc_dtype).sub_(shift)
-    return s.clamp_min_(_EXP_FLOOR).exp_() if floor else s.exp_()
+    if floor or cap:
+        s.clamp_(min=_EXP_FLOOR if floor else None, max=0.0 if cap else None)
+    return s.exp_()
 
 
 def _head_chunk(plan: _Plan, n_heads: int, rows: int, cols: int, masked: bool) -> int:
@@ -221,7 +234,7 @@ def _block_softmax(s: Tensor, acc_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
 def _forward_low(
     plan: _Plan, q4: Tensor, k3: Tensor, v3: Tensor, bias5: Tensor | None, mask5: Tensor | None
 ) -> tuple[Tensor, Tensor]:
-    """:func:`_forward` for bf16/fp16: one fused ``torch.softmax`` per block on the low-precision
+    """:func:`_forward` for bf16: one fused ``torch.softmax`` per block on the low-precision
     scores (it computes in fp32 inside), fewer passes than converting the block to fp32
     first (measured 0.30× vs 0.25× SDPA, bf16 causal T=1024, 1 core).
 
@@ -281,6 +294,7 @@ def _backward(
     dbias5 = torch.zeros(bias5.shape, dtype=acc_dtype, device=q4.device) if need_dbias else None
     masked = bias5 is not None or mask5 is not None
     lse = lse.masked_fill(lse == _NEG_INF, 0.0)  # empty rows: their dO is 0 (above)
+    cap = bool(lse.abs().amax() >= _CAP_LSE)  # huge logits: keep exp(s - lse) <= 1
 
     def add_mm(target: Tensor, x: Tensor, y: Tensor) -> None:
         """``target += x @ y``: in place for fp32 (no temporary); bf16 matmul, fp32 sum."""
@@ -313,7 +327,7 @@ def _backward(
                 kb, vb = k3[n0:n1, ks:ke], v3[n0:n1, ks:ke]
                 s, t = _scores(plan, qb, kb, bias5, mask5, qs, qe, ks, ke)
                 floor = masked or plan.structure.block_mask(qs, qe, ks, ke, q4.device) is not None
-                p = _sub_exp(s, lse_b, acc_dtype, floor)  # (n, G·bq, bk)
+                p = _sub_exp(s, lse_b, acc_dtype, floor, cap)  # (n, G·bq, bk)
                 add_mm(dv[n0:n1, ks:ke], p.transpose(1, 2), dob)  # dV += pᵀ dO
                 ds = torch.bmm(dob, vb.transpose(1, 2)).to(acc_dtype).sub_(D_b).mul_(p)  # dS
                 if dbias5 is not None:  # (masked: one chunk of all N heads)
@@ -336,24 +350,25 @@ def fused_kernel_rejects(
     """Why the fused C++ kernel cannot run a call (``None``: it runs; see :mod:`._native`).
 
     It covers fp32/bf16 on the CPU with causal/window structure and bool masks (True = may
-    attend); biases, soft-capping, fp64/fp16 run on the PyTorch-ops kernel of this module.
+    attend), and fp16 converted to fp32; biases, soft-capping and fp64 run on the PyTorch-ops
+    kernel of this module.
     """
     if torch.device(device).type != "cpu":
         return f"device {torch.device(device).type}: the fused kernel is CPU-only"
-    if dtype not in (torch.float32, torch.bfloat16):
-        return f"dtype {dtype}: the fused kernel takes float32/bfloat16"
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"dtype {dtype}: the fused kernel takes float32/bfloat16 (and float16 as float32)"
     for name, present in (("bias", has_bias), ("softcap", softcap is not None)):
         if present:
             return f"{name} given: the fused kernel takes causal/window structure and bool masks"
-    if scale is not None and scale <= 0:
-        return f"scale={scale} <= 0"
+    if scale is not None and not 0 < scale < _FP32_MAX:
+        return f"scale={scale} is not a positive fp32 number"
     if native_ops() is None:
         return f"fused kernel {native_status()}"
     return None
 
 
 def _native_ok(q: Tensor, k: Tensor, v: Tensor, mask, bias, softcap, scale: float) -> bool:
-    empty = min(q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]) == 0
+    empty = 0 in (q.numel(), k.numel(), v.numel())
     reason = fused_kernel_rejects(
         q.device, q.dtype, has_mask=mask is not None, has_bias=bias is not None,
         softcap=softcap, scale=scale,
@@ -361,6 +376,30 @@ def _native_ok(q: Tensor, k: Tensor, v: Tensor, mask, bias, softcap, scale: floa
     # a mask broadcast over the keys (last dim 1) is left to the PyTorch-ops kernel
     mask_ok = mask is None or (mask.dtype == torch.bool and mask.shape[-1] == k.shape[-2] > 1)
     return reason is None and not empty and mask_ok and k.dtype == v.dtype == q.dtype
+
+
+class _Empty(torch.autograd.Function):
+    """The answer when a batch dim, ``h``, ``Tq`` or ``Tk`` is 0 (``AttentionShape.empty``).
+
+    Output zeros ``(..., h, Tq, d_v)`` (with ``Tk = 0`` every query sees no key), lse
+    ``-inf``; the gradients of q, k, v and bias are zeros, as the math path gives.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, bias, shape):  # type: ignore[override]
+        ctx.like = [None if t is None else (t.shape, t.dtype, t.device) for t in (q, k, v, bias)]
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        out = q.new_zeros(*shape.batch, shape.h, shape.Tq, shape.d_v)
+        lse = torch.full((*shape.batch, shape.h, shape.Tq), _NEG_INF, dtype=acc, device=q.device)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):  # type: ignore[override]
+        grads = [
+            None if t is None else torch.zeros(t[0], dtype=t[1], device=t[2]) for t in ctx.like
+        ]
+        return (*grads, None)
 
 
 def _mask_view(mask: Tensor | None, shape: AttentionShape) -> Tensor | None:
@@ -453,7 +492,8 @@ def flash_attention(
         causal, window, scale, softcap: as :func:`qkv.functional.scaled_dot_product_attention`.
         return_lse: also return the log-sum-exp ``(..., h, Tq)`` (fp32; ``-inf`` for a row
             with no visible key).
-        block_q, block_k: tile sizes (default :data:`BLOCK_Q`, :data:`BLOCK_K`).
+        block_q, block_k: tile sizes (default :data:`BLOCK_Q`, :data:`BLOCK_K`), at most
+            the sequence lengths (larger ones are clamped).
 
     Returns:
         ``out (..., h, Tq, d_v)`` or ``(out, lse)``. Rows with no visible key are zeros.
@@ -470,6 +510,25 @@ def flash_attention(
         if b is not None and (not isinstance(b, int) or b < 1):
             raise ValueError(f"{name} must be an int >= 1 or None, got {b!r}")
     scale = 1.0 / math.sqrt(shape.d_k) if scale is None else float(scale)
+    if shape.empty:  # no score to compute (and nothing for the C++ kernel to index)
+        out, lse = _Empty.apply(q, k, v, bias, shape)
+        return (out, lse) if return_lse else out
+    if shape.d_v == 0:  # no value column: one zero column gives the lse, then is dropped
+        v1 = torch.cat([v, v.new_zeros(*v.shape[:-1], 1)], dim=-1)  # (..., h_kv, Tk, 1)
+        out, lse = flash_attention(
+            q, k, v1, mask=mask, bias=bias, causal=causal, window=window, scale=scale,
+            softcap=softcap, return_lse=True, block_q=block_q, block_k=block_k,
+        )  # fmt: skip
+        out = out[..., :0]  # (..., h, Tq, 0)
+        return (out, lse) if return_lse else out
+    if q.dtype == torch.float16:  # in fp32 (module docstring); autograd casts the gradients
+        out, lse = flash_attention(
+            q.float(), k.float(), v.float(), mask=mask, bias=bias, causal=causal,
+            window=window, scale=scale, softcap=softcap, return_lse=True, block_q=block_q,
+            block_k=block_k,
+        )  # fmt: skip
+        out = out.to(q.dtype)
+        return (out, lse) if return_lse else out
     native = _native_ok(q, k, v, mask, bias, softcap, scale)
     if native:
         default_q, default_k = NATIVE_BLOCK_Q, NATIVE_BLOCK_K
@@ -481,8 +540,8 @@ def flash_attention(
         structure=Structure(shape.Tq, shape.Tk, bool(causal), window),
         c=scale if softcap is None else scale / softcap,
         softcap=None if softcap is None else float(softcap),
-        block_q=block_q or default_q,
-        block_k=block_k or default_k,
+        block_q=min(block_q or default_q, shape.Tq),  # a block never exceeds the sequence
+        block_k=min(block_k or default_k, shape.Tk),
         dtype=q.dtype,
         native=native,
         scale=scale,

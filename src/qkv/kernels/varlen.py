@@ -118,11 +118,8 @@ def varlen_attention(
                 kh[:, ck[i] : ck[i + 1]],
                 vh[:, ck[i] : ck[i + 1]],
             )
-            if qi.shape[1] == 0 or ki.shape[1] == 0:  # nothing to attend: zeros, lse = -inf
-                o = vi.new_zeros(q.shape[1], qi.shape[1], v.shape[-1])
-                l = torch.full(o.shape[:2], float("-inf"), device=q.device)  # noqa: E741
-            else:
-                o, l = attend(qi, ki, vi)  # noqa: E741 (h, Lq_i, d_v), (h, Lq_i)
+            # an empty sequence (Lq_i or Lk_i = 0) gives zeros and lse -inf, as every backend
+            o, l = attend(qi, ki, vi)  # noqa: E741 (h, Lq_i, d_v), (h, Lq_i)
             outs.append(o)
             lses.append(l)
         out = torch.cat(outs, dim=1)

@@ -66,7 +66,7 @@ def weights_from_lse(
     qh = q.index_select(-3, index)  # (..., n, Tq, d_k)
     kh = k.index_select(-3, index // (h // h_kv))  # (..., n, Tk, d_k): each head's kv head
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    s = (qh @ kh.transpose(-2, -1)).to(acc) * scale  # (..., n, Tq, Tk)
+    s = (qh.to(acc) * scale) @ kh.to(acc).transpose(-2, -1)  # (..., n, Tq, Tk), never fp16
     if softcap is not None:
         s = softcap * torch.tanh(s / softcap)
     b = _heads(bias, index)
@@ -81,5 +81,14 @@ def weights_from_lse(
     if allowed is not None:
         s = s.masked_fill(~allowed, float("-inf"))
     lse_h = lse.index_select(-2, index).to(acc).unsqueeze(-1)  # (..., n, Tq, 1)
-    w = torch.exp(s - lse_h.masked_fill(lse_h == float("-inf"), 0.0))
+    # exp(s - lse) <= 1 in exact arithmetic; the clamp keeps rounding from reaching inf
+    w = torch.exp((s - lse_h.masked_fill(lse_h == float("-inf"), 0.0)).clamp_max_(0.0))
+    # With logits of ~1e5 and more, the saved fp32 lse is off by more than the gaps between
+    # them, and its rows no longer sum to 1: those rows are recomputed by a softmax of s.
+    total = w.sum(dim=-1, keepdim=True)  # (..., n, Tq, 1): 1, or 0 for a row with no key
+    off = ((total - 1).abs() > 1e-3) & (lse_h != float("-inf"))
+    if bool(off.any()):
+        m = s.amax(dim=-1, keepdim=True)
+        e = torch.exp(s - m.masked_fill(m == float("-inf"), 0.0))
+        w = torch.where(off, e / e.sum(dim=-1, keepdim=True).clamp_min(1e-30), w)
     return w.to(q.dtype)
