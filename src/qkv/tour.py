@@ -131,23 +131,26 @@ def heads_at_work(model: str, sentence: str, variant: str | None, top: int, out:
         v_maps = capture(loaded.model, *v_inputs, tokens=v_tokens)
         v_rows = {(r.layer, r.head): r for r in pronoun_probe(v_maps, "it", CANDIDATES)}
         console.print(f"the same heads on {variant!r} (there, it = street):")
-        switched = 0
         for r in rows[:top]:
             v = v_rows[(r.layer, r.head)]
-            switched += r.best == "animal" and v.best == "street"
             console.print(f"  {r.layer} head {r.head:>2}: animal {r.scores['animal']:.3f} → "
                           f"{v.scores['animal']:.3f}, street {r.scores['street']:.3f} → "
                           f"{v.scores['street']:.3f}")  # fmt: skip
-        flips = sum(r.best == "animal" and v_rows[(r.layer, r.head)].best == "street" for r in rows)
-        if flips == 0:
+        # a real switch: a clear weight on animal, then a clear weight on street
+        flips = [r for r in rows if r.best == "animal" and r.scores["animal"] >= 0.1
+                 and v_rows[(r.layer, r.head)].best == "street"
+                 and v_rows[(r.layer, r.head)].scores["street"] >= 0.1]  # fmt: skip
+        if not flips:
             console.print("[bold]What this shows:[/] heads do send 'it' to 'animal', but none "
-                          "switches to 'street' when the meaning says so: in this model no "
-                          "single head resolves the pronoun; they follow the words, not the "
-                          "sense.")  # fmt: skip
+                          "moves it clearly to 'street' when the meaning says so: no single "
+                          "head of this model resolves the pronoun; they follow the words, "
+                          "not the sense.")  # fmt: skip
         else:
-            console.print(f"[bold]What this shows:[/] {flips} of {len(rows)} heads move 'it' from "
-                          f"'animal' to 'street' with the meaning ({switched} of the top {top}): "
-                          "those heads track the referent, the others the words.")  # fmt: skip
+            named = ", ".join(f"{r.layer} head {r.head}" for r in flips[:3])
+            console.print(f"[bold]What this shows:[/] {len(flips)} of {len(rows)} heads move "
+                          f"'it' from 'animal' to 'street' with the meaning ({named}), each "
+                          "with a weight ≥ 0.1: those track the referent; the others follow "
+                          "the words.")  # fmt: skip
     paths = {"html": (out / "attention.html").resolve(), "png": (out / "attention.png").resolve()}
     write_html(maps, paths["html"], title=f"qkv: {sentence!r} ({model})")
     plot_grid(maps, paths["png"])

@@ -134,21 +134,18 @@ def _minilm() -> Loaded:
 
 
 def _shipped(name: str) -> Callable[[], Loaded] | None:
-    """A loader for a shipped translator, or ``None`` when qkv has none of that name."""
-    try:
-        from qkv import translate
-    except ImportError:  # pragma: no cover
-        return None
-    load = getattr(translate, "load", None)
-    available = getattr(translate, "available", None)
-    if load is None or (callable(available) and name not in available()):
+    """A loader for a shipped translator, or ``None`` when this install has none of that name."""
+    from qkv.models.shipped import shipped
+
+    if SHIPPED_TRANSLATORS[name] not in shipped():
         return None
 
     def loader() -> Loaded:
         from qkv.inspect.translation import loaded_from_seq2seq
+        from qkv.translate import load
 
-        model, tok = load(SHIPPED_TRANSLATORS[name])
-        return loaded_from_seq2seq(model, tok, name)
+        tr = load(SHIPPED_TRANSLATORS[name])
+        return loaded_from_seq2seq(tr.model, tr.tokenizer, name)
 
     return loader
 
