@@ -52,12 +52,14 @@ def run_view(args: argparse.Namespace) -> int:
     text = args.translate if args.translate is not None else args.sentence
     if not text.strip():
         raise CliError("the sentence is empty; give text to look at")
+    if args.translate and args.beam > 1 and args.model == "random":
+        raise CliError("--model random decodes greedily only; drop --beam")
     title = f"qkv: translating {text!r}" if args.translate else f"qkv: {text!r}"
     page, response = view_page(args.model, text, translate=bool(args.translate), beam=args.beam,
                                title=title)  # fmt: skip
     out = atomic_write_text(args.out, page)
     if response["notice"]:
-        console.print(f"[yellow]{response['notice']}[/]")
+        note(response["notice"], "view")
     console.print(f"viewer written: [bold]{out.resolve()}[/] (open it in a browser)")
     maps = maps_from_response(response)
     if args.png:

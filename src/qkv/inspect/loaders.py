@@ -81,10 +81,13 @@ def register_dir(loader: Callable[[Path], Loaded | None]) -> None:
 
 
 def load(spec: str) -> Loaded:
-    """Open ``spec``: a registered name (``random``…) or a saved model directory."""
+    """Open ``spec``: a registered name (``random``, ``minilm``), a shipped translator
+    (``en-fr``, ``fr-en``) or a saved model directory."""
+    from qkv.models.shipped import shipped
+
     if spec in LOADERS:
         return LOADERS[spec]()
-    path = Path(spec)
+    path = shipped().get(spec, Path(spec))
     if path.is_dir():
         for loader in DIR_LOADERS:
             loaded = loader(path)
@@ -92,4 +95,5 @@ def load(spec: str) -> Loaded:
                 return loaded
         raise ValueError(f"no loader recognises the directory {spec!r} (registered: "
                          f"{len(DIR_LOADERS)} directory loaders)")  # fmt: skip
-    raise ValueError(f"--model must be one of {sorted(LOADERS)} or a directory, got {spec!r}")
+    names = sorted(LOADERS) + sorted(shipped())
+    raise ValueError(f"--model must be one of {names} or a directory, got {spec!r}")

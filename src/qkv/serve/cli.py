@@ -62,5 +62,6 @@ def add_parser(sub) -> None:
     p.add_argument("--preload", action="append", metavar="NAME",
                    help="load this model at start instead of on first request")  # fmt: skip
     p.add_argument("--log-level", default="warning",
-                   choices=["critical", "error", "warning", "info", "debug"])  # fmt: skip
+                   choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level")  # fmt: skip
     p.set_defaults(func=_serve)
