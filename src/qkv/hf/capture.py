@@ -19,7 +19,6 @@ one record per module per step.
 
 from __future__ import annotations
 
-import fnmatch
 import inspect
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -28,6 +27,7 @@ from dataclasses import dataclass
 
 from torch import Tensor, nn
 
+from qkv.inspect.capture import select_modules
 from qkv.inspect.maps import AttentionMaps, merge_steps
 
 __all__ = ["HFCapture", "HFRecord", "active", "attention_modules", "capture_attention"]
@@ -163,25 +163,7 @@ def _label(tokens: Sequence[str] | None, start: int, n: int) -> list[str]:
     return [toks[i] if i < len(toks) else str(i) for i in range(start, start + n)]
 
 
-def _select(
-    found: list[tuple[str, nn.Module]], layers: Sequence[int | str] | None
-) -> list[tuple[str, nn.Module]]:
-    if layers is None:
-        return found
-    keep: set[int] = set()
-    for sel in layers:
-        if isinstance(sel, int):
-            if not -len(found) <= sel < len(found):
-                raise IndexError(
-                    f"layer index {sel} out of range for {len(found)} attention modules"
-                )
-            keep.add(sel % len(found))
-            continue
-        hits = [i for i, (n, _) in enumerate(found) if fnmatch.fnmatchcase(n, sel)]
-        if not hits:
-            raise KeyError(f"no attention module matches {sel!r}; have {[n for n, _ in found]}")
-        keep.update(hits)
-    return [found[i] for i in sorted(keep)]
+_select = select_modules  # indices, exact names or globs, as for qkv's own models
 
 
 @contextmanager

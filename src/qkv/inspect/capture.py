@@ -45,13 +45,21 @@ def attention_modules(
     found = [(n, m) for n, m in model.named_modules() if isinstance(m, MultiHeadAttention)]
     if not found:
         raise ValueError(f"{type(model).__name__} contains no qkv.MultiHeadAttention module")
+    return select_modules(found, layers)
+
+
+def select_modules(found: list[tuple[str, nn.Module]], layers: Sequence[int | str] | None
+                   ) -> list[tuple[str, nn.Module]]:  # fmt: skip
+    """The ``(name, module)`` pairs that ``layers`` picks: indices, exact names or globs."""
     if layers is None:
         return found
     keep: set[int] = set()
     for sel in layers:
         if isinstance(sel, int):
             if not -len(found) <= sel < len(found):
-                raise IndexError(f"layer index {sel} out of range for {len(found)} layers")
+                raise IndexError(
+                    f"layer index {sel} out of range for {len(found)} attention modules"
+                )
             keep.add(sel % len(found))
             continue
         hits = [i for i, (n, _) in enumerate(found) if fnmatch.fnmatchcase(n, sel)]

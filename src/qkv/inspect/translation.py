@@ -100,14 +100,20 @@ def record_translation(
     src_tokens = piece_labels(tokenizer, ids)
     inputs = piece_labels(tokenizer, [model.cfg.bos_id, *hyp[:-1]])
     produced = piece_labels(tokenizer, hyp)
-    steps = rec.steps(tokens=inputs, source_tokens=src_tokens)
+    steps = label_cross_queries(rec.steps(tokens=inputs, source_tokens=src_tokens), produced)
+    return hyp, steps
+
+
+def label_cross_queries(steps: list[AttentionMaps], produced: list[str]) -> list[AttentionMaps]:
+    """Label each cross-attention query with the token it produced (not the one it was fed),
+    so an alignment row reads "garçon → boy"."""
     for m in steps:
         for i, kind in enumerate(m.kinds):
             if kind == "cross":
                 off, n = m.q_offsets[i], m.weights[i].shape[1]
                 m.q_tokens[i] = [produced[j] if j < len(produced) else str(j)
                                  for j in range(off, off + n)]  # fmt: skip
-    return hyp, steps
+    return steps
 
 
 class EncoderOnly(nn.Module):

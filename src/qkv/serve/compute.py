@@ -25,6 +25,7 @@ from qkv.attention import MultiHeadAttention
 from qkv.functional import attention_steps
 from qkv.inspect import AttentionMaps, capture, head_stats, heads_off, merge_steps, pronoun_probe
 from qkv.inspect.capture import attention_modules, recording
+from qkv.inspect.translation import label_cross_queries
 from qkv.positional import ALiBi, RotaryEmbedding
 from qkv.serve.limits import (
     DECIMALS,
@@ -280,13 +281,7 @@ def _decode(entry: Entry, text: str, beam: int) -> dict:
     label = lambda t: "</s>" if t == 4 else f"#{t}"  # noqa: E731  random ids: no vocabulary
     inputs = ["<s>"] + [label(t) for t in ids[1:-1]]
     produced = [label(t) for t in ids[1:]]
-    steps = rec.steps(tokens=inputs, source_tokens=src_tokens)
-    for m in steps:
-        for i, kind in enumerate(m.kinds):
-            if kind == "cross":
-                off, n = m.q_offsets[i], m.weights[i].shape[1]
-                m.q_tokens[i] = [produced[j] if j < len(produced) else str(j)
-                                 for j in range(off, off + n)]  # fmt: skip
+    steps = label_cross_queries(rec.steps(tokens=inputs, source_tokens=src_tokens), produced)
     text = " ".join(t for t in produced if t != "</s>")
     return {"src": src, "tgt_in": ids[:-1], "steps": steps, "text": text,
             "source_tokens": src_tokens, "inputs": inputs, "produced": produced}  # fmt: skip
