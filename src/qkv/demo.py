@@ -23,9 +23,9 @@ import torch
 
 from qkv.attention import MultiHeadAttention
 from qkv.cli_args import int_range, nonneg_int, note, text
-from qkv.data.words import count_words, split_words
+from qkv.data.words import count_words, first_words, split_words
 from qkv.functional import attention_steps
-from qkv.limits import MAX_TOKENS, fit_text
+from qkv.limits import MAX_TOKENS
 from qkv.positional import SinusoidalPositionalEncoding, TokenEmbedding
 
 DEFAULT_TEXT = "The boy trains the puppy ."
@@ -185,8 +185,8 @@ def fit_words(value: str, name: str, command: str) -> str:
     """``value`` cut to ``MAX_TOKENS["explain"]`` tokens of :func:`split_words`, with a note
     on stderr when it was cut (the walk prints T × T numbers per head)."""
     limit = MAX_TOKENS["explain"]
-    cut, n_words = fit_text(value, limit, count_words)
-    if n_words is not None:
+    cut, was_cut = first_words(value, limit)
+    if was_cut:
         total = count_words(value) if len(value) <= 64 * limit else None
         of = f" (of {total})" if total else ""
         note(f"--{name} cut to its first {count_words(cut)} tokens{of}; the walk prints "

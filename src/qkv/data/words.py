@@ -21,7 +21,8 @@ Thai, Lao, Khmer            about a syllable: a consonant with its vowel signs a
                             exact syllables or words need a dictionary
 ==========================  ==============================================================
 
-Combining marks always stay on the character before them, so no token starts with a mark.
+A combining mark stays with the character it is written on (a token starts with a mark
+only where a space separates the two). Nothing but spaces is dropped.
 
 >>> split_words("The boy trains the puppy.")
 ['The', 'boy', 'trains', 'the', 'puppy', '.']
@@ -38,7 +39,7 @@ from __future__ import annotations
 import re
 import unicodedata
 
-__all__ = ["count_words", "split_words"]
+__all__ = ["count_words", "first_words", "split_words"]
 
 # Characters written one per token.
 _HAN_KANA = (
@@ -198,3 +199,29 @@ def count_words(text: str) -> int:
     7
     """
     return len(split_words(text))
+
+
+def first_words(text: str, limit: int, *, chars_per_word: int = 32) -> tuple[str, bool]:
+    """``(prefix, was_cut)``: the NFC text up to the end of its ``limit``-th token.
+
+    Only the first ``limit × chars_per_word`` characters are read, so the work is bounded by
+    ``limit``; a text whose first tokens are longer than that is cut inside a token.
+
+    >>> first_words("男孩训练小狗。", 3)
+    ('男孩训', True)
+    >>> first_words("The boy  trains", 2)
+    ('The boy', True)
+    >>> first_words("a b", 5)
+    ('a b', False)
+    """
+    if limit < 1:
+        raise ValueError(f"limit must be >= 1, got {limit}")
+    text = unicodedata.normalize("NFC", text)
+    head = text[: limit * chars_per_word]
+    words = split_words(head)
+    if len(words) <= limit:
+        return (text, False) if len(head) == len(text) else (head.rstrip(), True)
+    end = 0
+    for w in words[:limit]:  # the words are the text's non-space characters, in order
+        end = head.index(w, end) + len(w)
+    return head[:end], True
