@@ -16,7 +16,14 @@ def test_doctests():
 
 
 def test_spaced_scripts_split_on_spaces_and_punctuation():
-    assert split_words("The boy trains the puppy .") == ["The", "boy", "trains", "the", "puppy", "."]
+    assert split_words("The boy trains the puppy .") == [
+        "The",
+        "boy",
+        "trains",
+        "the",
+        "puppy",
+        ".",
+    ]
     assert split_words("Le garçon, aujourd’hui?") == ["Le", "garçon", ",", "aujourd’hui", "?"]
     # Devanagari and Bengali vowel signs are marks: they stay inside their word.
     assert split_words("लड़का कुत्ते को सिखाता है।") == ["लड़का", "कुत्ते", "को", "सिखाता", "है", "।"]
