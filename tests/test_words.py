@@ -85,3 +85,8 @@ def test_first_words_keeps_exactly_the_first_tokens(s, limit):
     words = split_words(s)
     assert unicodedata.normalize("NFC", s).startswith(prefix)
     assert split_words(prefix) == words[:limit] and was_cut == (len(words) > limit)
+
+
+def test_digits_and_signs_are_no_final_consonant():
+    assert split_words("ดี๑") == ["ดี", "๑"]
+    assert split_words("ကျောင်း ၁၂") == ["ကျောင်း", "၁", "၂"]

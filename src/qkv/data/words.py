@@ -75,6 +75,11 @@ _VOWELS = frozenset(
 )
 _CLOSING = frozenset("\u0e30\u0e33\u0eb0\u0eb3")  # ะ ำ: a syllable that takes no final
 _FINAL_MARKS = frozenset("\u0e4c\u0ecc\u17cb\u17cc\u17cd")  # killers on a final consonant
+_CONSONANTS = frozenset(
+    [chr(c) for c in range(0x0E01, 0x0E2F)]  # Thai ก..ฮ
+    + [chr(c) for c in range(0x0E81, 0x0EAF)]  # Lao
+    + [chr(c) for c in range(0x1780, 0x17A3)]  # Khmer
+)
 _WORD_JOINERS = frozenset("'’-")  # inside a word: don't, aujourd’hui, well-known
 
 
@@ -100,8 +105,9 @@ def _myanmar(run: str) -> list[str]:
 
 
 def _clusters(run: str) -> list[str]:
-    """Thai, Lao, Khmer: about syllables. A new cluster at each base letter, except a letter after a leading
-    vowel or a Khmer coeng; marks and following vowels join the cluster before them."""
+    """Thai, Lao, Khmer, about syllables: a new cluster at each base letter, except a letter
+    after a leading vowel or a Khmer coeng; marks and following vowels join the cluster before
+    them; then a lone consonant after an open cluster joins it as its final."""
     out: list[str] = []
     for ch in run:
         joins = out and (
@@ -120,7 +126,7 @@ def _clusters(run: str) -> list[str]:
     merged: list[str] = []
     closed = True
     for c in out:
-        lone = all(ch in _FINAL_MARKS for ch in c[1:]) and not _VOWELS.intersection(c)
+        lone = c[0] in _CONSONANTS and all(ch in _FINAL_MARKS for ch in c[1:])
         if lone and not closed and merged:
             merged[-1] += c
             closed = True
