@@ -45,9 +45,10 @@ def test_markdown_and_html_renderings(tmp_path):
         "W_O",
     ):
         assert step in md
-    assert "| <b>cat</b> |" in md and "-inf" in md and "**True**" in md
+    assert "| < |" in md and "-inf" in md and "**True**" in md  # "<" is a token of its own
     page = render_html(w)
     assert "<b>cat</b>" not in page and "&lt;b&gt;cat&lt;/b&gt;" in page
+    assert "<th>&lt;</th>" in page and "<th><</th>" not in page
     assert (
         main(
             [
@@ -166,3 +167,14 @@ def test_loaders_registry(tmp_path):
         assert load(str(tmp_path)).name == "random"
     finally:
         DIR_LOADERS.pop()
+
+
+def test_explain_limit_counts_tokens_of_unspaced_text(tmp_path, capsys):
+    paste = "男孩训练小狗。" * 200  # one whitespace "word", 1,400 tokens
+    assert main(["explain", "--text", paste, "--out", str(tmp_path / "zh.md")]) == 0
+    err = capsys.readouterr().err
+    assert err.startswith("qkv explain: note: --text cut to its first 32 tokens")
+    md = (tmp_path / "zh.md").read_text(encoding="utf-8")
+    assert "→ 32 tokens ['男', '孩', '训'" in md
+    assert main(["explain", "--text", "男孩训练小狗。", "--out", str(tmp_path / "ok.md")]) == 0
+    assert "note" not in capsys.readouterr().err

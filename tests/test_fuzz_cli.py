@@ -171,7 +171,7 @@ def test_long_input_is_cut_with_a_notice(workdir, capsys):
     assert main(["view", words, "--out", "big.html"]) == 0
     assert main(["explain", "--text", words, "--out", "big.md"]) == 0
     err = capsys.readouterr().err
-    assert "qkv view: note:" in err and "128" in err and "cut to its first 32 words" in err
+    assert "qkv view: note:" in err and "128" in err and "cut to its first 32 tokens" in err
     assert (workdir / "big.html").stat().st_size < 5_000_000
     assert (workdir / "big.md").stat().st_size < 200_000
     assert sorted(os.listdir(workdir)) == ["adir.html", "adir.md", "afile", "big.html", "big.md"]

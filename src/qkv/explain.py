@@ -20,9 +20,9 @@ from rich.console import Console
 from rich.table import Table
 
 from qkv.atomic import atomic_write_text
-from qkv.cli_args import CliError, int_range, nonneg_int, note, output_file, text
-from qkv.demo import DEFAULT_TEXT, Step, Walk, walk_steps
-from qkv.limits import MAX_TOKENS, fit_text
+from qkv.cli_args import CliError, int_range, nonneg_int, output_file, text
+from qkv.demo import DEFAULT_TEXT, Step, Walk, fit_words, walk_steps
+from qkv.limits import MAX_TOKENS
 
 __all__ = ["render_html", "render_markdown", "render_terminal"]
 
@@ -72,7 +72,7 @@ def render_terminal(w: Walk, console: Console | None = None) -> None:
             for r, vals in zip(rows, m):
                 t.add_row(r, *(_cell(v) for v in vals))
             console.print(t)
-        if step.title.startswith("7."):
+        if step.name == "softmax":
             for line in w.attends:
                 console.print(line)
     console.print(f"\nStep by step equals MultiHeadAttention.forward: [bold]{w.same}[/]")
@@ -94,7 +94,7 @@ def render_markdown(w: Walk) -> str:
             out += ["| " + esc(r) + " | " + " | ".join(_cell(v) for v in vals) + " |"
                     for r, vals in zip(rows, m)]  # fmt: skip
             out.append("")
-        if step.title.startswith("7."):
+        if step.name == "softmax":
             out += ["```", *w.attends, "```", ""]
     out.append(f"Step by step equals `MultiHeadAttention.forward`: **{w.same}**")
     return "\n".join(out) + "\n"
@@ -126,7 +126,7 @@ def render_html(w: Walk) -> str:
                 parts.append(f"<tr><th>{e(r)}</th>" + "".join(f"<td>{_cell(v)}</td>" for v in vals)
                              + "</tr>")  # fmt: skip
             parts.append("</table>")
-        if step.title.startswith("7."):
+        if step.name == "softmax":
             parts.append("<pre>" + e("\n".join(w.attends)) + "</pre>")
     parts.append(f"<p>Step by step equals MultiHeadAttention.forward: <b>{w.same}</b></p>")
     return "\n".join(parts) + "</body></html>\n"
@@ -135,16 +135,11 @@ def render_html(w: Walk) -> str:
 def run(args: argparse.Namespace) -> int:
     if args.cross and not args.source:
         raise CliError("--cross needs --source SENTENCE (the keys' and values' sentence)")
-    limit = MAX_TOKENS["explain"]
     texts = {}
     for name in ("text", "source"):
         value = getattr(args, name)
-        if value is None:
-            continue
-        texts[name], n_words = fit_text(value, limit)
-        if n_words:
-            note(f"--{name} cut to its first {limit} words (of {n_words}); the walk prints "
-                 "T × T numbers per head", "explain")  # fmt: skip
+        if value is not None:
+            texts[name] = fit_words(value, name, "explain")
     w = walk_steps(texts["text"], d_model=args.d_model, n_heads=args.heads, causal=args.causal,
                    source=texts.get("source") if args.cross or args.source else None,
                    seed=args.seed)  # fmt: skip
@@ -164,13 +159,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     limit = MAX_TOKENS["explain"]
     p.add_argument("--text", default=DEFAULT_TEXT, type=text,
-                   help=f"the sentence (queries; at most {limit} words)")  # fmt: skip
+                   help=f"the sentence (queries; at most {limit} tokens)")  # fmt: skip
     p.add_argument("--d-model", type=int_range(2, 512), default=8, help="even, divisible by heads")
     p.add_argument("--heads", type=int_range(1, 64), default=2)
     p.add_argument("--causal", action="store_true", help="apply the causal mask")
     p.add_argument("--cross", action="store_true", help="cross-attention to --source")
     p.add_argument("--source", default=None, type=text,
-                   help=f"the source sentence (keys and values; at most {limit} words)")  # fmt: skip
+                   help=f"the source sentence (keys and values; at most {limit} tokens)")  # fmt: skip
     p.add_argument("--seed", type=nonneg_int, default=0)
     p.add_argument("--out", default=None, type=output_file(".md", ".html", ".htm"),
                    help="write Markdown (.md) or HTML (.html) instead of printing")  # fmt: skip

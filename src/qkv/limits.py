@@ -3,7 +3,8 @@
 Every entry point works on at most a stated number of tokens, so its time and memory are
 bounded by the limit, never by the input:
 
-    qkv explain   MAX_TOKENS["explain"] words   (each step prints T × T numbers per head)
+    qkv explain   MAX_TOKENS["explain"] tokens  (of qkv.data.words.split_words; each step
+                                                prints T × T numbers per head)
     qkv view      MAX_TOKENS["view"] tokens     (the page holds layers × heads × T² weights)
     qkv heads     MAX_TOKENS["heads"] tokens
     qkv embed     MAX_TOKENS["embed"] tokens per sentence, MAX_SENTENCES sentences

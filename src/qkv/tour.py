@@ -54,7 +54,7 @@ def step_by_step(text: str, console: Console) -> None:
 
     w = walk_steps(text)
     console.print(w.header)
-    names = {s.title.split(" ", 1)[0]: s for s in w.steps}
+    n_steps = sum(not s.title.startswith(" ") for s in w.steps)  # numbered 1..n; subs indented
     weights = next(s for s in w.steps if "softmax" in s.title)
     console.print("Q, K, V = x W_Q, x W_K, x W_V  →  scores = Q Kᵀ  →  ÷ √d_k  →  softmax  →  · V")
     console.print(_weights_table("softmax(Q Kᵀ / √d_k), head 0 (each row sums to 1)",
@@ -62,7 +62,7 @@ def step_by_step(text: str, console: Console) -> None:
                                  weights.cols or w.words))  # fmt: skip
     for line in w.attends:
         console.print(line)
-    console.print(f"{len(names)} steps computed; put together by hand they equal "
+    console.print(f"{n_steps} steps computed; put together by hand they equal "
                   f"MultiHeadAttention.forward: {w.same}. Every step: qkv explain \"{text}\"")  # fmt: skip
 
 
