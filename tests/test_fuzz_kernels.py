@@ -330,3 +330,23 @@ def test_weights_heads_out_of_range_is_one_value_error(heads, backend):
         scaled_dot_product_attention(
             q, q, q, return_weights=True, weights_heads=heads, backend=backend
         )
+
+
+def test_auto_gradients_with_huge_logits_match_fp64():
+    """Gradients with scores ~1e10: "auto" differentiates the math softmax (torch's and
+    flash's recomputed weights are too coarse there), so they equal fp64's."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 5, 8, generator=g) for _ in range(3))
+    decision = explain_dispatch(q.requires_grad_(), k, v, scale=1e10)
+    assert decision.backend == "math" and "log-sum-exp" in str(decision)
+    inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+    ref_inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    out = scaled_dot_product_attention(*inputs, scale=1e10)
+    ref, _ = reference(*ref_inputs, scale=1e10)
+    grads = torch.autograd.grad(out.sum(), inputs)
+    ref_grads = torch.autograd.grad(ref.sum(), ref_inputs)
+    for a, b in zip(grads, ref_grads):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a.double(), b, atol=1e-4, rtol=1e-4)
+    with torch.no_grad():  # inference is not affected: no bound computed, usual rules
+        assert explain_dispatch(q, k, v, scale=1e10).backend != "math"

@@ -60,6 +60,7 @@ __all__ = ["BACKENDS", "Case", "Decision", "choose", "describe", "explain_dispat
 logger = logging.getLogger("qkv")
 
 BACKENDS = ("math", "torch", "flash")
+HUGE_LOGITS = 2.0**16  # beyond it, gradients from a recomputed softmax lose all accuracy
 # fastest first (as measured); "auto" takes the first valid one in this order unless a rule
 # of the table in the module docstring picks another.
 _SPEED_ORDER = ("torch", "flash", "math")
@@ -88,6 +89,7 @@ class Case:
     weights_heads: tuple[int, ...] | None
     device: str = "cpu"
     grad: bool = False  # autograd will need gradients of q, k or v
+    logit_bound: float = 0.0  # an upper bound of |scores| (computed only when grad is needed)
 
 
 @dataclass
@@ -124,8 +126,13 @@ def describe(
     weights_heads: list[int] | tuple[int, ...] | None = None,
     scale: float | None = None,
 ) -> Case:
-    """The :class:`Case` of a call with these arguments (``scale`` does not matter)."""
+    """The :class:`Case` of a call with these arguments."""
     shape = check_qkv(q, k, v)
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    bound = 0.0
+    if grad and not shape.empty:  # |q·k|·scale <= max|q|·max|k|·d_k·scale; two cheap reductions
+        sc = scale if scale is not None else shape.d_k**-0.5
+        bound = float(q.detach().abs().amax()) * float(k.detach().abs().amax()) * shape.d_k * sc
     return Case(
         shape=shape,
         dtype=q.dtype,
@@ -139,7 +146,8 @@ def describe(
         return_weights=bool(return_weights),
         weights_heads=check_heads(weights_heads, shape.h),
         device=q.device.type,
-        grad=torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)),
+        grad=grad,
+        logit_bound=bound,
     )
 
 
@@ -170,6 +178,10 @@ def _rule(case: Case, fused_why: str | None) -> tuple[str, str]:
         return "flash", "weights of selected heads are recomputed from flash's log-sum-exp"
     if case.dropout_p > 0:
         return "torch", "dropout: torch SDPA has it"
+    if case.grad and case.logit_bound >= HUGE_LOGITS:
+        return "math", (f"gradients with scores up to {case.logit_bound:.1e} >= {HUGE_LOGITS:.0e}: "
+                        "torch and flash rebuild the weights from an fp32 log-sum-exp too coarse "
+                        "there; math differentiates its own softmax")  # fmt: skip
     if case.softcap is not None:
         return "flash", "softcap: flash supports it without materialising Tq×Tk"
     if fused and case.grad and case.dtype == torch.bfloat16:
