@@ -20,7 +20,6 @@ from rich.table import Table
 from qkv.atomic import atomic_write_text
 from qkv.cli_args import CliError, int_range, note, output_file, positive_int, text
 from qkv.inspect.ablate import ablate, ablation_scan, parse_heads
-from qkv.inspect.capture import capture
 from qkv.inspect.loaders import load
 from qkv.inspect.stats import ProbeRow, head_stats, normalize_token, pronoun_probe
 from qkv.limits import MAX_TOKENS, fit_text
@@ -141,9 +140,12 @@ def run_heads(args: argparse.Namespace) -> int:
     if not args.sentence or not args.sentence.strip():
         raise CliError("give a sentence (or --ablate ... --data-split SPLIT for BLEU)")
     loaded = load(args.model)
+    if args.ablate is not None and loaded.hf is not None:
+        raise CliError("--ablate switches heads of qkv attention modules off; a transformers "
+                       "model directory has none (drop --ablate)")  # fmt: skip
     args.sentence = _fit(loaded, args.sentence, "heads", "the sentence")
     tokens, inputs = loaded.encode(args.sentence)
-    maps = capture(loaded.model, *inputs, tokens=tokens)
+    maps = loaded.maps(*inputs, tokens=tokens)
     if args.token is None:
         t = Table(title=f"head statistics — {args.sentence!r}")
         for col in ("layer", "head", "entropy", "dist", "prev", "next", "self", "first", "punct"):
