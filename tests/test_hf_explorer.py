@@ -1,0 +1,244 @@
+"""``qkv view/heads --model DIR`` and ``qkv serve --model NAME=DIR`` on local transformers models.
+
+Tiny random models (Llama decoder, BERT encoder, Marian encoder-decoder) are built from
+configs and saved with a word-level tokenizer into temporary directories (nothing
+downloads); the maps are checked against the same weights run by transformers' own "eager"
+attention with ``output_attentions=True``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers is imported: nothing downloads
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+pytest.importorskip("starlette")
+pytest.importorskip("httpx")
+from starlette.testclient import TestClient  # noqa: E402
+
+from qkv.cli import main  # noqa: E402
+from qkv.inspect.loaders import load  # noqa: E402
+from qkv.serve.app import create_app  # noqa: E402
+from qkv.serve.models import default_registry  # noqa: E402
+from serve_helpers import one_thread  # noqa: E402
+
+TOL = 1e-5
+TEXT = "the boy trains the puppy ."
+WORDS = "the a boy girl dog puppy trains runs sees . , it was tired street animal le chien".split()
+SPECIALS = ["<pad>", "<s>", "</s>", "<unk>", "[CLS]", "[SEP]", "[MASK]"]
+
+
+def _tokenizer(bert: bool = False):
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    vocab = {t: i for i, t in enumerate(SPECIALS + WORDS)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    if bert:
+        tok.post_processor = processors.TemplateProcessing(
+            single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 4), ("[SEP]", 5)]
+        )
+    else:  # a source / a prompt ends with </s> (seq2seq) or starts with <s> (decoder)
+        tok.post_processor = processors.TemplateProcessing(
+            single="<s> $A </s>", special_tokens=[("<s>", 1), ("</s>", 2)]
+        )
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", bos_token="<s>",
+        eos_token="</s>", cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]",
+    )  # fmt: skip
+
+
+V = len(SPECIALS) + len(WORDS)
+
+
+def _llama():
+    cfg = transformers.LlamaConfig(
+        vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def _bert():
+    cfg = transformers.BertConfig(
+        vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=48, max_position_embeddings=64,
+    )  # fmt: skip
+    return transformers.BertModel(cfg)
+
+
+def _marian():
+    cfg = transformers.MarianConfig(
+        vocab_size=V, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=48, decoder_ffn_dim=48,
+        max_position_embeddings=64, pad_token_id=0, decoder_start_token_id=0, eos_token_id=2,
+        forced_eos_token_id=None,
+    )  # fmt: skip
+    return transformers.MarianMTModel(cfg)
+
+
+BUILDERS = {"llama": _llama, "bert": _bert, "marian": _marian}
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hfdirs")
+    out = {}
+    for name, build in BUILDERS.items():
+        torch.manual_seed(0)
+        model = build().eval()
+        if name == "marian":  # no eos among the first steps: a few tokens are generated
+            with torch.no_grad():
+                model.final_logits_bias[0, 2] = -1e4
+        path = root / name
+        model.save_pretrained(path)
+        _tokenizer(bert=name == "bert").save_pretrained(path)
+        out[name] = path
+    return out
+
+
+def _eager(path, kind):
+    auto = {"llama": transformers.AutoModelForCausalLM, "bert": transformers.AutoModel,
+            "marian": transformers.AutoModelForSeq2SeqLM}[kind]  # fmt: skip
+    return auto.from_pretrained(path, local_files_only=True, attn_implementation="eager").eval()
+
+
+@pytest.mark.parametrize("name", ["llama", "bert", "marian"])
+def test_view_writes_the_page(dirs, name, tmp_path):
+    out = tmp_path / f"{name}.html"
+    assert main(["view", TEXT, "--model", str(dirs[name]), "--out", str(out)]) == 0
+    page = out.read_text()
+    assert page.startswith("<!DOCTYPE html>") and 'id="qkv-data"' in page and "puppy" in page
+
+
+def test_view_translate_seq2seq(dirs, tmp_path):
+    out = tmp_path / "tr.html"
+    argv = ["view", "--model", str(dirs["marian"]), "--translate", TEXT, "--out", str(out)]
+    assert main(argv) == 0
+    assert "cross" in out.read_text()
+
+
+def test_view_translate_refused_for_decoder(dirs, tmp_path, capsys):
+    out = tmp_path / "no.html"
+    argv = ["view", "--model", str(dirs["llama"]), "--translate", TEXT, "--out", str(out)]
+    assert main(argv) == 2
+    assert "does not translate" in capsys.readouterr().err and not out.exists()
+
+
+def test_loader_order_and_kinds(dirs):
+    from qkv.pretrained import BertModel
+
+    assert isinstance(load(str(dirs["bert"])).model, BertModel)  # BERT stays qkv's own
+    llama, marian = load(str(dirs["llama"])), load(str(dirs["marian"]))
+    assert (llama.hf.kind, marian.hf.kind) == ("decoder", "encoder-decoder")
+    assert llama.translate is None and marian.translate is not None
+
+
+@pytest.mark.parametrize("name", ["llama", "marian"])
+def test_maps_equal_eager_output_attentions(dirs, name):
+    loaded = load(str(dirs[name]))
+    tokens, (ids, mask) = loaded.encode(TEXT)
+    maps = loaded.maps(ids, mask, tokens=tokens)
+    eager = _eager(dirs[name], name)
+    with torch.no_grad():
+        if name == "marian":
+            ref = eager(input_ids=ids, attention_mask=mask, decoder_input_ids=torch.tensor([[0]]),
+                        output_attentions=True).encoder_attentions  # fmt: skip
+        else:
+            ref = eager(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
+    assert len(maps) == len(ref) == 2
+    want = "self" if name == "marian" else "causal"
+    for w, r, kind in zip(maps.weights, ref, maps.kinds, strict=True):
+        assert kind == want and w.shape == r[0].shape
+        torch.testing.assert_close(w, r[0], atol=TOL, rtol=0)
+    assert maps.q_tokens[0] == tokens == ["<s>", *TEXT.split(), "</s>"]
+
+
+def test_translation_maps_equal_eager(dirs):
+    loaded = load(str(dirs["marian"]))
+    maps = loaded.translate(TEXT)[0]
+    eager = _eager(dirs["marian"], "marian")
+    _, (ids, mask) = loaded.encode(TEXT)
+    with torch.no_grad():
+        seq = eager.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40,
+                             do_sample=False, num_beams=1)  # fmt: skip
+        ref = eager(input_ids=ids, attention_mask=mask, decoder_input_ids=seq[:, :-1],
+                    output_attentions=True)  # teacher-forced: the same rows  # fmt: skip
+    cross = maps.filter(kind="cross")
+    causal = maps.filter(kind="causal")
+    assert len(cross) == len(causal) == 2 and seq.shape[1] > 2
+    for w, r in zip(cross.weights, ref.cross_attentions, strict=True):
+        torch.testing.assert_close(w, r[0], atol=TOL, rtol=0)  # (H, T_tgt, S)
+    for w, r in zip(causal.weights, ref.decoder_attentions, strict=True):
+        torch.testing.assert_close(w, r[0], atol=TOL, rtol=0)  # (H, T_tgt, T_tgt)
+
+
+def test_heads_cli(dirs, capsys):
+    assert main(["heads", TEXT, "--model", str(dirs["llama"])]) == 0
+    assert "head statistics" in capsys.readouterr().out
+    argv = ["heads", TEXT, "--model", str(dirs["llama"]), "--token", "puppy", "--candidates",
+            "boy", "the", "--ablate"]  # fmt: skip
+    assert main(argv) == 2
+    assert "--ablate" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def client(dirs):
+    reg = default_registry({"llama": str(dirs["llama"]), "marian": str(dirs["marian"])})
+    reg._entries.pop("minilm")
+    with one_thread(), TestClient(create_app(reg)) as c:
+        yield c
+
+
+def post(client, **body):
+    return client.post("/api/attention", json=body)
+
+
+def test_serve_decoder_maps(client, dirs):
+    info = {m["name"]: m for m in client.get("/api/health").json()["models"]}
+    assert info["marian"]["translator"] is True and info["llama"]["translator"] is False
+    r = post(client, text=TEXT, model="llama")
+    assert r.status_code == 200, r.text
+    d = r.json()
+    assert d["step"] is None and "step-by-step" in d["step_unavailable"]
+    assert d["ablate_unavailable"] and d["tokens"] == ["<s>", *TEXT.split(), "</s>"]
+    loaded = load(str(dirs["llama"]))
+    _, (ids, mask) = loaded.encode(TEXT)
+    with torch.no_grad():
+        ref = _eager(dirs["llama"], "llama")(input_ids=ids, output_attentions=True).attentions
+    assert [x["kind"] for x in d["layers"]] == ["causal", "causal"]
+    for lay, r in zip(d["layers"], ref, strict=True):  # the API rounds to 3 decimals
+        torch.testing.assert_close(torch.tensor(lay["weights"]), r[0], atol=6e-4, rtol=0)
+    assert len(d["stats"]) == 8
+
+
+def test_serve_translation_has_cross_attention(client):
+    r = post(client, text=TEXT, model="marian", translate=True)
+    assert r.status_code == 200, r.text
+    d = r.json()
+    kinds = [x["kind"] for x in d["layers"]]
+    assert kinds.count("cross") == 2 and kinds.count("self") == 2
+    tr = d["translation"]
+    cross = next(x for x in d["layers"] if x["kind"] == "cross")
+    assert cross["k_tokens"] == tr["source_tokens"] == d["tokens"]
+    assert cross["q_tokens"] == tr["target_tokens"] and len(cross["weights"][0]) == tr["steps"]
+    for row in cross["weights"][0]:
+        assert abs(sum(row) - 1) < 5e-3
+
+
+def test_serve_refuses_what_hf_models_cannot_do(client):
+    r = post(client, text=TEXT, model="llama", ablate=[["model.layers.0.self_attn", 0]])
+    assert r.status_code == 400 and "Switching heads off" in r.json()["error"]
+    r = post(client, text=TEXT, model="llama", translate=True)
+    assert r.status_code == 400 and "does not translate" in r.json()["error"]
+    r = post(client, text=TEXT, model="marian", translate=True, beam=2)
+    assert r.status_code == 400 and "beam" in r.json()["error"]
+    r = post(client, text=TEXT, model="llama", layer="model.layers.1.self_attn", head=4)
+    assert r.status_code == 400 and "head must be in [0, 3]" in r.json()["error"]
+    r = post(client, text=TEXT, model="llama", layer="nope")
+    assert r.status_code == 400 and "layer must be one of" in r.json()["error"]
