@@ -23,6 +23,7 @@ from starlette.testclient import TestClient  # noqa: E402
 from qkv.cli import main  # noqa: E402
 from qkv.inspect.loaders import load  # noqa: E402
 from qkv.serve.app import create_app  # noqa: E402
+from qkv.serve.limits import target_limit  # noqa: E402
 from qkv.serve.models import default_registry  # noqa: E402
 from serve_helpers import one_thread  # noqa: E402
 
@@ -178,13 +179,48 @@ def test_translation_maps_equal_eager(dirs):
         torch.testing.assert_close(w, r[0], atol=TOL, rtol=0)  # (H, T_tgt, T_tgt)
 
 
+def _eager_heads_off(path, kind, layer: str, head: int, proj: str):
+    """Eager reference with ``head`` of ``layer`` off: its columns of the output projection
+    zeroed (the head's output then reaches nothing), on a fresh copy of the weights."""
+    model = _eager(path, kind)
+    w = model.get_submodule(f"{layer}.{proj}").weight  # (d_model, h·d)
+    d = w.shape[1] // 4  # the tiny models have 4 heads
+    with torch.no_grad():
+        w[:, head * d : (head + 1) * d] = 0.0
+    return model
+
+
+def test_heads_off_equals_zeroed_output_projection(dirs):
+    from qkv.hf import heads_off
+
+    loaded = load(str(dirs["llama"]))
+    tokens, (ids, mask) = loaded.encode(TEXT)
+    ref = _eager_heads_off(dirs["llama"], "llama", "model.layers.0.self_attn", 1, "o_proj")
+    with torch.no_grad():
+        want = ref(input_ids=ids, output_attentions=True, output_hidden_states=True)
+        with heads_off(loaded.model, {"model.layers.0.self_attn": [1]}):
+            maps = loaded.maps(ids, mask, tokens=tokens)
+            got = loaded.hidden(ids, mask)
+        plain = loaded.hidden(ids, mask)
+    torch.testing.assert_close(got, want.hidden_states[-1], atol=TOL, rtol=0)
+    torch.testing.assert_close(maps.weights[1], want.attentions[1][0], atol=TOL, rtol=0)
+    assert float((plain - got).abs().max()) > 1e-3  # the switch changed something
+    with pytest.raises(ValueError, match="heads \\[4\\] out of range"):
+        with heads_off(loaded.model, {0: [4]}):
+            pass
+
+
 def test_heads_cli(dirs, capsys):
     assert main(["heads", TEXT, "--model", str(dirs["llama"])]) == 0
     assert "head statistics" in capsys.readouterr().out
     argv = ["heads", TEXT, "--model", str(dirs["llama"]), "--token", "puppy", "--candidates",
             "boy", "the", "--ablate"]  # fmt: skip
-    assert main(argv) == 2
-    assert "--ablate" in capsys.readouterr().err
+    assert main(argv) == 0  # one head off at a time, every layer
+    out = capsys.readouterr().out
+    assert "one head off at a time" in out and "model.layers.1.self_attn" in out
+    assert main([*argv, "model.layers.0.self_attn:0,2"]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # rich wraps long lines
+    assert "with {'model.layers.0.self_attn': [0, 2]} off" in out
 
 
 @pytest.fixture(scope="module")
@@ -206,7 +242,7 @@ def test_serve_decoder_maps(client, dirs):
     assert r.status_code == 200, r.text
     d = r.json()
     assert d["step"] is None and "step-by-step" in d["step_unavailable"]
-    assert d["ablate_unavailable"] and d["tokens"] == ["<s>", *TEXT.split(), "</s>"]
+    assert d["tokens"] == ["<s>", *TEXT.split(), "</s>"]
     loaded = load(str(dirs["llama"]))
     _, (ids, mask) = loaded.encode(TEXT)
     with torch.no_grad():
@@ -231,9 +267,50 @@ def test_serve_translation_has_cross_attention(client):
         assert abs(sum(row) - 1) < 5e-3
 
 
+def test_serve_heads_off(client, dirs):
+    layer = "model.layers.0.self_attn"
+    r = post(client, text=TEXT, model="llama", layer=layer, ablate=[[layer, 2]])
+    assert r.status_code == 200, r.text
+    d = r.json()
+    loaded = load(str(dirs["llama"]))
+    _, (ids, mask) = loaded.encode(TEXT)
+    ref = _eager_heads_off(dirs["llama"], "llama", layer, 2, "o_proj")
+    with torch.no_grad():
+        want = ref(input_ids=ids, output_attentions=True, output_hidden_states=True)
+        base = loaded.hidden(ids, mask)
+    off = want.hidden_states[-1]
+    change = float((off - base).norm() / base.norm())
+    assert d["ablation"]["heads"] == [[layer, 2]]
+    assert abs(d["ablation"]["hidden_change"] - change) < 2e-4 and change > 1e-3
+    got = torch.tensor(d["layers"][1]["weights"])
+    torch.testing.assert_close(got, want.attentions[1][0], atol=6e-4, rtol=0)
+
+
+def test_serve_translation_heads_off(client, dirs):
+    layer = "model.decoder.layers.1.encoder_attn"
+    r = post(client, text=TEXT, model="marian", translate=True, ablate=[[layer, 0], [layer, 3]])
+    assert r.status_code == 200, r.text
+    d = r.json()
+    loaded = load(str(dirs["marian"]))
+    tokens, (ids, mask) = loaded.encode(TEXT)
+    ref = _eager(dirs["marian"], "marian")
+    w = ref.get_submodule(f"{layer}.out_proj").weight  # (d_model, h·d)
+    with torch.no_grad():
+        w[:, 0:8] = 0.0
+        w[:, 24:32] = 0.0
+        seq = ref.generate(input_ids=ids, attention_mask=mask, do_sample=False, num_beams=1,
+                           max_new_tokens=target_limit(len(tokens)))  # the server's limit  # fmt: skip
+    tok = loaded.tokenizer
+    assert d["translation"]["target_tokens"] == tok.convert_ids_to_tokens(seq[0, 1:].tolist())
+    plain = post(client, text=TEXT, model="marian", translate=True).json()
+    assert d["ablation"]["baseline"]["translation"] == plain["translation"]["text"]
+
+
 def test_serve_refuses_what_hf_models_cannot_do(client):
-    r = post(client, text=TEXT, model="llama", ablate=[["model.layers.0.self_attn", 0]])
-    assert r.status_code == 400 and "Switching heads off" in r.json()["error"]
+    r = post(client, text=TEXT, model="llama", ablate=[["model.layers.0.self_attn", 4]])
+    assert r.status_code == 400 and "head 4 out of range" in r.json()["error"]
+    r = post(client, text=TEXT, model="llama", ablate=[["nope", 0]])
+    assert r.status_code == 400 and "no layer named 'nope'" in r.json()["error"]
     r = post(client, text=TEXT, model="llama", translate=True)
     assert r.status_code == 400 and "does not translate" in r.json()["error"]
     r = post(client, text=TEXT, model="marian", translate=True, beam=2)

@@ -140,9 +140,6 @@ def run_heads(args: argparse.Namespace) -> int:
     if not args.sentence or not args.sentence.strip():
         raise CliError("give a sentence (or --ablate ... --data-split SPLIT for BLEU)")
     loaded = load(args.model)
-    if args.ablate is not None and loaded.hf is not None:
-        raise CliError("--ablate switches heads of qkv attention modules off; a transformers "
-                       "model directory has none (drop --ablate)")  # fmt: skip
     args.sentence = _fit(loaded, args.sentence, "heads", "the sentence")
     tokens, inputs = loaded.encode(args.sentence)
     maps = loaded.maps(*inputs, tokens=tokens)

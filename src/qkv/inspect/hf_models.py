@@ -17,8 +17,8 @@ encoder-decoder     the encoder's self-attention over the text; ``translate(text
 
 Decoder rows are labelled with the decoder *inputs* (start token, y₁, …); cross-attention
 rows with the token each step *produced*, as for qkv's own translators
-(:mod:`qkv.inspect.translation`). Switching heads off and the step-by-step view need qkv's
-own attention modules and are not offered for these models.
+(:mod:`qkv.inspect.translation`). Heads are switched off by :func:`qkv.hf.heads_off`; the
+step-by-step view needs qkv's own attention modules and is not offered for these models.
 
 >>> loaded = load_hf_dir(Path("checkpoints/opus-mt-en-fr"))     # doctest: +SKIP
 >>> loaded.hf.kind                                              # doctest: +SKIP
@@ -124,12 +124,20 @@ def load_hf_dir(path: Path) -> Loaded | None:
     if not is_hf_dir(path):
         return None
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers.utils import logging as hf_logging
+
     from qkv.hf import load_model
 
-    hf = load_model(path)
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # no "Loading weights" bars in the commands' output
+    try:
+        hf = load_model(path)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     if hf.tokenizer is None:
-        raise ValueError(f"--model {str(path)!r}: the directory has no tokenizer "
-                         f"(tokenizer.json or tokenizer_config.json); qkv needs one to read text")  # fmt: skip
+        raise ValueError(f"--model {str(path)!r}: the directory has no tokenizer (tokenizer.json "
+                         f"or tokenizer_config.json); qkv needs one to read text")  # fmt: skip
     tok = hf.tokenizer
     max_len = getattr(tok, "model_max_length", None)
     max_len = max_len if isinstance(max_len, int) and 0 < max_len < 1_000_000 else None

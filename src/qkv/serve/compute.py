@@ -359,7 +359,6 @@ def attention(entry: Entry, req: AttentionRequest) -> dict:
         else:
             out = (_translation if req.translate else _encoder)(entry, req, text)
     out.setdefault("step_unavailable", None)  # why the step-by-step view is not offered
-    out.setdefault("ablate_unavailable", None)  # why heads cannot be switched off
     limit = out.pop("limit")
     out["truncated"] = bool(out["truncated"] or cut_chars)
     out["notice"] = (f"The text was cut to its first {len(out['tokens'])} tokens (limit {limit})."

@@ -1,21 +1,21 @@
 """``POST /api/attention`` for a transformers model directory (:mod:`qkv.inspect.hf_models`).
 
-The maps, head statistics, pronoun probe and (for a seq2seq model) the greedy translation
-with its cross-attention are computed as for qkv's own models, from the model's exact
-per-head weights (:func:`qkv.hf.capture_attention`). Two views need qkv's own attention
-modules and are not offered; the answer says so in fields the page reads:
+The maps, head statistics, pronoun probe, switching heads off (:func:`qkv.hf.heads_off`:
+their output zeroed before the output projection) and, for a seq2seq model, the greedy
+translation with its cross-attention are computed as for qkv's own models, from the model's
+exact per-head weights (:func:`qkv.hf.capture_attention`).
 
-* ``step`` is ``null`` and ``step_unavailable`` gives the reason (the page shows the
-  head's weights instead of the walk through Q, K, V);
-* ``ablate_unavailable`` gives the reason, and a request with ``ablate`` is a 400.
-
-Beam search is not offered either (``beam`` > 1 is a 400): the captured maps follow one row.
+The step-by-step view recomputes Q, K and V inside qkv's own attention modules and is not
+offered: ``step`` is ``null`` and ``step_unavailable`` gives the reason (the page shows the
+head's weights instead). Beam search is not offered either (``beam`` > 1 is a 400): the
+captured maps follow one row.
 """
 
 from __future__ import annotations
 
+from qkv.hf import heads_off
 from qkv.inspect.hf_models import head_counts, translate_hf
-from qkv.serve.compute import _pick_layer, _probe, _stats, cut_to_limit, maps_json
+from qkv.serve.compute import _num, _pick_layer, _probe, _stats, cut_to_limit, maps_json
 from qkv.serve.limits import (
     AttentionRequest,
     BadRequest,
@@ -25,13 +25,11 @@ from qkv.serve.limits import (
 )
 from qkv.serve.models import Entry
 
-__all__ = ["ABLATE_UNAVAILABLE", "STEP_UNAVAILABLE", "hf_attention"]
+__all__ = ["STEP_UNAVAILABLE", "hf_attention"]
 
 STEP_UNAVAILABLE = ("The step-by-step view recomputes Q, K and V inside qkv's own attention "
                     "modules; this transformers model shows its exact attention weights "
                     "instead.")  # fmt: skip
-ABLATE_UNAVAILABLE = ("Switching heads off needs qkv's own attention modules; it is not "
-                      "available for transformers models.")  # fmt: skip
 
 
 def _check_head(req: AttentionRequest, names: list[str], counts: dict[str, int]) -> str:
@@ -41,12 +39,22 @@ def _check_head(req: AttentionRequest, names: list[str], counts: dict[str, int])
     return layer
 
 
+def _ablation_spec(req: AttentionRequest, counts: dict[str, int]) -> dict[str, list[int]]:
+    spec: dict[str, list[int]] = {}
+    for layer, head in req.ablate:
+        if layer not in counts:
+            raise BadRequest(f"ablate: no layer named {layer!r}; have {list(counts)}")
+        if not 0 <= head < counts[layer]:
+            raise BadRequest(f"ablate: head {head} out of range for {layer!r} "
+                             f"({counts[layer]} heads)")  # fmt: skip
+        spec.setdefault(layer, []).append(head)
+    return spec
+
+
 def hf_attention(entry: Entry, req: AttentionRequest, text: str) -> dict:
     """Answer ``req`` with the transformers model of ``entry`` (model lock held)."""
     loaded = entry.loaded
     hf = loaded.hf
-    if req.ablate:
-        raise BadRequest(f"ablate: {ABLATE_UNAVAILABLE}")
     counts = head_counts(loaded)
     enc = {n: h for n, h in counts.items() if "encoder" in n.split(".")}
     if req.translate:
@@ -61,23 +69,40 @@ def hf_attention(entry: Entry, req: AttentionRequest, text: str) -> dict:
         limit = translate_limit(sum(enc.values()), dec, sum(cross.values()))
         text, tokens, _, cut = cut_to_limit(loaded.encode, text, limit)
         layer = _check_head(req, list(counts), counts)
-        d = translate_hf(loaded, text, max_new_tokens=target_limit(len(tokens)))
+        spec = _ablation_spec(req, counts)
+        with heads_off(hf.model, spec):
+            d = translate_hf(loaded, text, max_new_tokens=target_limit(len(tokens)))
         maps = d["maps"]
         extra = {"translation": {"source_tokens": d["source_tokens"],
                                  "target_tokens": d["produced"], "decoder_inputs": d["inputs"],
                                  "text": d["text"], "beam": 1, "steps": len(d["produced"])}}  # fmt: skip
+        if spec:
+            base = translate_hf(loaded, text, max_new_tokens=target_limit(len(tokens)))
+            extra["ablation"] = {"heads": [[k, h] for k, hs in spec.items() for h in hs],
+                                 "baseline": {"translation": base["text"],
+                                              "probe": _probe(base["maps"], req)}}  # fmt: skip
     else:
         shown = enc if hf.kind == "encoder-decoder" else counts
         limit = encoder_limit(sum(shown.values()))
         text, tokens, inputs, cut = cut_to_limit(loaded.encode, text, limit)
         layer = _check_head(req, list(shown), shown)
-        maps = loaded.maps(*inputs, tokens=tokens)
+        spec = _ablation_spec(req, shown)
+        with heads_off(hf.model, spec):
+            maps = loaded.maps(*inputs, tokens=tokens)
+            hidden = loaded.hidden(*inputs) if spec else None  # (1, T, d)
         extra = {}
+        if spec:
+            base = loaded.hidden(*inputs)  # (1, T, d)
+            change = float((hidden - base).norm() / base.norm().clamp_min(1e-12))
+            base_maps = loaded.maps(*inputs, tokens=tokens)
+            extra["ablation"] = {"heads": [[k, h] for k, hs in spec.items() for h in hs],
+                                 "hidden_change": _num(change, 4),
+                                 "baseline": {"probe": _probe(base_maps, req)}}  # fmt: skip
     return {
         "limit": limit, "text": text, "tokens": tokens, "truncated": cut,
         "layers": maps_json(maps), "stats": _stats(maps), "probe": _probe(maps, req),
         "step": None, "step_unavailable": f"{layer}, head {req.head}: {STEP_UNAVAILABLE}",
-        "ablate_unavailable": ABLATE_UNAVAILABLE, **extra,
+        **extra,
     }  # fmt: skip
 
 

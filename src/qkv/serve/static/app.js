@@ -366,7 +366,6 @@
     root.append(p);
     const s = el("div", "card");
     s.append(el("h3", "", "Switch heads off (their output is zeroed before W_O) and re-run"));
-    if (d.ablate_unavailable) { s.append(el("p", "hint", d.ablate_unavailable)); root.append(s); return; }
     const ls = layers().filter((l, i, a) => a.findIndex((m) => m.name === l.name) === i);
     const H = Math.max(...ls.map((l) => l.heads.length));
     const sw = el("div", "switches"); sw.style.gridTemplateColumns = `200px repeat(${H}, 44px)`;
