@@ -73,6 +73,15 @@ def _bert():
     return transformers.BertModel(cfg)
 
 
+def _roberta():  # an encoder that is not BERT: runs through qkv.hf
+    cfg = transformers.RobertaConfig(
+        vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=48, max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2,
+    )  # fmt: skip
+    return transformers.RobertaModel(cfg)
+
+
 def _marian():
     cfg = transformers.MarianConfig(
         vocab_size=V, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
@@ -83,7 +92,7 @@ def _marian():
     return transformers.MarianMTModel(cfg)
 
 
-BUILDERS = {"llama": _llama, "bert": _bert, "marian": _marian}
+BUILDERS = {"llama": _llama, "bert": _bert, "roberta": _roberta, "marian": _marian}
 
 
 @pytest.fixture(scope="module")
@@ -104,12 +113,12 @@ def dirs(tmp_path_factory):
 
 
 def _eager(path, kind):
-    auto = {"llama": transformers.AutoModelForCausalLM, "bert": transformers.AutoModel,
+    auto = {"llama": transformers.AutoModelForCausalLM, "roberta": transformers.AutoModel,
             "marian": transformers.AutoModelForSeq2SeqLM}[kind]  # fmt: skip
     return auto.from_pretrained(path, local_files_only=True, attn_implementation="eager").eval()
 
 
-@pytest.mark.parametrize("name", ["llama", "bert", "marian"])
+@pytest.mark.parametrize("name", ["llama", "bert", "roberta", "marian"])
 def test_view_writes_the_page(dirs, name, tmp_path):
     out = tmp_path / f"{name}.html"
     assert main(["view", TEXT, "--model", str(dirs[name]), "--out", str(out)]) == 0
@@ -137,10 +146,11 @@ def test_loader_order_and_kinds(dirs):
     assert isinstance(load(str(dirs["bert"])).model, BertModel)  # BERT stays qkv's own
     llama, marian = load(str(dirs["llama"])), load(str(dirs["marian"]))
     assert (llama.hf.kind, marian.hf.kind) == ("decoder", "encoder-decoder")
+    assert load(str(dirs["roberta"])).hf.kind == "encoder"
     assert llama.translate is None and marian.translate is not None
 
 
-@pytest.mark.parametrize("name", ["llama", "marian"])
+@pytest.mark.parametrize("name", ["llama", "roberta", "marian"])
 def test_maps_equal_eager_output_attentions(dirs, name):
     loaded = load(str(dirs[name]))
     tokens, (ids, mask) = loaded.encode(TEXT)
@@ -153,7 +163,7 @@ def test_maps_equal_eager_output_attentions(dirs, name):
         else:
             ref = eager(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
     assert len(maps) == len(ref) == 2
-    want = "self" if name == "marian" else "causal"
+    want = "causal" if name == "llama" else "self"
     for w, r, kind in zip(maps.weights, ref, maps.kinds, strict=True):
         assert kind == want and w.shape == r[0].shape
         torch.testing.assert_close(w, r[0], atol=TOL, rtol=0)

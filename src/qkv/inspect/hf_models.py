@@ -1,7 +1,7 @@
 """``--model DIR`` for any local transformers model directory (offline), through :mod:`qkv.hf`.
 
-A directory whose ``config.json`` names a ``model_type`` or ``architectures`` (and is not a
-BERT directory, which qkv runs with its own BERT, nor a :mod:`qkv.models` directory) opens
+A directory with weights and a ``config.json`` naming a ``model_type`` or ``architectures``
+(not a BERT directory, which qkv runs with its own BERT, nor a :mod:`qkv.models` one) opens
 with :func:`qkv.hf.load_model` (``attn_implementation="qkv"``, ``local_files_only=True``)
 and its own tokenizer. The maps are the model's exact per-head weights (equal to eager's
 ``output_attentions``), captured by :func:`qkv.hf.capture_attention`. By kind:
@@ -46,9 +46,14 @@ MAX_NEW_TOKENS = 40  # the default length of a translation (the server passes it
 
 
 def is_hf_dir(path: Path) -> bool:
-    """Whether ``path/config.json`` looks like a transformers config (not a qkv directory)."""
-    config = Path(path) / "config.json"
+    """Whether ``path`` holds transformers weights and a ``config.json`` naming a
+    ``model_type`` or ``architectures`` (not a qkv directory)."""
+    path = Path(path)
+    config = path / "config.json"
     if not config.is_file():
+        return False
+    weights = ("pytorch_model.bin", "model.safetensors.index.json", "pytorch_model.bin.index.json")
+    if not any((path / w).is_file() for w in weights) and not any(path.glob("*.safetensors")):
         return False
     meta = read_json(config, what="model config")
     if "kind" in meta and "model_type" not in meta:  # qkv.models.save_pretrained
