@@ -171,12 +171,14 @@ def test_maps_equal_eager_output_attentions(dirs, name):
 
 
 def test_translation_maps_equal_eager(dirs):
+    from qkv.inspect.hf_models import translate_hf  # what loaded.translate runs
+
     loaded = load(str(dirs["marian"]))
-    maps = loaded.translate(TEXT)[0]
+    maps = translate_hf(loaded, TEXT, max_new_tokens=12)["maps"]
     eager = _eager(dirs["marian"], "marian")
     _, (ids, mask) = loaded.encode(TEXT)
     with torch.no_grad():
-        seq = eager.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40,
+        seq = eager.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12,
                              do_sample=False, num_beams=1)  # fmt: skip
         ref = eager(input_ids=ids, attention_mask=mask, decoder_input_ids=seq[:, :-1],
                     output_attentions=True)  # teacher-forced: the same rows  # fmt: skip
@@ -329,3 +331,51 @@ def test_serve_refuses_what_hf_models_cannot_do(client):
     assert r.status_code == 400 and "head must be in [0, 3]" in r.json()["error"]
     r = post(client, text=TEXT, model="llama", layer="nope")
     assert r.status_code == 400 and "layer must be one of" in r.json()["error"]
+
+
+def test_page_in_a_browser(dirs):
+    """The served page on a transformers model: the weights stand in for the step-by-step
+    view, and the head switches re-run the model (Debian's chromium via Playwright)."""
+    import socket
+    import threading
+    import time
+
+    uvicorn = pytest.importorskip("uvicorn")
+    if not os.path.exists("/usr/bin/chromium"):
+        pytest.skip("/usr/bin/chromium not installed (scripts/setup-system.sh installs it)")
+    sync_api = pytest.importorskip("playwright.sync_api")
+    reg = default_registry({"llama": str(dirs["llama"])})
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(create_app(reg), host="127.0.0.1", port=port,
+                                        log_level="warning"))  # fmt: skip
+    th = threading.Thread(target=srv.run, daemon=True)
+    with one_thread():
+        th.start()
+        for _ in range(200):
+            if srv.started:
+                break
+            time.sleep(0.05)
+        try:
+            with sync_api.sync_playwright() as p:
+                b = p.chromium.launch(executable_path="/usr/bin/chromium",
+                                      args=["--headless", "--no-sandbox", "--disable-gpu"])  # fmt: skip
+                page = b.new_page(viewport={"width": 1280, "height": 800})
+                errors = []
+                page.on("pageerror", lambda e: errors.append(str(e)))
+                page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+                page.goto(f"http://127.0.0.1:{port}/?model=llama&text=the+boy+trains&view=step")
+                page.wait_for_selector("body[data-ready='1']")
+                assert "not available for this model" in page.inner_text("#view-step")
+                assert page.locator("#view-step canvas").count() >= 1  # the head's weights
+                page.click(".tab[data-view='work']")
+                page.locator("input.switch").first.uncheck()
+                page.click("#ablate-run")
+                page.wait_for_selector("#changes")
+                assert "1 head(s) off" in page.inner_text("#changes")
+                b.close()
+        finally:
+            srv.should_exit = True
+            th.join(timeout=10)
+    assert errors == []
