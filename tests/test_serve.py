@@ -258,7 +258,7 @@ def test_qkv_view_writes_the_explorer_page_with_the_same_limits(tmp_path, capsys
     data = json.loads(page.split('id="qkv-data">')[1].split("</script>")[0])
     assert data["response"]["truncated"] and len(data["response"]["tokens"]) == 128
     assert 'src="/static' not in page and 'href="/static' not in page  # self-contained
-    assert "cut to its first 128 tokens" in capsys.readouterr().out
+    assert "cut to its first 128 tokens" in capsys.readouterr().err  # notes go to stderr
     for argv in (["view", "", "--out", str(tmp_path / "a.html")],
                  ["view", "x", "--beam", "0", "--out", str(tmp_path / "b.html")],
                  ["view", "x", "--png", "x.jpg", "--out", str(tmp_path / "c.html")]):  # fmt: skip
