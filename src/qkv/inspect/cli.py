@@ -182,7 +182,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("view", help="interactive HTML attention viewer (+ PNG/SVG grid)")
     p.add_argument("sentence", nargs="?", default=None, type=text,
                    help=f"the text to look at (at most {limit} tokens are read)")  # fmt: skip
-    p.add_argument("--model", default="random", help="random | a registered name | DIR")
+    p.add_argument(
+        "--model",
+        default="random",
+        help="random | a registered name | DIR (qkv, BERT or transformers model)",
+    )
     p.add_argument("--out", default="attention.html", type=output_file(".html", ".htm"),
                    help="HTML file to write")  # fmt: skip
     p.add_argument("--png", default=None, type=output_file(".png", ".svg"),
@@ -205,7 +209,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         type=text,
         help=f"the text to look at (at most {MAX_TOKENS['heads']} tokens are read)",
     )
-    h.add_argument("--model", default="random", help="random | a registered name | DIR")
+    h.add_argument(
+        "--model",
+        default="random",
+        help="random | a registered name | DIR (qkv, BERT or transformers model)",
+    )
     h.add_argument("--token", default=None, type=text, help="query token to probe (e.g. it)")
     h.add_argument("--candidates", nargs="+", default=[], type=text,
                    help="antecedents to compare")  # fmt: skip
