@@ -8,12 +8,14 @@
 >>> cap.records[0].weights.shape  # (B, 1, T, T): eager's output_attentions  # doctest: +SKIP
 
 Modules: :mod:`qkv.hf.attention` (the adapter and what falls back), :mod:`qkv.hf.masks` (the
-boolean mask function), :mod:`qkv.hf.capture` (per-head weights), :mod:`qkv.hf.load` (a local
-model directory, offline). Guide: ``docs/hf.md``.
+boolean mask function), :mod:`qkv.hf.capture` (per-head weights), :mod:`qkv.hf.ablate`
+(switching heads off), :mod:`qkv.hf.load` (a local model directory, offline). Guide:
+``docs/hf.md``.
 """
 
 from __future__ import annotations
 
+from qkv.hf.ablate import heads_off
 from qkv.hf.attention import qkv_attention_forward
 from qkv.hf.capture import HFCapture, HFRecord, attention_modules, capture_attention
 from qkv.hf.load import LoadedModel, load_model
@@ -26,6 +28,7 @@ __all__ = [
     "LoadedModel",
     "attention_modules",
     "capture_attention",
+    "heads_off",
     "load_model",
     "qkv_attention_forward",
     "qkv_mask",

@@ -51,6 +51,7 @@ from torch import Tensor, nn
 
 from qkv.functional import attention_steps, scaled_dot_product_attention
 from qkv.hf import capture as _capture
+from qkv.hf.ablate import zero_heads
 from qkv.kernels.flash import flash_attention
 from qkv.kernels.weights import weights_from_lse
 
@@ -142,8 +143,27 @@ def qkv_attention_forward(
             ``sliding_window``, cache positions...).
 
     Returns:
-        ``(output (B, Tq, h, d), weights (B, h, Tq, Tk) or None)``.
+        ``(output (B, Tq, h, d), weights (B, h, Tq, Tk) or None)``; the heads switched off by
+        :func:`qkv.hf.ablate.heads_off` have zero output.
     """
+    out, weights = _attention(module, query, key, value, attention_mask, dropout, scaling,
+                              is_causal, position_bias, softcap, **kwargs)  # fmt: skip
+    return zero_heads(module, out), weights  # (B, Tq, h, d)
+
+
+def _attention(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float,
+    scaling: float | None,
+    is_causal: bool | None,
+    position_bias: Tensor | None,
+    softcap: float | None,
+    **kwargs,
+) -> tuple[Tensor, Tensor | None]:
     recorder = _capture.active()
     heads = None if recorder is None else recorder.heads_for(module, query.shape[1])
     why = fallback_reason(query, key, value, attention_mask, kwargs)

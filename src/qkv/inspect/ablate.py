@@ -32,8 +32,15 @@ def heads_off(model: nn.Module, heads: HeadSpec) -> Iterator[nn.Module]:
     """Within the block, the given heads of the given attention modules output zeros.
 
     ``heads`` maps a layer (index into the model's attention modules, name or glob pattern)
-    to head indices. Previous head masks are multiplied in and restored on exit.
+    to head indices. Previous head masks are multiplied in and restored on exit. A
+    transformers model is handled by :func:`qkv.hf.heads_off` (same operation).
     """
+    if _is_hf(model):
+        from qkv.hf import heads_off as hf_heads_off
+
+        with hf_heads_off(model, heads):
+            yield model
+        return
     saved = []
     try:
         for layer, hs in heads.items():
@@ -90,11 +97,27 @@ def ablation_scan(
     with torch.no_grad():
         base = float(metric_fn(model))
         out = []
-        for name, m in attention_modules(model, layers):
-            for h in range(m.n_heads):
+        for name, n_heads in _layers(model, layers):
+            for h in range(n_heads):
                 with heads_off(model, {name: [h]}):
                     out.append(AblationResult({name: [h]}, base, float(metric_fn(model))))
     return sorted(out, key=lambda r: -abs(r.delta))
+
+
+def _is_hf(model: nn.Module) -> bool:
+    """A transformers model (its attention is not made of qkv modules)."""
+    return type(model).__module__.startswith("transformers.")
+
+
+def _layers(model: nn.Module, layers: Sequence[int | str] | None) -> list[tuple[str, int]]:
+    """``(name, heads)`` of the chosen attention modules (qkv's own, or a transformers model's)."""
+    if _is_hf(model):
+        from qkv.hf.ablate import head_count
+        from qkv.hf.capture import _select
+        from qkv.hf.capture import attention_modules as hf_modules
+
+        return [(n, head_count(m)) for n, m in _select(hf_modules(model), layers)]
+    return [(n, m.n_heads) for n, m in attention_modules(model, layers)]
 
 
 def parse_heads(specs: Iterable[str]) -> dict[str, list[int]]:

@@ -20,7 +20,6 @@ from rich.table import Table
 from qkv.atomic import atomic_write_text
 from qkv.cli_args import CliError, int_range, note, output_file, positive_int, text
 from qkv.inspect.ablate import ablate, ablation_scan, parse_heads
-from qkv.inspect.capture import capture
 from qkv.inspect.loaders import load
 from qkv.inspect.stats import ProbeRow, head_stats, normalize_token, pronoun_probe
 from qkv.limits import MAX_TOKENS, fit_text
@@ -143,7 +142,7 @@ def run_heads(args: argparse.Namespace) -> int:
     loaded = load(args.model)
     args.sentence = _fit(loaded, args.sentence, "heads", "the sentence")
     tokens, inputs = loaded.encode(args.sentence)
-    maps = capture(loaded.model, *inputs, tokens=tokens)
+    maps = loaded.maps(*inputs, tokens=tokens)
     if args.token is None:
         t = Table(title=f"head statistics — {args.sentence!r}")
         for col in ("layer", "head", "entropy", "dist", "prev", "next", "self", "first", "punct"):
@@ -183,7 +182,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("view", help="interactive HTML attention viewer (+ PNG/SVG grid)")
     p.add_argument("sentence", nargs="?", default=None, type=text,
                    help=f"the text to look at (at most {limit} tokens are read)")  # fmt: skip
-    p.add_argument("--model", default="random", help="random | a registered name | DIR")
+    p.add_argument(
+        "--model",
+        default="random",
+        help="random | a registered name | DIR (qkv, BERT or transformers model)",
+    )
     p.add_argument("--out", default="attention.html", type=output_file(".html", ".htm"),
                    help="HTML file to write")  # fmt: skip
     p.add_argument("--png", default=None, type=output_file(".png", ".svg"),
@@ -206,7 +209,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         type=text,
         help=f"the text to look at (at most {MAX_TOKENS['heads']} tokens are read)",
     )
-    h.add_argument("--model", default="random", help="random | a registered name | DIR")
+    h.add_argument(
+        "--model",
+        default="random",
+        help="random | a registered name | DIR (qkv, BERT or transformers model)",
+    )
     h.add_argument("--token", default=None, type=text, help="query token to probe (e.g. it)")
     h.add_argument("--candidates", nargs="+", default=[], type=text,
                    help="antecedents to compare")  # fmt: skip

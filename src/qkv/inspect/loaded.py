@@ -23,7 +23,10 @@ class Loaded:
     ``encode(text) -> (tokens, inputs)``: ``model(*inputs)`` runs it on the text.
     ``hidden(*inputs) -> (B, T, d)``: final token representations (default: the model's output).
     ``translate(text) -> list[AttentionMaps]``: greedy decoding, maps per step (seq2seq only;
-    saved ``qkv.models`` directories also take ``beam=N``).
+    saved ``qkv.models`` directories also take ``beam=N``; transformers models give one
+    merged map).
+    ``attention(*inputs, tokens=) -> AttentionMaps``: the maps of one forward pass, for models
+    that are not made of qkv attention modules (default: :func:`qkv.inspect.capture`).
     """
 
     model: nn.Module
@@ -33,6 +36,16 @@ class Loaded:
     name: str = ""
     full_model: nn.Module | None = None  # the whole seq2seq model when ``model`` is its encoder
     tokenizer: object = None  # its tokenizer (BLEU ablation, ``qkv.inspect.translation``)
+    attention: Callable[..., AttentionMaps] | None = None
+    hf: object = None  # the qkv.hf.LoadedModel of a transformers model directory
+
+    def maps(self, *inputs, tokens: list[str] | None = None) -> AttentionMaps:
+        """Per-head maps of ``model(*inputs)``, every layer (the model's own capture)."""
+        if self.attention is not None:
+            return self.attention(*inputs, tokens=tokens)
+        from qkv.inspect.capture import capture
+
+        return capture(self.model, *inputs, tokens=tokens)
 
     def __post_init__(self) -> None:
         if self.hidden is None:

@@ -4,9 +4,10 @@ A loader returns a :class:`Loaded`: the model, a function from text to (tokens, 
 and optionally a translator that records attention at every decoding step. Trained models
 (MiniLM in ``qkv.pretrained``, the translation transformer in ``qkv.models``) plug in with
 :func:`register` (a name such as ``"minilm"``) or :func:`register_dir` (a saved directory).
-``minilm``, HuggingFace BERT directories (:mod:`qkv.inspect.minilm`) and saved
-:mod:`qkv.models` directories (:mod:`qkv.inspect.translation`) are built in, imported on
-first use.
+``minilm``, HuggingFace BERT directories (:mod:`qkv.inspect.minilm`), saved
+:mod:`qkv.models` directories (:mod:`qkv.inspect.translation`) and any other local
+transformers model directory (:mod:`qkv.inspect.hf_models`, tried last) are built in,
+imported on first use.
 
 >>> loaded = load("random")
 >>> tokens, inputs = loaded.encode("The boy trains the puppy.")
@@ -66,8 +67,14 @@ def _qkv_dir(path: Path) -> Loaded | None:
     return load_model_dir(path)
 
 
+def _hf_dir(path: Path) -> Loaded | None:
+    from qkv.inspect.hf_models import load_hf_dir
+
+    return load_hf_dir(path)
+
+
 LOADERS: dict[str, Callable[[], Loaded]] = {"random": _random, "minilm": _minilm}
-DIR_LOADERS: list[Callable[[Path], Loaded | None]] = [_bert_dir, _qkv_dir]
+DIR_LOADERS: list[Callable[[Path], Loaded | None]] = [_bert_dir, _qkv_dir, _hf_dir]
 
 
 def register(name: str, loader: Callable[[], Loaded]) -> None:

@@ -57,7 +57,8 @@ def add_parser(sub) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (this machine only)")
     p.add_argument("--port", type=_port, default=8000, help="TCP port")
     p.add_argument("--model", action="append", type=_named_dir, metavar="NAME=DIR",
-                   help="also offer a saved model directory (translator or BERT) as NAME; "
+                   help="also offer a model directory (a qkv translator, BERT, or any local "
+                   "transformers model) as NAME; "
                    "repeatable (built in: minilm, random)")  # fmt: skip
     p.add_argument("--preload", action="append", metavar="NAME",
                    help="load this model at start instead of on first request")  # fmt: skip

@@ -347,7 +347,13 @@ def attention(entry: Entry, req: AttentionRequest) -> dict:
     cut_chars = len(req.text) > MAX_TEXT_CHARS
     lock = entry.lock if entry.lock is not None else nullcontext()
     with lock, torch.no_grad():
-        out = (_translation if req.translate else _encoder)(entry, req, text)
+        if entry.loaded.hf is not None:  # a transformers model: qkv.hf captures its maps
+            from qkv.serve.compute_hf import hf_attention
+
+            out = hf_attention(entry, req, text)
+        else:
+            out = (_translation if req.translate else _encoder)(entry, req, text)
+    out.setdefault("step_unavailable", None)  # why the step-by-step view is not offered
     limit = out.pop("limit")
     out["truncated"] = bool(out["truncated"] or cut_chars)
     out["notice"] = (f"The text was cut to its first {len(out['tokens'])} tokens (limit {limit})."

@@ -6,7 +6,7 @@ every forward pass of a model runs under that model's own lock, because switchin
 (``head_mask``) and recording (``recorder``) set attributes on shared modules.
 
 Adding a shipped translator is one line in :data:`SHIPPED_TRANSLATORS`; a directory saved by
-:func:`qkv.models.save_pretrained` (or a HuggingFace BERT directory) is added with
+:func:`qkv.models.save_pretrained` (or a local transformers model directory) is added with
 ``qkv serve --model NAME=DIR``.
 
 >>> reg = default_registry()
@@ -77,7 +77,8 @@ class Registry:
         self._entries[name] = Entry(name, label or name, loader, translator, random)
 
     def add_dir(self, name: str, path: str | Path) -> None:
-        """Offer a saved model directory (translation model or BERT) under ``name``."""
+        """Offer a saved model directory (a qkv translation model, BERT, or any transformers
+        model directory) under ``name``."""
         from qkv.inspect.loaders import load
 
         path = Path(path)
@@ -92,7 +93,8 @@ class Registry:
             meta = json.loads(config.read_text(encoding="utf-8")) if config.is_file() else {}
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
             raise ValueError(f"--model {name}=DIR: cannot read {config}: {err}") from None
-        translator = isinstance(meta, dict) and meta.get("kind") == "seq2seq"
+        translator = isinstance(meta, dict) and (meta.get("kind") == "seq2seq"
+                                                 or meta.get("is_encoder_decoder") is True)  # fmt: skip
         self.add(name, lambda: load(str(path)), f"{name} ({path.name})", translator=translator)
 
     def names(self) -> list[str]:

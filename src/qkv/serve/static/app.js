@@ -144,7 +144,7 @@
     const changed = layer !== S.layer || head !== S.head;
     S.layer = layer; S.head = head; S.heads = new Set([head]); S.pinned = null;
     renderSide(); renderView();
-    if (changed && !S.offline && S.view === "step") refresh();
+    if (changed && !S.offline && S.view === "step" && !(S.data && S.data.step_unavailable)) refresh();
   }
 
   // ---------- views ----------
@@ -153,9 +153,11 @@
   function renderStep(root) {
     const st = S.data.step;
     if (!st || st.layer !== S.layer || st.head !== S.head) {
-      if (S.offline) {
+      const why = S.data.step_unavailable;
+      if (S.offline || why) {
         const L = curLayer(); const hi = L.heads.indexOf(S.head);
-        root.append(el("p", "intro", `${S.layer}, head ${S.head}: attention weights (the offline page holds the weights only; qkv serve shows every step).`));
+        const note = why ? "the step-by-step view is not available for this model" : "the offline page holds the weights only; qkv serve shows every step";
+        root.append(el("p", "intro", `${S.layer}, head ${S.head}: attention weights (${note}).`));
         const c = el("div", "card"); c.append(el("h3", "", TITLES.weights), el("p", "", t("step.weights")), heatmap(L.weights[hi], L.q_tokens, L.k_tokens, { maxWidth: viewWidth() - 20, prob: true }));
         root.append(c); return;
       }
@@ -271,7 +273,7 @@
           img.data[k] = 255 - 218 * v; img.data[k + 1] = 255 - 168 * v; img.data[k + 2] = 255 - 56 * v; img.data[k + 3] = 255;
         }
         g.putImageData(img, 0, 0);
-        cv.addEventListener("click", () => { S.view = "step"; setTabs(); selectHead(L.name, h); if (!S.offline) refresh(); });
+        cv.addEventListener("click", () => { S.view = "step"; setTabs(); selectHead(L.name, h); if (!S.offline && !S.data.step_unavailable) refresh(); });
         grid.append(cv);
       });
       for (let h = L.heads.length; h < H; h++) grid.append(el("div"));
@@ -465,7 +467,7 @@
     const dataEl = document.getElementById("qkv-data");
     document.querySelectorAll(".tab").forEach((b) => b.addEventListener("click", () => {
       S.view = b.dataset.view; setTabs(); renderView();
-      if (S.view === "step" && S.data && !S.offline && (!S.data.step || S.data.step.layer !== S.layer || S.data.step.head !== S.head)) refresh();
+      if (S.view === "step" && S.data && !S.offline && !S.data.step_unavailable && (!S.data.step || S.data.step.layer !== S.layer || S.data.step.head !== S.head)) refresh();
     }));
     $("#layer").addEventListener("change", () => { const L = layers().find((l) => l.name === $("#layer").value); selectHead(L.name, L.heads.includes(S.head) ? S.head : L.heads[0]); });
     $("#head").addEventListener("change", () => selectHead(S.layer, +$("#head").value));
