@@ -143,7 +143,7 @@ def main() -> int:
         "",
         "## How it was made",
         "",
-        f"- Command (defaults of `qkv train` at that commit, spelled out): `{command_of(targs)}`",
+        f"- Command (every option spelled out): `{command_of(targs)}`",
         f"- Code: commit `{a.commit}`",
         f"- Data: Multi30k task 1 `train.{src}/{tgt}` (29,000 pairs); validation on `val`",
         f"- Weights: {picked}; stored in float16 ({(out / 'model.safetensors').stat().st_size / 1e6:.1f} MB)",
