@@ -63,7 +63,7 @@ def step_by_step(text: str, console: Console) -> None:
     for line in w.attends:
         console.print(line)
     console.print(f"{n_steps} steps computed; put together by hand they equal "
-                  f"MultiHeadAttention.forward: {w.same}. Every step: qkv explain \"{text}\"")  # fmt: skip
+                  f"MultiHeadAttention.forward: {w.same}. Every step: qkv explain --text \"{text}\"")  # fmt: skip
 
 
 def translation(name: str, text: str, out: Path, console: Console) -> dict[str, Path]:
@@ -184,7 +184,7 @@ def tour(
     console.print(
         '  qkv translate "Two dogs play in the snow."      translate (en-fr; --model fr-en)'
     )
-    console.print('  qkv explain "The boy trains the puppy."         every step of attention')
+    console.print('  qkv explain --text "The boy trains the puppy."  every step of attention')
     console.print(
         "  qkv serve                                       the live explorer in a browser"
     )
