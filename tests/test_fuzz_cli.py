@@ -64,7 +64,6 @@ BAD = [
     (["translate", "--model", "m", "--lenpen", "inf"], "--lenpen"),
     (["translate", "--model", "m", "--threads", "-1"], "--threads"),
     (["translate", "--model", "no-such-dir", "a"], "no-such-dir"),
-    (["translate", "a"], "--model"),
     (["evaluate", "--model", "m", "--limit", "0"], "--limit"),
     (["evaluate", "--model", "m", "--limit", "-1"], "--limit"),
     (["evaluate", "--model", "m", "--output", "adir.md"], "directory"),
