@@ -17,6 +17,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers is imported: nothing d
 
 transformers = pytest.importorskip("transformers")
 
+import hf_tiny  # noqa: E402
 import qkv.hf as qhf  # noqa: E402
 from qkv.hf import attention as qattn  # noqa: E402
 
@@ -25,30 +26,15 @@ V = 61  # vocabulary of the tiny models
 
 
 def _llama():
-    cfg = transformers.LlamaConfig(
-        vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-        pad_token_id=0, bos_token_id=1, eos_token_id=2,
-    )  # fmt: skip
-    return transformers.LlamaForCausalLM(cfg)
+    return hf_tiny.llama(V)
 
 
 def _bert():
-    cfg = transformers.BertConfig(
-        vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        intermediate_size=48, max_position_embeddings=64,
-    )  # fmt: skip
-    return transformers.BertModel(cfg)
+    return hf_tiny.bert(V)
 
 
 def _marian():
-    cfg = transformers.MarianConfig(
-        vocab_size=V, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-        decoder_attention_heads=4, encoder_ffn_dim=48, decoder_ffn_dim=48,
-        max_position_embeddings=64, pad_token_id=0, decoder_start_token_id=0, eos_token_id=2,
-        forced_eos_token_id=None,
-    )  # fmt: skip
-    return transformers.MarianMTModel(cfg)
+    return hf_tiny.marian(V)
 
 
 def _t5():

@@ -20,6 +20,7 @@ pytest.importorskip("starlette")
 pytest.importorskip("httpx")
 from starlette.testclient import TestClient  # noqa: E402
 
+import hf_tiny  # noqa: E402
 from qkv.cli import main  # noqa: E402
 from qkv.inspect.loaders import load  # noqa: E402
 from qkv.serve.app import create_app  # noqa: E402
@@ -57,20 +58,11 @@ V = len(SPECIALS) + len(WORDS)
 
 
 def _llama():
-    cfg = transformers.LlamaConfig(
-        vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-        pad_token_id=0, bos_token_id=1, eos_token_id=2,
-    )  # fmt: skip
-    return transformers.LlamaForCausalLM(cfg)
+    return hf_tiny.llama(V)
 
 
 def _bert():
-    cfg = transformers.BertConfig(
-        vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        intermediate_size=48, max_position_embeddings=64,
-    )  # fmt: skip
-    return transformers.BertModel(cfg)
+    return hf_tiny.bert(V)
 
 
 def _roberta():  # an encoder that is not BERT: runs through qkv.hf
@@ -83,13 +75,7 @@ def _roberta():  # an encoder that is not BERT: runs through qkv.hf
 
 
 def _marian():
-    cfg = transformers.MarianConfig(
-        vocab_size=V, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-        decoder_attention_heads=4, encoder_ffn_dim=48, decoder_ffn_dim=48,
-        max_position_embeddings=64, pad_token_id=0, decoder_start_token_id=0, eos_token_id=2,
-        forced_eos_token_id=None,
-    )  # fmt: skip
-    return transformers.MarianMTModel(cfg)
+    return hf_tiny.marian(V)
 
 
 BUILDERS = {"llama": _llama, "bert": _bert, "roberta": _roberta, "marian": _marian}

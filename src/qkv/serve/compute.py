@@ -226,17 +226,22 @@ def _pick_layer(names: list[str], req: AttentionRequest) -> str:
     return req.layer
 
 
+def _selection(model, req: AttentionRequest):
+    """The request's layer (name, module) and its head switches, checked against the model."""
+    modules = attention_modules(model)
+    layer = _pick_layer([n for n, _ in modules], req)
+    module = dict(modules)[layer]
+    if not 0 <= req.head < module.n_heads:
+        raise BadRequest(f"head must be in [0, {module.n_heads - 1}], got {req.head}")
+    return layer, module, _ablation_spec(model, req.ablate)
+
+
 def _encoder(entry: Entry, req: AttentionRequest, text: str) -> dict:
     loaded = entry.loaded
     model = loaded.model
     limit = encoder_limit(sum(m.n_heads for _, m in attention_modules(model)))
     text, tokens, inputs, cut = cut_to_limit(loaded.encode, text, limit)
-    names = [n for n, _ in attention_modules(model)]
-    layer = _pick_layer(names, req)
-    spec = _ablation_spec(model, req.ablate)
-    module = dict(attention_modules(model))[layer]
-    if not 0 <= req.head < module.n_heads:
-        raise BadRequest(f"head must be in [0, {module.n_heads - 1}], got {req.head}")
+    layer, module, spec = _selection(model, req)
     with torch.no_grad():
         with heads_off(model, spec):
             with grab_call(model, layer) as calls, recording(model) as rec:
@@ -304,12 +309,7 @@ def _translation(entry: Entry, req: AttentionRequest, text: str) -> dict:
     limit = translate_limit(heads["self"], heads["dec"], heads["cross"])
     text, _, _, cut = cut_to_limit(encode, text, limit)
     beam = req.beam if loaded.tokenizer is not None else 1
-    names = [n for n, _ in attention_modules(model)]
-    layer = _pick_layer(names, req)
-    spec = _ablation_spec(model, req.ablate)
-    module = dict(attention_modules(model))[layer]
-    if not 0 <= req.head < module.n_heads:
-        raise BadRequest(f"head must be in [0, {module.n_heads - 1}], got {req.head}")
+    layer, module, spec = _selection(model, req)
     with torch.no_grad(), heads_off(model, spec):
         d = _decode(entry, text, beam)
         merged = merge_steps(d["steps"])
