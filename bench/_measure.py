@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import os
+import platform
 import time
 from collections.abc import Callable
 
@@ -86,3 +87,15 @@ def attention_flops(pairs: int, B: int, h: int, d: int, backward: bool) -> float
 
 def threads_note() -> str:
     return f"torch threads={torch.get_num_threads()}, cpus={os.cpu_count()}"
+
+
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), for the header of every benchmark."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"

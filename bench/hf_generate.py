@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -29,19 +28,9 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 import qkv.hf  # noqa: E402, F401  (registers "qkv")
+from _measure import cpu_name  # noqa: E402
 
 IMPLS = ("sdpa", "qkv")
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def build(args: argparse.Namespace) -> transformers.LlamaForCausalLM:
@@ -134,7 +123,7 @@ def main() -> None:
 
     model = build(args)
     n_params = sum(p.numel() for p in model.parameters()) / 1e6
-    print(f"CPU: {cpu_model()}; torch {torch.__version__}, threads={torch.get_num_threads()}, "
+    print(f"CPU: {cpu_name()}; torch {torch.__version__}, threads={torch.get_num_threads()}, "
           f"cpus={os.cpu_count()}; transformers {transformers.__version__}")  # fmt: skip
     print(f"Llama-shaped, random weights, fp32: {args.layers} layers, d_model {args.d_model}, "
           f"heads {args.heads} (kv {args.kv_heads}), d_ff {args.d_ff}, vocab {args.vocab} "

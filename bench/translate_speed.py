@@ -10,23 +10,13 @@ Each setting runs once after a warm-up; the machine, its ISA and the thread coun
 from __future__ import annotations
 
 import argparse
-import platform
 import time
-from pathlib import Path
 
 import torch
 
+from _measure import cpu_name
 from qkv.data import multi30k
 from qkv.translate import load
-
-
-def cpu_name() -> str:
-    info = Path("/proc/cpuinfo")
-    if info.exists():
-        for line in info.read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
 
 
 def main() -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import shlex
 import shutil
 import sys
@@ -28,14 +27,10 @@ from qkv.models.shipped import HERE
 from qkv.train import STATE_FILE, average_epochs, bleu_chrf
 from qkv.translate import GENERATION_FILE, load
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from _measure import cpu_name  # noqa: E402
+
 SPLITS = ("val", "test_2016_flickr", "test_2017_flickr")
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
 
 
 def score(tr, pairs, beam: int, lenpen: float) -> tuple[float, float, float]:

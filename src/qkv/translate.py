@@ -19,7 +19,7 @@ import argparse
 import json
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -40,6 +40,7 @@ from qkv.data import Tokenizer, multi30k
 from qkv.data.corpus import read_lines, read_parallel
 from qkv.generate import translate as _decode
 from qkv.limits import split_to_fit
+from qkv.loading import read_json
 from qkv.models import load_pretrained
 from qkv.models.io import resolve_dir
 from qkv.models.shipped import DEFAULT, shipped, shipped_dir
@@ -86,7 +87,6 @@ class Translator:
     tgt: str | None = None
     beam: int = 1
     length_penalty: float = 1.0
-    notes: list[str] = field(default_factory=list)  # what the last call had to do (pieces)
 
     @property
     def max_source_tokens(self) -> int:
@@ -104,11 +104,9 @@ class Translator:
         """``line`` itself if it fits the model, else its sentences (and word runs of a
         sentence too long alone), each within :attr:`max_source_tokens`."""
         n_tokens = lambda s: len(self.tokenizer.encode(s))  # noqa: E731
-        limit = self.max_source_tokens
-        if len(line) <= 4 * limit or n_tokens(line) <= limit:  # cheap test first
-            if n_tokens(line) <= limit:
-                return [line]
-        return split_to_fit(line, limit, n_tokens)
+        if n_tokens(line) <= self.max_source_tokens:
+            return [line]
+        return split_to_fit(line, self.max_source_tokens, n_tokens)
 
     def __call__(
         self, text: str | list[str], *, beam: int | None = None,
@@ -122,7 +120,6 @@ class Translator:
         lenpen = self.length_penalty if length_penalty is None else length_penalty
         if beam < 1:
             raise ValueError(f"beam must be >= 1, got {beam}")
-        self.notes = []
         limit = self.max_source_tokens
         pieces, owner = [], []  # every non-empty piece, and the line it belongs to
         for i, line in enumerate(lines):
@@ -130,12 +127,10 @@ class Translator:
                 continue
             parts = self.pieces(line.strip())
             if len(parts) > 1:
-                self.notes.append(f"line {i + 1} is longer than the model's {limit} source "
-                                  f"tokens: translated in {len(parts)} pieces")  # fmt: skip
+                warnings.warn(f"line {i + 1} is longer than the model's {limit} source "
+                              f"tokens: translated in {len(parts)} pieces", stacklevel=2)  # fmt: skip
             pieces += parts
             owner += [i] * len(parts)
-        for message in self.notes:
-            warnings.warn(message, stacklevel=2)
         out = _decode(self.model, self.tokenizer, pieces, beam_size=beam,
                       length_penalty=lenpen, progress=progress) if pieces else []  # fmt: skip
         result = [""] * len(lines)
@@ -149,12 +144,8 @@ def load(spec: str | Path = DEFAULT) -> Translator:
     (or ``qkv train`` run) directory. Nothing is downloaded: shipped models are in the package.
     """
     path = _model_dir(spec)
-    model, tok = load_pretrained(path).float(), Tokenizer.load(path / "tokenizer.json")
-    gen = {}
-    if (path / GENERATION_FILE).is_file():
-        gen = json.loads((path / GENERATION_FILE).read_text(encoding="utf-8"))
-        if not isinstance(gen, dict):
-            raise ValueError(f"{path / GENERATION_FILE}: expected a JSON object")
+    model, tok = load_translator(path)
+    gen = read_json(path / GENERATION_FILE) if (path / GENERATION_FILE).is_file() else {}
     name = spec if isinstance(spec, str) and spec in shipped() else str(path)
     return Translator(model, tok, name=name, path=path, src=gen.get("src"), tgt=gen.get("tgt"),
                       beam=int(gen.get("beam", 1)),
@@ -173,11 +164,11 @@ def _translate(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads or torch.get_num_threads())
     lines = _read_input(args)
     tr = load(args.model)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the notes are printed below, once, as notes
+    with warnings.catch_warnings(record=True) as caught:  # printed below, once, as notes
+        warnings.simplefilter("always")
         out = tr(lines, beam=args.beam, length_penalty=args.lenpen, progress=len(lines) > 50)
-    for message in tr.notes:
-        note(message, "translate")
+    for w in caught:
+        note(str(w.message), "translate")
     for line in out:
         print(line)
     return 0
