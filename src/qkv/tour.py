@@ -29,10 +29,9 @@ from qkv.cli_args import int_range, note, output_dir
 from qkv.cli_args import text as text_arg
 from qkv.limits import MAX_TOKENS, fit_text
 
-__all__ = ["NOTES", "PRONOUN", "SHORT", "WIDE", "tour"]
+__all__ = ["NOTES", "PRONOUN", "WIDE", "tour"]
 
 NOTES = "The boy trains the puppy."
-SHORT = "The boy trains the puppy ."  # the toy walk's words (space-separated)
 PRONOUN = "The animal didn't cross the street because it was tired."
 WIDE = "The animal didn't cross the street because it was too wide."
 CANDIDATES = ["animal", "street"]
@@ -55,7 +54,7 @@ def step_by_step(text: str, console: Console) -> None:
     w = walk_steps(text)
     console.print(w.header)
     n_steps = sum(not s.title.startswith(" ") for s in w.steps)  # numbered 1..n; subs indented
-    weights = next(s for s in w.steps if "softmax" in s.title)
+    weights = next(s for s in w.steps if s.name == "softmax")
     console.print("Q, K, V = x W_Q, x W_K, x W_V  →  scores = Q Kᵀ  →  ÷ √d_k  →  softmax  →  · V")
     console.print(_weights_table("softmax(Q Kᵀ / √d_k), head 0 (each row sums to 1)",
                                  weights.tensor[0], weights.rows or w.words,
@@ -173,7 +172,7 @@ def tour(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     console.rule("[bold]1/4  Attention, step by step (a small layer, random weights)")
-    step_by_step(text.replace(".", " .") if " ." not in text else text, console)
+    step_by_step(text, console)
     paths: dict[str, Path] = {}
     if translator:
         console.rule(f"[bold]2/4  A real translator ({translator}) reads the notes' sentence")
