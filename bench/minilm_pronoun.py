@@ -16,11 +16,11 @@ from matplotlib import rc_context  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.patches import Rectangle  # noqa: E402
 
+from qkv.apps.tour import PRONOUN, WIDE  # noqa: E402
 from qkv.inspect import capture, pronoun_probe  # noqa: E402
 from qkv.inspect.fonts import font_families  # noqa: E402
 from qkv.inspect.loaders import load  # noqa: E402
 from qkv.inspect.plot import save  # noqa: E402
-from qkv.tour import PRONOUN, WIDE  # noqa: E402
 
 HEADS = [(3, 1), (4, 0), (5, 11), (5, 1)]  # drawn: see the printed table for why
 CANDS = ["animal", "street"]

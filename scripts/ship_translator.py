@@ -21,10 +21,10 @@ from pathlib import Path
 
 import torch
 
+from qkv.apps.train import STATE_FILE, average_epochs, bleu_chrf
 from qkv.data import Tokenizer, multi30k
 from qkv.models import load_pretrained, save_pretrained
 from qkv.models.shipped import HERE
-from qkv.train import STATE_FILE, average_epochs, bleu_chrf
 from qkv.translate import GENERATION_FILE, load
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))

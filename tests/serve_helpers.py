@@ -7,9 +7,9 @@ from pathlib import Path
 
 import torch
 
+from qkv.apps.serve.models import Registry, default_registry
 from qkv.data import Tokenizer
 from qkv.models import Seq2SeqTransformer, TransformerConfig, save_pretrained
-from qkv.serve.models import Registry, default_registry
 
 SENTS = ["a dog runs", "the boy trains the puppy", "le chien court", "le garçon entraîne le chiot"]
 

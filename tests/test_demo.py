@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from qkv.cli import main
-from qkv.demo import walk, walk_steps, word_vectors
+from qkv.apps.cli import main
+from qkv.apps.demo import walk, walk_steps, word_vectors
 
 
 def test_demo_walks_every_step_and_matches_module(capsys):

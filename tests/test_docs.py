@@ -52,7 +52,7 @@ def qkv_commands() -> list[tuple[list[str], str | None]]:
 
 @pytest.mark.parametrize("argv, said", qkv_commands(), ids=lambda a: str(a)[:50])
 def test_readme_commands_run(argv, said, tmp_path, monkeypatch, capsys):
-    from qkv.cli import main
+    from qkv.apps.cli import main
 
     monkeypatch.chdir(tmp_path)
     assert main(argv) == 0

@@ -5,9 +5,9 @@ import json
 import torch
 import torch.nn.functional as F
 
-from qkv.cli import main
-from qkv.demo import walk_steps
-from qkv.explain import render_html, render_markdown
+from qkv.apps.cli import main
+from qkv.apps.demo import walk_steps
+from qkv.apps.explain import render_html, render_markdown
 
 
 def _sdpa_weights(q, k, mask=None):

@@ -1,6 +1,6 @@
 """Every subcommand × invalid values: exit 2, one line on stderr, no traceback, nothing written.
 
-Runs ``qkv.cli.main`` in-process (fast); a few real subprocesses check the exit code, stderr
+Runs ``qkv.apps.cli.main`` in-process (fast); a few real subprocesses check the exit code, stderr
 and stdin handling end to end.
 """
 
@@ -19,8 +19,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qkv.cli import build_parser, main
-from qkv.cli_args import clean_text, max_threads, text
+from qkv.apps.cli import build_parser, main
+from qkv.apps.cli_args import clean_text, max_threads, text
 from qkv.data import Tokenizer
 from qkv.models import Seq2SeqTransformer, TransformerConfig, save_pretrained
 
@@ -136,12 +136,12 @@ def test_every_help_shows_every_default(capsys):
 
 
 def test_unexpected_error_is_one_line_exit_1(monkeypatch, capsys):
-    import qkv.demo
+    import qkv.apps.demo
 
     def boom(*a, **k):
         raise RuntimeError("kaput\nsecond line")
 
-    monkeypatch.setattr(qkv.demo, "walk", boom)
+    monkeypatch.setattr(qkv.apps.demo, "walk", boom)
     monkeypatch.delenv("QKV_DEBUG", raising=False)
     assert main(["demo"]) == 1
     err = capsys.readouterr().err

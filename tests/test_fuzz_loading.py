@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import qkv.pretrained as P
-from qkv.cli import main
+from qkv.apps.cli import main
 from qkv.data import Tokenizer
 from qkv.loading import ModelLoadError, inside, read_json, validate_safetensors
 from qkv.models import Seq2SeqTransformer, TransformerConfig, save_pretrained

@@ -103,7 +103,7 @@ def test_bad_inputs():
 def test_translate_and_evaluate_cli(tmp_path, capsys, monkeypatch):
     import io
 
-    from qkv.cli import main
+    from qkv.apps.cli import main
     from qkv.models import save_pretrained
 
     tok = Tokenizer.train(["a dog runs", "le chien court"] * 10, vocab_size=280)

@@ -21,11 +21,11 @@ pytest.importorskip("httpx")
 from starlette.testclient import TestClient  # noqa: E402
 
 import hf_tiny  # noqa: E402
-from qkv.cli import main  # noqa: E402
+from qkv.apps.cli import main  # noqa: E402
+from qkv.apps.serve.app import create_app  # noqa: E402
+from qkv.apps.serve.limits import target_limit  # noqa: E402
+from qkv.apps.serve.models import default_registry  # noqa: E402
 from qkv.inspect.loaders import load  # noqa: E402
-from qkv.serve.app import create_app  # noqa: E402
-from qkv.serve.limits import target_limit  # noqa: E402
-from qkv.serve.models import default_registry  # noqa: E402
 from serve_helpers import one_thread  # noqa: E402
 
 TOL = 1e-5

@@ -41,11 +41,11 @@ def test_ablate_reports_metric_change_and_nests():
     def metric(m):
         return float((m(ids) - base).pow(2).mean())
 
-    r = ablate(enc, {"layers.1.self_attn": [0, 3]}, metric)
+    r = ablate(enc, {"encoder.layers.1.self_attn": [0, 3]}, metric)
     assert r.baseline == 0.0 and r.ablated > 0 and r.delta == r.ablated
     with heads_off(enc, {0: [1]}), heads_off(enc, {0: [2]}):
-        assert enc.layers[0].self_attn.head_mask.tolist() == [1.0, 0.0, 0.0, 1.0]
-    assert enc.layers[0].self_attn.head_mask is None
+        assert enc.encoder.layers[0].self_attn.head_mask.tolist() == [1.0, 0.0, 0.0, 1.0]
+    assert enc.encoder.layers[0].self_attn.head_mask is None
     scan = ablation_scan(enc, metric)
     assert len(scan) == 8 and abs(scan[0].delta) >= abs(scan[-1].delta)
     with pytest.raises(ValueError, match="out of range"):
@@ -53,6 +53,6 @@ def test_ablate_reports_metric_change_and_nests():
 
 
 def test_parse_heads():
-    assert parse_heads(["layers.0.self_attn:1,3", "2:0"]) == {"layers.0.self_attn": [1, 3], 2: [0]}
+    assert parse_heads(["encoder.layers.0.self_attn:1,3", "2:0"]) == {"encoder.layers.0.self_attn": [1, 3], 2: [0]}
     with pytest.raises(ValueError, match="LAYER:HEAD"):
         parse_heads(["nohead"])

@@ -48,10 +48,10 @@ def test_only_asked_layers_and_heads_are_kept():
     enc = TinyEncoder(n_heads=4, n_layers=3)
     toks, ids = enc.tokenize("the boy trains the puppy")
     full = capture(enc, ids, tokens=toks)
-    part = capture(enc, ids, tokens=toks, layers=["layers.[02].*"], heads=[3, 1])
-    assert part.layers == ["layers.0.self_attn", "layers.2.self_attn"]
+    part = capture(enc, ids, tokens=toks, layers=["encoder.layers.[02].*"], heads=[3, 1])
+    assert part.layers == ["encoder.layers.0.self_attn", "encoder.layers.2.self_attn"]
     assert part.weights[0].shape == (2, len(toks), len(toks))
-    torch.testing.assert_close(part.select("layers.2.self_attn", 1), full.select(2, 1))
+    torch.testing.assert_close(part.select("encoder.layers.2.self_attn", 1), full.select(2, 1))
     torch.testing.assert_close(part.weights[1][0], full.weights[2][3])
     assert full.tensor.shape == (3, 4, 7, 7)
     assert torch.allclose(full.tensor.sum(-1), torch.ones(3, 4, 7))
@@ -74,20 +74,26 @@ def test_decoding_steps_over_kv_cache_rebuild_the_full_maps():
     assert len(steps) == out.shape[1] - 1  # one decoder call per generated token
     assert steps[0].layers[0].startswith("encoder.")
     assert all(s.step == i for i, s in enumerate(steps))
-    dec_self = [s.select("decoder.1.self_attn", 0) for s in steps]
+    dec_self = [s.select("decoder.layers.1.self_attn", 0) for s in steps]
     assert [w.shape for w in dec_self] == [(1, i + 1) for i in range(len(steps))]
     # the same target, teacher-forced in one causal pass
     tgt = out[:, :-1]
     whole = capture(model, src, tgt)
     merged = merge_steps(steps)
-    for name in ("decoder.0.self_attn", "decoder.1.cross_attn", "encoder.layers.1.self_attn"):
+    for name in (
+        "decoder.layers.0.self_attn",
+        "decoder.layers.1.cross_attn",
+        "encoder.layers.1.self_attn",
+    ):
         torch.testing.assert_close(
             merged.weights[merged.index(name)],
             whole.weights[whole.index(name)],
             atol=1e-5,
             rtol=1e-4,
         )
-    assert merged.kinds[merged.index("decoder.0.cross_attn")] == "cross"
-    assert merged.q_tokens[merged.index("decoder.0.self_attn")] == [f"t{i}" for i in range(6)]
+    assert merged.kinds[merged.index("decoder.layers.0.cross_attn")] == "cross"
+    assert merged.q_tokens[merged.index("decoder.layers.0.self_attn")] == [
+        f"t{i}" for i in range(6)
+    ]
     via_capture = capture_steps(model, src, run=model.greedy, max_len=6)
     assert len(via_capture) == len(steps)

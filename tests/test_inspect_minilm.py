@@ -11,7 +11,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers is imported: nothing d
 
 transformers = pytest.importorskip("transformers")
 
-from qkv.cli import main  # noqa: E402
+from qkv.apps.cli import main  # noqa: E402
 from qkv.inspect import capture, pronoun_probe  # noqa: E402
 from qkv.inspect.loaders import load  # noqa: E402
 
@@ -44,7 +44,7 @@ def test_encode_gives_wordpieces_with_specials(loaded):
 def test_captured_maps_equal_hf_output_attentions(loaded, hf, text):
     tokens, (ids, mask) = loaded.encode(text)
     maps = capture(loaded.model, ids, mask, tokens=tokens)
-    assert maps.layers == [f"encoder.layers.{i}.attn" for i in range(6)]
+    assert maps.layers == [f"encoder.layers.{i}.self_attn" for i in range(6)]
     assert set(maps.kinds) == {"self"} and all(h == list(range(12)) for h in maps.heads)
     assert maps.q_tokens[0] == maps.k_tokens[5] == tokens
     with torch.no_grad():
@@ -61,7 +61,7 @@ def test_captured_maps_equal_hf_output_attentions(loaded, hf, text):
 def test_only_asked_heads_are_kept_and_equal_hf(loaded, hf):
     tokens, (ids, mask) = loaded.encode(TIRED)
     maps = capture(loaded.model, ids, mask, tokens=tokens, layers=[3, 5], heads=[1, 11])
-    assert maps.layers == ["encoder.layers.3.attn", "encoder.layers.5.attn"]
+    assert maps.layers == ["encoder.layers.3.self_attn", "encoder.layers.5.self_attn"]
     with torch.no_grad():
         want = hf(ids, attention_mask=mask, output_attentions=True).attentions
     for i, layer in enumerate((3, 5)):

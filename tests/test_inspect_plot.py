@@ -81,7 +81,7 @@ def test_grid_head_alignment_png_and_svg(tmp_path):
     assert [t.get_text() for t in ax.get_xticklabels()] == src_t
     assert [t.get_text() for t in ax.get_yticklabels()] == tgt_t
     img = ax.get_images()[0].get_array()
-    want = maps.weights[maps.index("decoder.1.cross_attn")].mean(0)
+    want = maps.weights[maps.index("decoder.layers.1.cross_attn")].mean(0)
     assert torch.allclose(torch.as_tensor(img.data), want)
     plot_head(maps, "encoder.layers.0.self_attn", 1, tmp_path / "head.png")
     for name in ("grid.png", "grid.svg", "align.svg", "head.png"):

@@ -9,7 +9,7 @@ import sacrebleu
 import torch
 from torch import nn
 
-from qkv.cli import main
+from qkv.apps.cli import main
 from qkv.data import Tokenizer
 from qkv.generate import beam_search, greedy_search, translate
 from qkv.inspect import ablate, capture, heads_off, merge_steps

@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 
 from qkv import masks  # noqa: E402
 from qkv import pretrained as P  # noqa: E402
-from qkv.cli import main  # noqa: E402
+from qkv.apps.cli import main  # noqa: E402
 from qkv.pretrained.load import resolve  # noqa: E402
 
 GUITAR, INSTRUMENT = "A man is playing a guitar.", "Someone plays an instrument."

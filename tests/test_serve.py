@@ -15,9 +15,9 @@ pytest.importorskip("starlette")
 pytest.importorskip("httpx")
 from starlette.testclient import TestClient  # noqa: E402
 
-from qkv.cli import build_parser  # noqa: E402
-from qkv.serve.app import CSP, create_app  # noqa: E402
-from qkv.serve.limits import MAX_BODY_BYTES, encoder_limit, target_limit  # noqa: E402
+from qkv.apps.cli import build_parser  # noqa: E402
+from qkv.apps.serve.app import CSP, create_app  # noqa: E402
+from qkv.apps.serve.limits import MAX_BODY_BYTES, encoder_limit, target_limit  # noqa: E402
 from serve_helpers import one_thread, registry  # noqa: E402
 
 BOY = "The boy trains the puppy."
@@ -67,22 +67,22 @@ def _torch_weights(module, x: torch.Tensor) -> torch.Tensor:
 
 
 def test_random_model_maps_and_steps_match_torch(client, reg):
-    r = post(client, text=BOY, model="random", layer="layers.1.self_attn", head=2)
+    r = post(client, text=BOY, model="random", layer="encoder.layers.1.self_attn", head=2)
     assert r.status_code == 200, r.text
     d = r.json()
     assert d["random"] is True and d["truncated"] is False and d["notice"] is None
     assert d["tokens"] == ["[CLS]", "The", "boy", "trains", "the", "puppy", ".", "[SEP]"]
     T = len(d["tokens"])
     assert [(lay["name"], lay["kind"]) for lay in d["layers"]] == [
-        ("layers.0.self_attn", "self"), ("layers.1.self_attn", "self")]  # fmt: skip
+        ("encoder.layers.0.self_attn", "self"), ("encoder.layers.1.self_attn", "self")]  # fmt: skip
     model = reg.get("random").loaded.model
     st = d["step"]
-    assert (st["layer"], st["head"], st["kind"]) == ("layers.1.self_attn", 2, "self")
+    assert (st["layer"], st["head"], st["kind"]) == ("encoder.layers.1.self_attn", 2, "self")
     mats = {m["key"]: m for m in st["matrices"]}
     assert list(mats) == ["x", "q", "k", "v", "scores", "scaled", "mask", "masked", "weights",
                           "output", "concat", "wo"]  # fmt: skip
     x = torch.tensor(mats["x"]["values"])  # (T, d_model=32): the layer's real input
-    want = _torch_weights(model.layers[1].self_attn, x)  # (h, T, T)
+    want = _torch_weights(model.encoder.layers[1].self_attn, x)  # (h, T, T)
     got = torch.tensor(d["layers"][1]["weights"])  # (h, T, T)
     assert got.shape == (4, T, T)
     torch.testing.assert_close(got, want, atol=2e-3, rtol=0)
@@ -91,8 +91,8 @@ def test_random_model_maps_and_steps_match_torch(client, reg):
     torch.testing.assert_close(torch.tensor(mats["scaled"]["values"]), scaled, atol=5e-3, rtol=0)
     assert st["check"] < 1e-4  # W_O output recomputed = the module's real output
     assert len(d["stats"]) == 8 and {s["layer"] for s in d["stats"]} == {
-        "layers.0.self_attn",
-        "layers.1.self_attn",
+        "encoder.layers.0.self_attn",
+        "encoder.layers.1.self_attn",
     }
 
 
@@ -156,8 +156,8 @@ def test_heads_off_changes_the_result(client):
     d = r.json()
     assert r.status_code == 200 and len(d["ablation"]["heads"]) == 4
     assert d["ablation"]["baseline"]["translation"] != d["translation"]["text"]
-    r = post(client, text=BOY, model="random", ablate=[["layers.0.self_attn", 1]],
-             layer="layers.0.self_attn", head=1)  # fmt: skip
+    r = post(client, text=BOY, model="random", ablate=[["encoder.layers.0.self_attn", 1]],
+             layer="encoder.layers.0.self_attn", head=1)  # fmt: skip
     d = r.json()
     assert d["ablation"]["hidden_change"] > 0 and d["step"]["head_off"] is True
     concat = torch.tensor(next(m for m in d["step"]["matrices"] if m["key"] == "concat")["values"])
@@ -178,7 +178,7 @@ def test_heads_off_changes_the_result(client):
         (json.dumps({"text": BOY, "model": "random", "head": 9}).encode(), 400, "head"),
         (
             json.dumps(
-                {"text": BOY, "model": "random", "ablate": [["layers.0.self_attn", 7]]}
+                {"text": BOY, "model": "random", "ablate": [["encoder.layers.0.self_attn", 7]]}
             ).encode(),
             400,
             "out of range",
@@ -239,7 +239,7 @@ def test_cli_parses_and_rejects(capsys):
 
 
 def test_cli_missing_model_dir_is_one_line(capsys, tmp_path):
-    from qkv.cli import main
+    from qkv.apps.cli import main
 
     for argv in (["serve", "--model", f"x={tmp_path / 'missing'}"], ["serve", "--preload", "x"]):
         assert main(argv) == 2
@@ -248,7 +248,7 @@ def test_cli_missing_model_dir_is_one_line(capsys, tmp_path):
 
 
 def test_qkv_view_writes_the_explorer_page_with_the_same_limits(tmp_path, capsys):
-    from qkv.cli import main
+    from qkv.apps.cli import main
 
     out = tmp_path / "long.html"
     text = " ".join(f"w{i % 40}" for i in range(5000))
@@ -274,7 +274,7 @@ def test_random_model_translates_with_labelled_steps(client):
     n = len(tr["target_tokens"])
     assert d["random"] and tr["steps"] == n == len(tr["decoder_inputs"])
     assert tr["decoder_inputs"][0] == "<s>" and tr["decoder_inputs"][1:] == tr["target_tokens"][:-1]
-    assert d["step"]["layer"] == "decoder.1.cross_attn"  # default when translating
+    assert d["step"]["layer"] == "decoder.layers.1.cross_attn"  # default when translating
     for lay in d["layers"]:
         if lay["kind"] == "cross":
             assert lay["q_tokens"] == tr["target_tokens"] and lay["k_tokens"] == d["tokens"]

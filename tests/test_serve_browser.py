@@ -19,7 +19,7 @@ ARTIFACTS = Path(__file__).parent / "artifacts"
 XSS = "<script>alert(1)</script> <img src=x onerror=alert(1)> \"'><svg onload=alert(1)>"
 
 uvicorn = pytest.importorskip("uvicorn")
-from qkv.serve.app import create_app  # noqa: E402
+from qkv.apps.serve.app import create_app  # noqa: E402
 from serve_helpers import one_thread, registry  # noqa: E402
 
 
@@ -104,7 +104,7 @@ def _shot(page, name):
 
 def test_every_view_renders_and_languages_switch(server, browser):
     strings = json.loads(
-        (Path(__file__).parents[1] / "src/qkv/serve/static/i18n/strings.json").read_text()
+        (Path(__file__).parents[1] / "src/qkv/apps/serve/static/i18n/strings.json").read_text()
     )
     page, errors, dialogs, outside = _open(browser, f"{server}/?model=random")
     assert page.input_value("#text") == "The boy trains the puppy."
@@ -157,7 +157,7 @@ def test_every_view_renders_and_languages_switch(server, browser):
     assert page.eval_on_selector_all("canvas.thumb", "cs => cs.length") == 2 * 4
     page.click("canvas.thumb[data-layer='1'][data-head='3']")
     _ready(page)
-    assert page.input_value("#layer") == "layers.1.self_attn" and page.input_value("#head") == "3"
+    assert page.input_value("#layer") == "encoder.layers.1.self_attn" and page.input_value("#head") == "3"
     assert "head 3 of 4" in page.text_content("#view-step .intro")
     assert page.eval_on_selector_all("#stats tr.sel", "r => r.map(x => x.dataset.head)") == ["3"]
     page.click(".tab[data-view='model']")

@@ -7,9 +7,9 @@ import re
 import pytest
 import torch
 
+from qkv.apps.train import bleu_chrf
 from qkv.data import default_data_dir, multi30k
 from qkv.models.shipped import shipped
-from qkv.train import bleu_chrf
 from qkv.translate import load
 
 torch.set_num_threads(1)

@@ -15,8 +15,8 @@ os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers is imported: nothing d
 
 pytest.importorskip("transformers")
 
-from qkv.cli import main  # noqa: E402
-from qkv.tour import PRONOUN, tour  # noqa: E402
+from qkv.apps.cli import main  # noqa: E402
+from qkv.apps.tour import PRONOUN, tour  # noqa: E402
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -42,13 +42,13 @@ def test_tour_with_minilm_writes_the_page_and_picture(tmp_path):
     votes = re.search(r"heads preferring each candidate: animal: (\d+), street: (\d+)", text)
     assert votes and int(votes[1]) + int(votes[2]) == 72
     assert "[CLS] the animal didn ' t cross the street because it was tired . [SEP]" in text
-    assert len(re.findall(r"encoder\.layers\.\d\.attn head +\d+: animal \d\.\d{3} → ", text)) == 5
+    assert len(re.findall(r"encoder\.layers\.\d\.self_attn head +\d+: animal \d\.\d{3} → ", text)) == 5
     assert "What this shows:" in text  # the probe's conclusion, computed from its numbers
     # 3. the files, and a last line saying where they are
     assert paths["html"] == (tmp_path / "out" / "attention.html").resolve()
     assert paths["png"].read_bytes()[:8] == PNG_MAGIC
     page = paths["html"].read_text(encoding="utf-8")
-    assert "encoder.layers.5.attn" in page and json.dumps(PRONOUN)[1:-1] in page
+    assert "encoder.layers.5.self_attn" in page and json.dumps(PRONOUN)[1:-1] in page
     assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", page)  # self-contained
     last = text.strip().splitlines()[-1]
     assert str(paths["html"]) in text and str(paths["png"]) in last

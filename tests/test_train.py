@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from qkv.apps.train import lr_at, parse_args, train, train_step
 from qkv.data import Batch, default_data_dir
 from qkv.generate import greedy_search
 from qkv.models import Seq2SeqTransformer, TransformerConfig, load_pretrained
-from qkv.train import lr_at, parse_args, train, train_step
 
 # Tiny models: extra threads only add synchronisation on this shared 2-core machine.
 torch.set_num_threads(1)
@@ -261,7 +261,7 @@ def test_defaults_learn_and_end_with_a_summary(tmp_path, capsys):
 
 
 def test_help_shows_every_default(capsys):
-    from qkv.cli import main
+    from qkv.apps.cli import main
 
     assert main(["train", "--help"]) == 0
     text = " ".join(capsys.readouterr().out.split())

@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 
-from qkv.cli import main
+from qkv.apps.cli import main
 from qkv.data import Tokenizer
 from qkv.limits import split_to_fit
 from qkv.models import Seq2SeqTransformer, TransformerConfig, save_pretrained

@@ -112,7 +112,7 @@ def test_model_view_alignment_and_steps(browser, tmp_path):
     page.click("#tab-model")
     thumbs = page.eval_on_selector_all("canvas.thumb", "cs => cs.length")
     assert thumbs == 6 * 2
-    page.click("canvas.thumb[data-layer='3'][data-head='1']")  # decoder.0.cross_attn
+    page.click("canvas.thumb[data-layer='3'][data-head='1']")  # decoder.layers.0.cross_attn
     heads = page.eval_on_selector_all(
         "#head-view line.attn", "ls => [...new Set(ls.map(l => l.dataset.head))]"
     )
@@ -128,11 +128,11 @@ def test_model_view_alignment_and_steps(browser, tmp_path):
     from qkv.inspect import merge_steps
 
     whole = merge_steps(steps)
-    w = whole.select("decoder.0.cross_attn", 1)
+    w = whole.select("decoder.layers.0.cross_attn", 1)
     assert len(cells) == w.numel()
     for q, k, op in cells:
         assert op == pytest.approx(float(w[q, k]), abs=1e-4)
-    # decoding steps: step 2 of decoder.0.self_attn has one query over 3 keys
+    # decoding steps: step 2 of decoder.layers.0.self_attn has one query over 3 keys
     page.select_option("#step", "3")
     page.select_option("#layer", "0")
     page.click("#tab-head")

@@ -1,3 +1,3 @@
-from qkv.cli import main
+from qkv.apps.cli import main
 
 raise SystemExit(main())

@@ -1,4 +1,4 @@
-"""Translation with a trained model, by name or directory: ``qkv translate``, ``qkv evaluate``.
+"""Translation with a trained model, by name or directory (the command line: :mod:`qkv.apps.translate`).
 
 qkv ships two models trained on Multi30k with ``qkv train`` (``en-fr``, the default, and
 ``fr-en``); any ``qkv train`` run directory works too.
@@ -15,29 +15,13 @@ qkv ships two models trained on Multi30k with ``qkv train`` (``en-fr``, the defa
 
 from __future__ import annotations
 
-import argparse
-import json
-import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from torch import nn
 
-from qkv.atomic import atomic_write_text
-from qkv.cli_args import (
-    float_range,
-    int_range,
-    note,
-    output_file,
-    positive_int,
-    read_stdin_lines,
-    threads,
-)
-from qkv.cli_args import text as text_arg
-from qkv.data import Tokenizer, multi30k
-from qkv.data.corpus import read_lines, read_parallel
+from qkv.data import Tokenizer
 from qkv.generate import translate as _decode
 from qkv.limits import split_to_fit
 from qkv.loading import read_json
@@ -45,7 +29,7 @@ from qkv.models import load_pretrained
 from qkv.models.io import resolve_dir
 from qkv.models.shipped import DEFAULT, shipped, shipped_dir
 
-__all__ = ["Translator", "load", "load_translator", "add_parser"]
+__all__ = ["Translator", "load", "load_translator"]
 
 GENERATION_FILE = "generation.json"  # {"src", "tgt", "beam", "length_penalty"}: decoding defaults
 
@@ -150,89 +134,3 @@ def load(spec: str | Path = DEFAULT) -> Translator:
     return Translator(model, tok, name=name, path=path, src=gen.get("src"), tgt=gen.get("tgt"),
                       beam=int(gen.get("beam", 1)),
                       length_penalty=float(gen.get("length_penalty", 1.0)))  # fmt: skip
-
-
-def _read_input(args: argparse.Namespace) -> list[str]:
-    if args.file:
-        return read_lines(args.file)
-    if args.text:
-        return list(args.text)
-    return read_stdin_lines()
-
-
-def _translate(args: argparse.Namespace) -> int:
-    torch.set_num_threads(args.threads or torch.get_num_threads())
-    lines = _read_input(args)
-    tr = load(args.model)
-    with warnings.catch_warnings(record=True) as caught:  # printed below, once, as notes
-        warnings.simplefilter("always")
-        out = tr(lines, beam=args.beam, length_penalty=args.lenpen, progress=len(lines) > 50)
-    for w in caught:
-        note(str(w.message), "translate")
-    for line in out:
-        print(line)
-    return 0
-
-
-def _evaluate(args: argparse.Namespace) -> int:
-    from qkv.train import bleu_chrf
-
-    torch.set_num_threads(args.threads or torch.get_num_threads())
-    tr = load(args.model)
-    src, tgt = args.src or tr.src or "en", args.tgt or tr.tgt or "fr"
-    if args.files:
-        pairs = read_parallel(*args.files)
-    else:
-        pairs = multi30k(args.split, src, tgt, args.data)
-    if args.limit:
-        pairs = pairs[: args.limit]
-    t0 = time.monotonic()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        hyps = tr([s for s, _ in pairs], beam=args.beam, length_penalty=args.lenpen,
-                  progress=True)  # fmt: skip
-    seconds = time.monotonic() - t0
-    bleu, chrf = bleu_chrf(hyps, [t for _, t in pairs])
-    name = "files" if args.files else args.split
-    beam = args.beam or tr.beam
-    result = {"split": name, "src": src, "tgt": tgt, "sentences": len(pairs), "beam": beam,
-              "bleu": round(bleu, 2), "chrf": round(chrf, 2), "seconds": round(seconds, 1)}  # fmt: skip
-    print(f"{name} {src}->{tgt} beam={beam}: BLEU {bleu:.2f}  chrF {chrf:.2f}  "
-          f"({len(pairs)} sentences, {seconds:.1f}s)")  # fmt: skip
-    if args.json:
-        print(json.dumps(result))
-    if args.output:
-        atomic_write_text(args.output, "\n".join(hyps) + "\n")
-    return 0
-
-
-def _common(p: argparse.ArgumentParser) -> None:
-    names = "|".join(shipped()) or "en-fr|fr-en"
-    p.add_argument("--model", default=DEFAULT,
-                   help=f"a shipped model ({names}) or a model/run directory")  # fmt: skip
-    p.add_argument("--beam", type=int_range(1, 64), default=None,
-                   help="beam size, 1 = greedy (default: the model's, 1 if it has none)")  # fmt: skip
-    p.add_argument("--lenpen", type=float_range(0.0, 10.0), default=None,
-                   help="length penalty exponent (default: the model's tuned value, else 1)")  # fmt: skip
-    p.add_argument("--threads", type=threads, default=None, help="torch threads (default: all)")
-
-
-def add_parser(sub) -> None:
-    p = sub.add_parser("translate", help="translate sentences (default model: en-fr, shipped)")
-    _common(p)
-    p.add_argument("text", nargs="*", type=text_arg,
-                   help="sentences (default: one per line from stdin)")  # fmt: skip
-    p.add_argument("--file", help="translate every line of this file (empty lines stay empty)")
-    p.set_defaults(func=_translate)
-    e = sub.add_parser("evaluate", help="sacreBLEU and chrF of a model on a Multi30k split")
-    _common(e)
-    e.add_argument("--split", default="test_2016_flickr",
-                   help="any split present in --data (val, test_2016_flickr, test_2018_flickr...)")  # fmt: skip
-    e.add_argument("--data", help="Multi30k directory (default ../shared/data/multi30k)")
-    e.add_argument("--src", default=None, help="source language (default: the model's)")
-    e.add_argument("--tgt", default=None, help="target language (default: the model's)")
-    e.add_argument("--files", nargs=2, metavar=("SRC", "REF"), help="plain parallel text instead")
-    e.add_argument("--limit", type=positive_int, help="first N sentences only")
-    e.add_argument("--output", type=output_file(), help="write the hypotheses here")
-    e.add_argument("--json", action="store_true", help="also print a JSON line")
-    e.set_defaults(func=_evaluate)

@@ -6,7 +6,7 @@ concatenated and projected by ``W_O`` (``MultiHeadAttention.head_mask``; 0 = off
 >>> from qkv.inspect.tiny import TinyEncoder
 >>> enc = TinyEncoder()
 >>> _, ids = enc.tokenize("a b c")
->>> r = ablate(enc, {"layers.0.self_attn": [1]}, lambda m: float(m(ids).norm()))
+>>> r = ablate(enc, {"encoder.layers.0.self_attn": [1]}, lambda m: float(m(ids).norm()))
 >>> r.delta == r.ablated - r.baseline
 True
 """
@@ -121,7 +121,7 @@ def _layers(model: nn.Module, layers: Sequence[int | str] | None) -> list[tuple[
 
 
 def parse_heads(specs: Iterable[str]) -> dict[str, list[int]]:
-    """``["layers.0.self_attn:1,3", "2:0"]`` → ``{"layers.0.self_attn": [1, 3], "2": [0]}``."""
+    """``["encoder.layers.0.self_attn:1,3", "2:0"]`` → ``{"encoder.layers.0.self_attn": [1, 3], "2": [0]}``."""
     out: dict = {}
     for spec in specs:
         layer, sep, hs = spec.rpartition(":")

@@ -14,7 +14,7 @@ being stored (``(B, h, Tq, Tk)`` → ``(H, Tq, Tk)``).
 >>> toks, ids = enc.tokenize("The boy trains the puppy.")
 >>> maps = capture(enc, ids, tokens=toks, heads=[0, 1])
 >>> maps.layers, maps.weights[0].shape
-(['layers.0.self_attn', 'layers.1.self_attn'], torch.Size([2, 8, 8]))
+(['encoder.layers.0.self_attn', 'encoder.layers.1.self_attn'], torch.Size([2, 8, 8]))
 """
 
 from __future__ import annotations

@@ -102,7 +102,7 @@ class AttentionMaps:
 
     def _repr_html_(self) -> str:
         """The explorer inline in Jupyter (self-contained; maps cut to the server's limit)."""
-        from qkv.serve.page import notebook_html  # the front-end files live with qkv serve
+        from qkv.apps.serve.page import notebook_html  # the front-end files live with qkv serve
 
         return notebook_html(self)
 

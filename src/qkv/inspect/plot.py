@@ -5,7 +5,7 @@ PNG or SVG (by the suffix). Labels use the fallback fonts of :mod:`qkv.inspect.f
 tokens in any script render.
 
 >>> fig = plot_grid(maps, "grid.png")  # layers × heads  # doctest: +SKIP
->>> plot_head(maps, "layers.1.self_attn", 3, "head.svg")  # doctest: +SKIP
+>>> plot_head(maps, "encoder.layers.1.self_attn", 3, "head.svg")  # doctest: +SKIP
 >>> plot_alignment(maps, path="align.png")  # source × target  # doctest: +SKIP
 """
 

@@ -71,6 +71,20 @@ class Block(nn.Module):
         return self.norms[1](x + self.ff(x))  # (B, T, d_model)
 
 
+class Stack(nn.Module):
+    """Blocks under ``.layers``, so that module names read ``encoder.layers.0.self_attn`` and
+    ``decoder.layers.0.cross_attn``, as in :mod:`qkv.models` and the pretrained encoders."""
+
+    def __init__(self, blocks: list[Block]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(blocks)
+
+    def forward(self, x: Tensor) -> Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x  # (B, T, d_model)
+
+
 class TinyEncoder(nn.Module):
     """A random BERT-like encoder: ``[CLS] tokens [SEP]`` → hidden states ``(B, T, d_model)``."""
 
@@ -88,7 +102,7 @@ class TinyEncoder(nn.Module):
         self.vocab_size = vocab_size
         self.embed = TokenEmbedding(vocab_size, d_model)
         self.pos = SinusoidalPositionalEncoding(d_model)
-        self.layers = nn.ModuleList(Block(d_model, n_heads) for _ in range(n_layers))
+        self.encoder = Stack([Block(d_model, n_heads) for _ in range(n_layers)])
         self.eval()
 
     def tokenize(self, text: str) -> tuple[list[str], Tensor]:
@@ -97,10 +111,7 @@ class TinyEncoder(nn.Module):
         return tokens, torch.tensor([[token_id(t, self.vocab_size) for t in tokens]])
 
     def forward(self, ids: Tensor) -> Tensor:
-        x = self.pos(self.embed(ids))  # (B, T, d_model)
-        for layer in self.layers:
-            x = layer(x)
-        return x
+        return self.encoder(self.pos(self.embed(ids)))  # (B, T, d_model)
 
 
 class TinySeq2Seq(nn.Module):
@@ -116,13 +127,18 @@ class TinySeq2Seq(nn.Module):
         seed: int = 0,
     ) -> None:
         super().__init__()
-        self.encoder = TinyEncoder(vocab_size, d_model, n_heads, n_layers, seed=seed)
+        torch.manual_seed(seed)
         self.vocab_size = vocab_size
-        self.embed = TokenEmbedding(vocab_size, d_model)
+        self.embed = TokenEmbedding(vocab_size, d_model)  # shared by source and target
         self.pos = SinusoidalPositionalEncoding(d_model)
-        self.decoder = nn.ModuleList(Block(d_model, n_heads, cross=True) for _ in range(n_layers))
+        self.encoder = Stack([Block(d_model, n_heads) for _ in range(n_layers)])
+        self.decoder = Stack([Block(d_model, n_heads, cross=True) for _ in range(n_layers)])
         self.lm_head = nn.Linear(d_model, vocab_size)
         self.eval()
+
+    def encode(self, src: Tensor) -> Tensor:
+        """Source ids ``(B, T_src)`` → memory ``(B, T_src, d_model)``."""
+        return self.encoder(self.pos(self.embed(src)))
 
     def decode(
         self,
@@ -134,19 +150,19 @@ class TinySeq2Seq(nn.Module):
     ) -> Tensor:
         """Target ids ``(B, T_new)`` → logits ``(B, T_new, vocab)``; ``offset`` = cached length."""
         y = self.pos(self.embed(tgt), offset)  # (B, T_new, d_model)
-        for i, layer in enumerate(self.decoder):
+        for i, layer in enumerate(self.decoder.layers):
             y = layer(y, memory, causal=True, caches=None if caches is None else caches[i])
         return self.lm_head(y)
 
     def forward(self, src: Tensor, tgt: Tensor) -> Tensor:
         """Teacher-forced logits ``(B, T_tgt, vocab)``."""
-        return self.decode(tgt, self.encoder(src))
+        return self.decode(tgt, self.encode(src))
 
     @torch.no_grad()
     def greedy(self, src: Tensor, max_len: int = 8, *, bos: int = 3, eos: int = 4) -> Tensor:
         """Greedy decoding over a KV cache, one token per step; returns ``(B, ≤ 1 + max_len)``."""
-        memory = self.encoder(src)  # (B, T_src, d_model)
-        caches = [(KVCache(), KVCache()) for _ in self.decoder]
+        memory = self.encode(src)  # (B, T_src, d_model)
+        caches = [(KVCache(), KVCache()) for _ in self.decoder.layers]
         out = torch.full((src.shape[0], 1), bos, dtype=torch.long)
         for step in range(max_len):
             logits = self.decode(out[:, -1:], memory, caches=caches, offset=step)

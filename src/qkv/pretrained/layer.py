@@ -109,7 +109,7 @@ class EncoderLayer(nn.Module):
         self.dropout = dropout
         self.ff_dropout = dropout if ff_dropout is None else ff_dropout
         attn_dropout = dropout if attn_dropout is None else attn_dropout
-        self.attn = MultiHeadAttention(d_model, n_heads, bias=bias, dropout=attn_dropout)
+        self.self_attn = MultiHeadAttention(d_model, n_heads, bias=bias, dropout=attn_dropout)
         self.attn_norm = nn.LayerNorm(d_model, eps=layer_norm_eps, bias=bias)
         self.ff_in = nn.Linear(d_model, d_ff, bias=bias)
         self.ff_out = nn.Linear(d_ff, d_model, bias=bias)
@@ -120,9 +120,9 @@ class EncoderLayer(nn.Module):
 
     def _attend(self, x: Tensor, mask: Tensor | None, need_weights: bool):
         if need_weights:
-            y, w = self.attn(x, mask=mask, need_weights=True)  # (B, T, d), (B, h, T, T)
+            y, w = self.self_attn(x, mask=mask, need_weights=True)  # (B, T, d), (B, h, T, T)
             return self._drop(y, self.dropout), w
-        return self._drop(self.attn(x, mask=mask), self.dropout), None
+        return self._drop(self.self_attn(x, mask=mask), self.dropout), None
 
     def _ff(self, x: Tensor) -> Tensor:
         h = ACTIVATIONS[self.activation](self.ff_in(x))  # (B, T, d_ff)

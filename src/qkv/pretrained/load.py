@@ -1,15 +1,15 @@
 """Load HuggingFace BERT checkpoints into :class:`~qkv.pretrained.BertModel`.
 
 Checkpoint names are mapped here and only here; qkv's attribute names stay its own
-(``attn.w_q``, not ``attention.self.query``)::
+(``self_attn.w_q``, not ``attention.self.query``)::
 
     HuggingFace BertModel                              qkv BertModel
     embeddings.word_embeddings                         embeddings.token
     embeddings.token_type_embeddings                   embeddings.token_type
     embeddings.position_embeddings                     embeddings.position.embedding
     embeddings.LayerNorm                               embeddings.norm
-    encoder.layer.{i}.attention.self.query|key|value   encoder.layers.{i}.attn.w_q|w_k|w_v
-    encoder.layer.{i}.attention.output.dense           encoder.layers.{i}.attn.w_o
+    encoder.layer.{i}.attention.self.query|key|value   encoder.layers.{i}.self_attn.w_q|w_k|w_v
+    encoder.layer.{i}.attention.output.dense           encoder.layers.{i}.self_attn.w_o
     encoder.layer.{i}.attention.output.LayerNorm       encoder.layers.{i}.attn_norm
     encoder.layer.{i}.intermediate.dense               encoder.layers.{i}.ff_in
     encoder.layer.{i}.output.dense                     encoder.layers.{i}.ff_out
@@ -57,10 +57,10 @@ _NAME_MAP = [  # (HuggingFace prefix, qkv prefix); {i} is a layer index
     ("embeddings.token_type_embeddings", "embeddings.token_type"),
     ("embeddings.position_embeddings", "embeddings.position.embedding"),
     ("embeddings.LayerNorm", "embeddings.norm"),
-    ("encoder.layer.{i}.attention.self.query", "encoder.layers.{i}.attn.w_q"),
-    ("encoder.layer.{i}.attention.self.key", "encoder.layers.{i}.attn.w_k"),
-    ("encoder.layer.{i}.attention.self.value", "encoder.layers.{i}.attn.w_v"),
-    ("encoder.layer.{i}.attention.output.dense", "encoder.layers.{i}.attn.w_o"),
+    ("encoder.layer.{i}.attention.self.query", "encoder.layers.{i}.self_attn.w_q"),
+    ("encoder.layer.{i}.attention.self.key", "encoder.layers.{i}.self_attn.w_k"),
+    ("encoder.layer.{i}.attention.self.value", "encoder.layers.{i}.self_attn.w_v"),
+    ("encoder.layer.{i}.attention.output.dense", "encoder.layers.{i}.self_attn.w_o"),
     ("encoder.layer.{i}.attention.output.LayerNorm", "encoder.layers.{i}.attn_norm"),
     ("encoder.layer.{i}.intermediate.dense", "encoder.layers.{i}.ff_in"),
     ("encoder.layer.{i}.output.dense", "encoder.layers.{i}.ff_out"),

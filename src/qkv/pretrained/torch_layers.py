@@ -6,9 +6,9 @@ State-dict names, per layer (an encoder adds ``layers.{i}.`` in front, and ``nor
 optional final LayerNorm on both sides)::
 
     PyTorch                                   qkv
-    self_attn.in_proj_weight (3d, d)          attn.w_q.weight, attn.w_k.weight, attn.w_v.weight
-    self_attn.in_proj_bias (3d,)              attn.w_q.bias, attn.w_k.bias, attn.w_v.bias
-    self_attn.out_proj                        attn.w_o
+    self_attn.in_proj_weight (3d, d)          self_attn.w_q.weight, self_attn.w_k.weight, self_attn.w_v.weight
+    self_attn.in_proj_bias (3d,)              self_attn.w_q.bias, self_attn.w_k.bias, self_attn.w_v.bias
+    self_attn.out_proj                        self_attn.w_o
     linear1 / linear2                         ff_in / ff_out
     norm1 / norm2                             attn_norm / ff_norm   (in both norm_first modes)
 
@@ -37,8 +37,8 @@ __all__ = [
 ]
 
 _LOCAL = {  # PyTorch layer-local name -> qkv layer-local name (in_proj handled apart)
-    "self_attn.out_proj.weight": "attn.w_o.weight",
-    "self_attn.out_proj.bias": "attn.w_o.bias",
+    "self_attn.out_proj.weight": "self_attn.w_o.weight",
+    "self_attn.out_proj.bias": "self_attn.w_o.bias",
     "linear1.weight": "ff_in.weight",
     "linear1.bias": "ff_in.bias",
     "linear2.weight": "ff_out.weight",
@@ -73,7 +73,7 @@ def state_dict_from_torch(sd: dict[str, Tensor]) -> dict[str, Tensor]:
             prefix, local = hit
             kind = "weight" if local.endswith("weight") else "bias"
             for role, part in zip(_ROLES, t.chunk(3, dim=0)):
-                out[f"{prefix}attn.{role}.{kind}"] = part
+                out[f"{prefix}self_attn.{role}.{kind}"] = part
         elif hit := _split(name, _LOCAL):
             prefix, local = hit
             out[prefix + _LOCAL[local]] = t
@@ -90,7 +90,7 @@ def state_dict_to_torch(sd: dict[str, Tensor]) -> dict[str, Tensor]:
     for name, t in sd.items():
         if name in _FINAL:
             out[name] = t
-        elif hit := _split(name, [f"attn.{r}.{k}" for r in _ROLES for k in ("weight", "bias")]):
+        elif hit := _split(name, [f"self_attn.{r}.{k}" for r in _ROLES for k in ("weight", "bias")]):
             prefix, local = hit
             _, role, kind = local.split(".")
             packed.setdefault((prefix, kind), {})[role] = t
@@ -102,7 +102,7 @@ def state_dict_to_torch(sd: dict[str, Tensor]) -> dict[str, Tensor]:
     for (prefix, kind), parts in packed.items():
         if set(parts) != set(_ROLES):
             raise ValueError(
-                f"{prefix}attn.* must hold w_q, w_k and w_v {kind}s, got {sorted(parts)}"
+                f"{prefix}self_attn.* must hold w_q, w_k and w_v {kind}s, got {sorted(parts)}"
             )
         out[f"{prefix}self_attn.in_proj_{kind}"] = torch.cat([parts[r] for r in _ROLES])
     return out
@@ -148,17 +148,17 @@ def encoder_layer_to_torch(
     PyTorch's layer has one dropout rate; pass ``dropout`` when qkv's three rates differ
     (BERT: 0 inside the feed-forward), else a ``ValueError`` says which differ.
     """
-    rates = {layer.dropout, layer.attn.dropout, layer.ff_dropout}
+    rates = {layer.dropout, layer.self_attn.dropout, layer.ff_dropout}
     if dropout is None and len(rates) > 1:
         raise ValueError(
             f"nn.TransformerEncoderLayer has one dropout rate but this layer has dropout="
-            f"{layer.dropout}, attn_dropout={layer.attn.dropout}, ff_dropout={layer.ff_dropout};"
+            f"{layer.dropout}, attn_dropout={layer.self_attn.dropout}, ff_dropout={layer.ff_dropout};"
             " pass dropout="
         )
     act = {"relu": "relu", "gelu": "gelu", "gelu_tanh": nn.GELU(approximate="tanh")}
     w = layer.ff_in.weight
     theirs = nn.TransformerEncoderLayer(
-        layer.attn.d_model, layer.attn.n_heads, layer.ff_in.out_features,
+        layer.self_attn.d_model, layer.self_attn.n_heads, layer.ff_in.out_features,
         dropout=layer.dropout if dropout is None else dropout,
         activation=act[layer.activation], layer_norm_eps=layer.attn_norm.eps,
         batch_first=batch_first, norm_first=layer.norm_first,

@@ -19,7 +19,7 @@ False
 >>> parse_request({"text": "  "})
 Traceback (most recent call last):
 ...
-qkv.serve.limits.BadRequest: text must contain at least one non-space character
+qkv.apps.serve.limits.BadRequest: text must contain at least one non-space character
 """
 
 from __future__ import annotations

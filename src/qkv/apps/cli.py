@@ -1,6 +1,6 @@
 """The ``qkv`` command line. Each subcommand lives in its own module with ``add_parser``.
 
-Option values are checked while parsing (:mod:`qkv.cli_args`); every failure is one line on
+Option values are checked while parsing (:mod:`qkv.apps.cli_args`); every failure is one line on
 stderr, ``qkv <command>: error: ...``, exit 2 for bad input and 1 for an internal error
 (``QKV_DEBUG=1`` shows its traceback). See ``docs/errors.md``.
 """
@@ -10,26 +10,17 @@ from __future__ import annotations
 import importlib
 import sys
 
-from qkv.cli_args import Parser, run_command
+from qkv.apps.cli_args import Parser, run_command
 
-# name of the module under qkv/ that defines add_parser(subparsers) for each subcommand
-SUBCOMMANDS = [
-    "demo",
-    "explain",
-    "tour",
-    "train",
-    "translate",
-    "pretrained.cli",
-    "inspect.cli",
-    "serve.cli",
-]
+# the module under qkv/apps/ whose add_parser(subparsers) defines each subcommand, in --help order
+SUBCOMMANDS = ["tour", "demo", "explain", "translate", "train", "embed", "view", "serve.cli"]
 
 
 def build_parser() -> Parser:
     parser = Parser(prog="qkv", description="Attention, in full and in the open.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in SUBCOMMANDS:
-        importlib.import_module(f"qkv.{name}").add_parser(sub)
+        importlib.import_module(f"qkv.apps.{name}").add_parser(sub)
     return parser
 
 

@@ -4,7 +4,7 @@ Everything the page shows comes from :func:`attention`: the per-head maps of eve
 the step-by-step intermediates of one (layer, head) (``qkv.functional.attention_steps`` on
 the module's real inputs), head statistics, the pronoun probe, the translation with its
 per-step maps, and — when heads are switched off — the baseline to compare with. The
-caller holds the model's lock (:class:`qkv.serve.models.Entry`).
+caller holds the model's lock (:class:`qkv.apps.serve.models.Entry`).
 
 Shapes: a layer's ``weights`` are ``[h][Tq][Tk]``; for a translation ``Tq`` runs over the
 decoding steps (row ``s`` of a decoder layer is step ``s``), so the page slices rows for
@@ -21,13 +21,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 from torch import Tensor, nn
 
-from qkv.attention import MultiHeadAttention
-from qkv.functional import attention_steps
-from qkv.inspect import AttentionMaps, capture, head_stats, heads_off, merge_steps, pronoun_probe
-from qkv.inspect.capture import attention_modules, recording
-from qkv.inspect.translation import label_cross_queries
-from qkv.positional import ALiBi, RotaryEmbedding
-from qkv.serve.limits import (
+from qkv.apps.serve.limits import (
     DECIMALS,
     MAX_TEXT_CHARS,
     STEP_DIMS,
@@ -37,7 +31,13 @@ from qkv.serve.limits import (
     target_limit,
     translate_limit,
 )
-from qkv.serve.models import Entry
+from qkv.apps.serve.models import Entry
+from qkv.attention import MultiHeadAttention
+from qkv.functional import attention_steps
+from qkv.inspect import AttentionMaps, capture, head_stats, heads_off, merge_steps, pronoun_probe
+from qkv.inspect.capture import attention_modules, recording
+from qkv.inspect.translation import label_cross_queries
+from qkv.positional import ALiBi, RotaryEmbedding
 
 __all__ = ["attention", "cut_to_limit", "maps_json", "step_detail"]
 
@@ -348,7 +348,7 @@ def attention(entry: Entry, req: AttentionRequest) -> dict:
     lock = entry.lock if entry.lock is not None else nullcontext()
     with lock, torch.no_grad():
         if entry.loaded.hf is not None:  # a transformers model: qkv.hf captures its maps
-            from qkv.serve.compute_hf import hf_attention
+            from qkv.apps.serve.compute_hf import hf_attention
 
             out = hf_attention(entry, req, text)
         else:

@@ -1,7 +1,7 @@
 """``qkv explain``: the attention notes' step-by-step walk, with the library's real numbers.
 
 The steps (embedding + positional encoding, Q/K/V, QKᵀ, √d_k scaling, mask, softmax, weighted
-sum, heads, concat, W_O) are computed once by :func:`qkv.demo.walk_steps`; this module renders
+sum, heads, concat, W_O) are computed once by :func:`qkv.apps.demo.walk_steps`; this module renders
 them in the terminal (rich tables, tokens as row labels), as Markdown or as a self-contained
 HTML page.
 
@@ -19,9 +19,9 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from qkv.apps.cli_args import CliError, int_range, nonneg_int, output_file, text
+from qkv.apps.demo import DEFAULT_TEXT, Step, Walk, fit_words, walk_steps
 from qkv.atomic import atomic_write_text
-from qkv.cli_args import CliError, int_range, nonneg_int, output_file, text
-from qkv.demo import DEFAULT_TEXT, Step, Walk, fit_words, walk_steps
 from qkv.limits import MAX_TOKENS
 
 __all__ = ["render_html", "render_markdown", "render_terminal"]

@@ -25,8 +25,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from qkv.cli_args import int_range, note, output_dir
-from qkv.cli_args import text as text_arg
+from qkv.apps.cli_args import int_range, note, output_dir
+from qkv.apps.cli_args import text as text_arg
 from qkv.limits import MAX_TOKENS, fit_text
 
 __all__ = ["NOTES", "PRONOUN", "WIDE", "tour"]
@@ -49,7 +49,7 @@ def _weights_table(title: str, w, rows: list[str], cols: list[str]) -> Table:
 
 def step_by_step(text: str, console: Console) -> None:
     """Part 1: one head of a small attention layer, the notes' steps with qkv's numbers."""
-    from qkv.demo import walk_steps
+    from qkv.apps.demo import walk_steps
 
     w = walk_steps(text)
     console.print(w.header)
@@ -111,8 +111,8 @@ def translation(name: str, text: str, out: Path, console: Console) -> dict[str, 
 def heads_at_work(model: str, sentence: str, variant: str | None, top: int, out: Path,
                   console: Console) -> dict[str, Path]:  # fmt: skip
     """Part 3: the pronoun probe, the control, and what they show."""
+    from qkv.apps.view import print_probe
     from qkv.inspect import capture, pronoun_probe
-    from qkv.inspect.cli import print_probe
     from qkv.inspect.html import write_html
     from qkv.inspect.loaders import load
     from qkv.inspect.plot import plot_grid

@@ -5,7 +5,7 @@ Routes::
     GET  /                 the explorer page (static/index.html)
     GET  /static/...       app.js, app.css, i18n/strings.json
     GET  /api/health       200 {"models": [{"name", "label", "translator", "random", ...}], "limits"}
-    POST /api/attention    {"text", "model", ...} → maps, steps, stats (qkv.serve.compute)
+    POST /api/attention    {"text", "model", ...} → maps, steps, stats (qkv.apps.serve.compute)
 
 Every error is JSON ``{"error": message}`` with a 4xx status (5xx only for a bug, and the
 server keeps serving). Every response carries a strict Content-Security-Policy: scripts,
@@ -34,10 +34,10 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from qkv.serve import limits
-from qkv.serve.compute import attention
-from qkv.serve.limits import BadRequest, parse_request
-from qkv.serve.models import Registry, UnknownModel, default_registry
+from qkv.apps.serve import limits
+from qkv.apps.serve.compute import attention
+from qkv.apps.serve.limits import BadRequest, parse_request
+from qkv.apps.serve.models import Registry, UnknownModel, default_registry
 
 __all__ = ["CSP", "STATIC", "create_app"]
 
@@ -52,7 +52,7 @@ HEADERS = [
     (b"x-frame-options", b"DENY"),
     (b"cache-control", b"no-store"),
 ]
-log = logging.getLogger("qkv.serve")
+log = logging.getLogger("qkv.apps.serve")
 
 
 class SecurityHeaders:
@@ -80,7 +80,7 @@ def error(message: str, status: int = 400) -> JSONResponse:
 
 
 async def _body(request: Request) -> bytes:
-    """The request body, refused (413) beyond :data:`~qkv.serve.limits.MAX_BODY_BYTES`."""
+    """The request body, refused (413) beyond :data:`~qkv.apps.serve.limits.MAX_BODY_BYTES`."""
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limits.MAX_BODY_BYTES:
         raise BadRequest(f"request body must be at most {limits.MAX_BODY_BYTES} bytes, "
@@ -95,7 +95,7 @@ async def _body(request: Request) -> bytes:
 
 
 def create_app(registry: Registry | None = None) -> Starlette:
-    """The app over ``registry`` (default: :func:`~qkv.serve.models.default_registry`)."""
+    """The app over ``registry`` (default: :func:`~qkv.apps.serve.models.default_registry`)."""
     registry = registry or default_registry()
 
     async def index(_request: Request) -> Response:

@@ -125,7 +125,7 @@ def _random() -> Loaded:
 
     loaded = load("random")
     s2s = TinySeq2Seq()
-    loaded.full_model = s2s  # the translation path (qkv.serve.compute) decodes with it
+    loaded.full_model = s2s  # the translation path (qkv.apps.serve.compute) decodes with it
     return loaded
 
 

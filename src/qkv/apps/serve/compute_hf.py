@@ -13,17 +13,17 @@ captured maps follow one row.
 
 from __future__ import annotations
 
-from qkv.hf import heads_off
-from qkv.inspect.hf_models import head_counts, translate_hf
-from qkv.serve.compute import _num, _pick_layer, _probe, _stats, cut_to_limit, maps_json
-from qkv.serve.limits import (
+from qkv.apps.serve.compute import _num, _pick_layer, _probe, _stats, cut_to_limit, maps_json
+from qkv.apps.serve.limits import (
     AttentionRequest,
     BadRequest,
     encoder_limit,
     target_limit,
     translate_limit,
 )
-from qkv.serve.models import Entry
+from qkv.apps.serve.models import Entry
+from qkv.hf import heads_off
+from qkv.inspect.hf_models import head_counts, translate_hf
 
 __all__ = ["STEP_UNAVAILABLE", "hf_attention"]
 

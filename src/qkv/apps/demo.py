@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from qkv.apps.cli_args import int_range, nonneg_int, note, text
 from qkv.attention import MultiHeadAttention
-from qkv.cli_args import int_range, nonneg_int, note, text
 from qkv.data.words import count_words, first_words, split_words
 from qkv.functional import attention_steps
 from qkv.limits import MAX_TOKENS

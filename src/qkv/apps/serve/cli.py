@@ -29,7 +29,7 @@ def _named_dir(value: str) -> tuple[str, str]:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from qkv.serve.models import default_registry
+    from qkv.apps.serve.models import default_registry
 
     registry = default_registry(dict(args.model or []))  # checks every directory first
     unknown = [n for n in args.preload or [] if n not in registry.names()]
@@ -39,7 +39,7 @@ def _serve(args: argparse.Namespace) -> int:
         registry.get(name)
     import uvicorn
 
-    from qkv.serve.app import create_app
+    from qkv.apps.serve.app import create_app
 
     print(f"qkv serve: http://{args.host}:{args.port}/  (models: {', '.join(registry.names())})")
     uvicorn.run(create_app(registry), host=args.host, port=args.port, log_level=args.log_level)

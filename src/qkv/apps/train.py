@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qkv.cli_args import (
+from qkv.apps.cli_args import (
     Parser,
     device,
     float_range,
@@ -505,7 +505,7 @@ def _main(args: argparse.Namespace) -> int:
         )
     args.__dict__.pop("func", None)
     args.__dict__.pop("command", None)
-    result = train(args)  # errors: one stderr line, exit 2 (qkv.cli_args.run_command)
+    result = train(args)  # errors: one stderr line, exit 2 (qkv.apps.cli_args.run_command)
     return 130 if result["stopped"] == "signal" else 0
 
 

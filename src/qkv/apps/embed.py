@@ -13,7 +13,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from qkv.cli_args import CliError, int_range, note, text
+from qkv.apps.cli_args import CliError, int_range, note, text
 from qkv.limits import MAX_SENTENCES, MAX_TOKENS
 
 __all__ = ["add_parser", "format_embedding", "similarity_table"]

@@ -22,8 +22,8 @@ import re
 
 import torch
 
+from qkv.apps.serve.limits import MAX_CELLS, encoder_limit
 from qkv.inspect.maps import AttentionMaps
-from qkv.serve.limits import MAX_CELLS, encoder_limit
 
 __all__ = ["maps_from_response", "maps_response", "notebook_html", "render_page", "view_page"]
 
@@ -34,12 +34,12 @@ OFFLINE_CSP = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'unsaf
 def _static(name: str) -> str:
     from importlib.resources import files
 
-    return (files("qkv.serve") / "static" / name).read_text(encoding="utf-8")
+    return (files("qkv.apps.serve") / "static" / name).read_text(encoding="utf-8")
 
 
 def maps_response(maps: AttentionMaps, *, title: str = "") -> dict:
     """An ``/api/attention``-shaped answer for captured ``maps`` (cut to the limit)."""
-    from qkv.serve.compute import _stats, maps_json
+    from qkv.apps.serve.compute import _stats, maps_json
 
     limit = encoder_limit(sum(len(h) for h in maps.heads))
     cells = sum(w.numel() for w in maps.weights)
@@ -108,12 +108,12 @@ def view_page(
 ) -> tuple[str, dict]:
     """``qkv view``: the server's computation and limits for ``text``, as one offline page.
 
-    Returns ``(html, response)``; bad input raises :class:`~qkv.serve.limits.BadRequest`
+    Returns ``(html, response)``; bad input raises :class:`~qkv.apps.serve.limits.BadRequest`
     (a ``ValueError``) before anything is computed.
     """
-    from qkv.serve.compute import attention
-    from qkv.serve.limits import parse_request
-    from qkv.serve.models import entry_for
+    from qkv.apps.serve.compute import attention
+    from qkv.apps.serve.limits import parse_request
+    from qkv.apps.serve.models import entry_for
 
     req = parse_request({"text": text, "model": model, "translate": translate, "beam": beam})
     entry = entry_for(model)

@@ -17,8 +17,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from qkv.apps.cli_args import CliError, int_range, note, output_file, positive_int, text
 from qkv.atomic import atomic_write_text
-from qkv.cli_args import CliError, int_range, note, output_file, positive_int, text
 from qkv.inspect.ablate import ablate, ablation_scan, parse_heads
 from qkv.inspect.loaders import load
 from qkv.inspect.stats import ProbeRow, head_stats, normalize_token, pronoun_probe
@@ -43,8 +43,8 @@ def _fit(loaded, text: str, command: str, what: str) -> str:
 
 def run_view(args: argparse.Namespace) -> int:
     """The explorer page of ``qkv serve`` as one offline file, with the server's limits."""
+    from qkv.apps.serve.page import maps_from_response, view_page
     from qkv.inspect.plot import plot_alignment, plot_grid
-    from qkv.serve.page import maps_from_response, view_page
 
     if args.translate is None and args.sentence is None:
         raise CliError("give a sentence, or --translate SENTENCE")
