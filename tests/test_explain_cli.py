@@ -1,4 +1,4 @@
-"""qkv explain (shared walk with qkv demo) and the view/heads commands, end to end."""
+"""qkv explain (the notes' walk) and the view/heads commands, end to end."""
 
 import json
 
@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from qkv.apps.cli import main
-from qkv.apps.demo import walk_steps
 from qkv.apps.explain import render_html, render_markdown
+from qkv.apps.walk import walk_steps
 
 
 def _sdpa_weights(q, k, mask=None):

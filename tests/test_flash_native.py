@@ -258,3 +258,16 @@ def test_portable_build_without_avx512_code():
         timeout=600,
     )  # fmt: skip
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]
+
+
+def test_stale_build_lock_is_removed(tmp_path, monkeypatch):
+    # a build killed midway leaves PyTorch's `lock` file; loading must not wait on it forever
+    from qkv.kernels._native import _build_lock
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    stale = tmp_path / "qkv_test_ext" / "lock"
+    stale.parent.mkdir()
+    stale.touch()
+    with _build_lock("qkv_test_ext"):
+        assert not stale.exists()
+    assert (tmp_path / "qkv_test_ext" / "qkv-build.flock").exists()

@@ -29,12 +29,12 @@ SRC = str(Path(__file__).resolve().parents[1] / "src")
 # (argv, words the error line must contain); run in an empty directory holding only
 # "adir.html/" (a directory), "adir.md/" and "afile"
 BAD = [
-    (["demo", "--d-model", "0"], "--d-model"),
-    (["demo", "--d-model", "x"], "integer"),
-    (["demo", "--heads", "0"], "--heads"),
-    (["demo", "--heads", "nan"], "integer"),
-    (["demo", "--seed", "-1"], "--seed"),
-    (["demo", "--d-model", "6", "--heads", "4"], "divisible"),
+    (["explain", "--d-model", "0"], "--d-model"),
+    (["explain", "--d-model", "x"], "integer"),
+    (["explain", "--heads", "0"], "--heads"),
+    (["explain", "--heads", "nan"], "integer"),
+    (["explain", "--seed", "-1"], "--seed"),
+    (["explain", "--d-model", "6", "--heads", "4"], "divisible"),
     (["explain", "--out", "x.txt"], ".md"),
     (["explain", "--out", "missing/x.md"], "does not exist"),
     (["explain", "--out", "adir.md"], "directory"),
@@ -71,7 +71,7 @@ BAD = [
     (["embed", "--show", "-1", "a"], "--show"),
     (["embed", ""], "empty"),
     (["embed", *["a"] * 65], "at most 64"),
-    (["demo", "--text", ""], "at least one word"),
+    (["explain", "--text", ""], "at least one word"),
     (["explain", "--text", "  "], "at least one word"),
     (["embed", "a", "  "], "sentence 2 is empty"),
     (["view", "a", "--out", "adir.html"], "directory"),
@@ -136,20 +136,20 @@ def test_every_help_shows_every_default(capsys):
 
 
 def test_unexpected_error_is_one_line_exit_1(monkeypatch, capsys):
-    import qkv.apps.demo
+    import qkv.apps.explain
 
     def boom(*a, **k):
         raise RuntimeError("kaput\nsecond line")
 
-    monkeypatch.setattr(qkv.apps.demo, "walk", boom)
+    monkeypatch.setattr(qkv.apps.explain, "walk_steps", boom)
     monkeypatch.delenv("QKV_DEBUG", raising=False)
-    assert main(["demo"]) == 1
+    assert main(["explain"]) == 1
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("qkv demo: internal error: RuntimeError: kaput")
+    assert err.count("\n") == 1 and err.startswith("qkv explain: internal error: RuntimeError: kaput")
     assert "QKV_DEBUG=1" in err
     monkeypatch.setenv("QKV_DEBUG", "1")
     with pytest.raises(RuntimeError, match="kaput"):
-        main(["demo"])
+        main(["explain"])
 
 
 def test_text_with_invalid_unicode_is_replaced_and_said(workdir, capsys):

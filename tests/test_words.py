@@ -1,4 +1,4 @@
-"""qkv.data.words: the script-aware splitter of qkv explain / qkv demo."""
+"""qkv.data.words: the script-aware splitter of qkv explain."""
 
 import doctest
 import unicodedata

@@ -13,7 +13,7 @@ import sys
 from qkv.apps.cli_args import Parser, run_command
 
 # the module under qkv/apps/ whose add_parser(subparsers) defines each subcommand, in --help order
-SUBCOMMANDS = ["tour", "demo", "explain", "translate", "train", "embed", "view", "serve.cli"]
+SUBCOMMANDS = ["tour", "explain", "translate", "train", "embed", "view", "serve.cli"]
 
 
 def build_parser() -> Parser:

@@ -7,7 +7,7 @@ loaded or any file written. Every failure is one line on stderr::
     qkv <command>: error: <what is wrong>          exit 2  (bad input, bad model file)
     qkv <command>: internal error: <...>           exit 1  (a bug; QKV_DEBUG=1 shows the traceback)
 
->>> p = Parser(prog="qkv demo")
+>>> p = Parser(prog="qkv explain")
 >>> _ = p.add_argument("--beam", type=positive_int, default=1)
 >>> p.parse_args(["--beam", "4"]).beam
 4

@@ -1,7 +1,7 @@
 """``qkv explain``: the attention notes' step-by-step walk, with the library's real numbers.
 
 The steps (embedding + positional encoding, Q/K/V, QKᵀ, √d_k scaling, mask, softmax, weighted
-sum, heads, concat, W_O) are computed once by :func:`qkv.apps.demo.walk_steps`; this module renders
+sum, heads, concat, W_O) are computed once by :func:`qkv.apps.walk.walk_steps`; this module renders
 them in the terminal (rich tables, tokens as row labels), as Markdown or as a self-contained
 HTML page.
 
@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 from qkv.apps.cli_args import CliError, int_range, nonneg_int, output_file, text
-from qkv.apps.demo import DEFAULT_TEXT, Step, Walk, fit_words, walk_steps
+from qkv.apps.walk import DEFAULT_TEXT, Step, Walk, fit_words, walk_steps
 from qkv.atomic import atomic_write_text
 from qkv.limits import MAX_TOKENS
 
@@ -155,7 +155,8 @@ def run(args: argparse.Namespace) -> int:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "explain", help="the attention walk-through with real numbers (rich/md/html)"
+        "explain",
+        help="the notes' walk through attention, step by step, with real numbers (tiny random model)",
     )
     limit = MAX_TOKENS["explain"]
     p.add_argument("--text", default=DEFAULT_TEXT, type=text,

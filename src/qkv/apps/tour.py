@@ -49,7 +49,7 @@ def _weights_table(title: str, w, rows: list[str], cols: list[str]) -> Table:
 
 def step_by_step(text: str, console: Console) -> None:
     """Part 1: one head of a small attention layer, the notes' steps with qkv's numbers."""
-    from qkv.apps.demo import walk_steps
+    from qkv.apps.walk import walk_steps
 
     w = walk_steps(text)
     console.print(w.header)

@@ -1,4 +1,4 @@
-"""Words of a sentence, by script: the toy tokenizer of ``qkv explain`` / ``qkv demo``.
+"""Words of a sentence, by script: the toy tokenizer of ``qkv explain`` and the tour.
 
 No vocabulary and no download: the tokens come from the writing system itself.
 

@@ -11,10 +11,12 @@ that path on machines that have AVX-512).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
 import platform
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -41,6 +43,37 @@ def _flags() -> list[str]:
     return flags
 
 
+@contextlib.contextmanager
+def _build_lock(name: str) -> Iterator[None]:
+    """Hold an OS lock on the build directory while building or loading.
+
+    PyTorch's builder marks a build in progress with a ``lock`` file that it deletes when done;
+    a process killed mid-build (Ctrl-C, a timeout) leaves the file behind, and every later
+    load then waits for it forever. This lock is ``flock``'s, which the OS releases when its
+    holder dies: whoever holds it is the only qkv builder, so a ``lock`` file found then is
+    stale and removed.
+    """
+    try:
+        import fcntl
+
+        from torch.utils.cpp_extension import _get_build_directory
+    except ImportError:  # not POSIX, or a PyTorch without the helper: PyTorch's lock alone
+        yield
+        return
+    directory = Path(_get_build_directory(name, verbose=False))
+    with open(directory / "qkv-build.flock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        stale = directory / "lock"
+        if stale.exists():
+            logger.warning("qkv: removing a stale build lock left by an interrupted build: %s",
+                           stale)  # fmt: skip
+            stale.unlink(missing_ok=True)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 @functools.cache
 def native_ops() -> object | None:
     """``torch.ops.qkv_flash`` once the kernel is built and loaded, else ``None``."""
@@ -52,13 +85,15 @@ def native_ops() -> object | None:
         from torch.utils import cpp_extension
 
         logger.info("qkv: loading the fused CPU kernel (the first build takes ~15 s)")
-        cpp_extension.load(
-            name="qkv_flash_cpu_portable" if _portable() else "qkv_flash_cpu",
-            sources=[str(SOURCE)],
-            extra_cflags=_flags(),
-            is_python_module=False,
-            verbose=False,
-        )
+        name = "qkv_flash_cpu_portable" if _portable() else "qkv_flash_cpu"
+        with _build_lock(name):
+            cpp_extension.load(
+                name=name,
+                sources=[str(SOURCE)],
+                extra_cflags=_flags(),
+                is_python_module=False,
+                verbose=False,
+            )
         ops = torch.ops.qkv_flash
         ops.fwd  # noqa: B018 (raises if the library did not register its ops)
     except Exception as e:  # no compiler/ninja, unsupported platform, failed build

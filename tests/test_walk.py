@@ -2,13 +2,12 @@ import pytest
 import torch
 
 from qkv.apps.cli import main
-from qkv.apps.demo import walk, walk_steps, word_vectors
+from qkv.apps.walk import walk_steps, word_vectors
 
 
-def test_demo_walks_every_step_and_matches_module(capsys):
-    lines = []
-    t = walk("The boy trains the puppy .", causal=True, out=lines.append)
-    text = "\n".join(lines)
+def test_walk_has_every_step_and_matches_module():
+    w = walk_steps("The boy trains the puppy .", causal=True)
+    titles = "\n".join(s.title for s in w.steps)
     for step in (
         "token embeddings",
         "positional",
@@ -20,14 +19,15 @@ def test_demo_walks_every_step_and_matches_module(capsys):
         "concatenated",
         "W_O",
     ):
-        assert step in text
-    assert "Step by step equals MultiHeadAttention.forward: True" in text
-    assert t["weights"].shape == (1, 2, 6, 6)
+        assert step in titles
+    assert w.same  # the pieces put together by hand equal MultiHeadAttention.forward
+    assert w.tensors["weights"].shape == (1, 2, 6, 6)
 
 
-def test_cli_demo_runs(capsys):
-    assert main(["demo", "--text", "a b", "--d-model", "4", "--heads", "2"]) == 0
-    assert "2×2 = 4 scores" in capsys.readouterr().out
+def test_cli_explain_runs(capsys):
+    assert main(["explain", "--text", "a b", "--d-model", "4", "--heads", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "2 tokens" in out and "softmax" in out
 
 
 def test_python_m_qkv():
@@ -35,7 +35,7 @@ def test_python_m_qkv():
     import sys
 
     r = subprocess.run(
-        [sys.executable, "-m", "qkv", "demo", "--causal"],
+        [sys.executable, "-m", "qkv", "explain", "--causal"],
         capture_output=True,
         text=True,
         check=True,

@@ -1,4 +1,5 @@
-"""``qkv demo``: attention on a short sentence, one step at a time, with the library's numbers.
+"""The notes' walk through attention on a short sentence, one step at a time, with the
+library's numbers (rendered by ``qkv explain`` and the tour).
 
 The sentence is split by :func:`qkv.data.words.split_words` (spaces and punctuation, one token per
 Chinese or Japanese character, Burmese syllables, ...). Each word's embedding is a fixed random
@@ -14,14 +15,12 @@ hand equal the module's own forward pass.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from qkv.apps.cli_args import int_range, nonneg_int, note, text
+from qkv.apps.cli_args import note
 from qkv.attention import MultiHeadAttention
 from qkv.data.words import count_words, first_words, split_words
 from qkv.functional import attention_steps
@@ -158,29 +157,6 @@ def walk_steps(
     return Walk(header, words, src_words, steps, attends, same, tensors)
 
 
-def walk(
-    text: str = DEFAULT_TEXT,
-    *,
-    d_model: int = 8,
-    n_heads: int = 2,
-    causal: bool = False,
-    seed: int = 0,
-    out: Callable[[str], None] = print,
-) -> dict[str, torch.Tensor]:
-    """Print each step of multi-head self-attention over ``text``; return the tensors."""
-    w = walk_steps(text, d_model=d_model, n_heads=n_heads, causal=causal, seed=seed)
-    torch.set_printoptions(precision=3, sci_mode=False, linewidth=120)
-    out(w.header)
-    for s in w.steps:
-        out(f"\n== {s.title}  shape {list(s.tensor.shape)}" + (f"  ({s.note})" if s.note else ""))
-        out(str(s.tensor))
-        if s.name == "softmax":
-            for line in w.attends:
-                out(line)
-    out(f"\nStep by step equals MultiHeadAttention.forward: {w.same}")
-    return w.tensors
-
-
 def fit_words(value: str, name: str, command: str) -> str:
     """``value`` cut to ``MAX_TOKENS["explain"]`` tokens of :func:`split_words`, with a note
     on stderr when it was cut (the walk prints T × T numbers per head)."""
@@ -192,20 +168,3 @@ def fit_words(value: str, name: str, command: str) -> str:
         note(f"--{name} cut to its first {count_words(cut)} tokens{of}; the walk prints "
              f"T × T numbers per head, at most {limit} tokens", command)  # fmt: skip
     return cut
-
-
-def _run(a: argparse.Namespace) -> int:
-    text = fit_words(a.text, "text", "demo")
-    walk(text, d_model=a.d_model, n_heads=a.heads, causal=a.causal, seed=a.seed)
-    return 0
-
-
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="walk through attention on a short sentence")
-    p.add_argument("--text", default=DEFAULT_TEXT, type=text,
-                   help=f"the sentence (at most {MAX_TOKENS['explain']} tokens)")  # fmt: skip
-    p.add_argument("--d-model", type=int_range(2, 512), default=8, help="even, divisible by heads")
-    p.add_argument("--heads", type=int_range(1, 64), default=2)
-    p.add_argument("--causal", action="store_true")
-    p.add_argument("--seed", type=nonneg_int, default=0)
-    p.set_defaults(func=_run)
