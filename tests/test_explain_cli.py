@@ -178,3 +178,21 @@ def test_explain_limit_counts_tokens_of_unspaced_text(tmp_path, capsys):
     assert "→ 32 tokens ['男', '孩', '训'" in md
     assert main(["explain", "--text", "男孩训练小狗。", "--out", str(tmp_path / "ok.md")]) == 0
     assert "note" not in capsys.readouterr().err
+
+
+def test_heads_table_keeps_full_layer_names_at_80_columns(monkeypatch):
+    import io
+
+    from rich.console import Console
+
+    import qkv.apps.view as view
+
+    buf = io.StringIO()
+    monkeypatch.setattr(view, "console", Console(file=buf, width=80, color_system=None))
+    assert main(["heads", "The animal didn't cross the street because it was tired."]) == 0
+    lines = buf.getvalue().splitlines()
+    assert all(len(line) <= 80 for line in lines)
+    rows = [line for line in lines if "layers." in line]
+    assert rows and all("…" not in line for line in rows)  # nothing cut
+    names = {line.split()[0] for line in rows}
+    assert names == {"encoder.layers.0.self_attn", "encoder.layers.1.self_attn"}  # random model

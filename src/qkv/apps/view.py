@@ -14,6 +14,7 @@ import argparse
 import math
 
 import torch
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -88,14 +89,29 @@ def _similarity_metric(loaded, inputs, tokens, token: str, candidates: list[str]
     return metric
 
 
+def _table(title: str, columns: tuple[str, ...], layers: list[str]) -> Table:
+    """A compact table whose first column (the layer's full module name, which ``--ablate``
+    takes back) is never cut: at 80 columns the numbers get the room that borders took."""
+    t = Table(title=title, box=box.SIMPLE_HEAD, padding=0, pad_edge=False)
+    width = max([len(columns[0]), *map(len, layers)])
+    t.add_column(columns[0], justify="left", no_wrap=True, min_width=width)
+    for col in columns[1:]:
+        t.add_column(col, justify="right", no_wrap=True)
+    return t
+
+
+def maps_layers(scan: list) -> list[str]:
+    """The layer names of an ablation scan's rows."""
+    return [str(layer) for r in scan for layer in r.heads]
+
+
 def print_probe(
     rows: list[ProbeRow], token: str, candidates: list[str], top: int = 10,
     console: Console = console,
 ) -> None:  # fmt: skip
     """The pronoun probe's table (``top`` heads) and how many heads prefer each candidate."""
-    t = Table(title=f"where does {token!r} look? (top {top} of {len(rows)} heads)")
-    for col in ("layer", "head", *candidates, "best", "margin"):
-        t.add_column(col, justify="right")
+    t = _table(f"where does {token!r} look? (top {top} of {len(rows)} heads)",
+               ("layer", "head", *candidates, "best", "margin"), [r.layer for r in rows])  # fmt: skip
     for r in rows[:top]:
         t.add_row(r.layer, str(r.head), *(_f(r.scores[c]) for c in candidates), r.best,
                   _f(r.margin))  # fmt: skip
@@ -122,9 +138,11 @@ def run_bleu_ablation(args: argparse.Namespace) -> int:
                       f"(Δ {r.delta:+.2f})")  # fmt: skip
         return 0
     scan = ablation_scan(model, metric, args.layers)
-    t = Table(title=f"one head off at a time: change in {what} (base {scan[0].baseline:.2f})")
-    for col in ("layer", "head", "BLEU", "Δ"):
-        t.add_column(col, justify="right")
+    t = _table(
+        f"one head off at a time: change in {what} (base {scan[0].baseline:.2f})",
+        ("layer", "head", "BLEU", "Δ"),
+        maps_layers(scan),
+    )
     for r in scan[: args.top]:
         ((layer, hs),) = r.heads.items()
         t.add_row(str(layer), str(hs[0]), f"{r.ablated:.2f}", f"{r.delta:+.2f}")
@@ -144,9 +162,11 @@ def run_heads(args: argparse.Namespace) -> int:
     tokens, inputs = loaded.encode(args.sentence)
     maps = loaded.maps(*inputs, tokens=tokens)
     if args.token is None:
-        t = Table(title=f"head statistics — {args.sentence!r}")
-        for col in ("layer", "head", "entropy", "dist", "prev", "next", "self", "first", "punct"):
-            t.add_column(col, justify="right")
+        t = _table(
+            f"head statistics — {args.sentence!r}",
+            ("layer", "head", "entropy", "dist", "prev", "next", "self", "first", "punct"),
+            maps.layers,
+        )
         for s in head_stats(maps):
             vals = (s.entropy, s.distance, s.prev, s.next, s.self, s.first, s.punct)
             t.add_row(s.layer, str(s.head), *map(_f, vals))
@@ -165,11 +185,11 @@ def run_heads(args: argparse.Namespace) -> int:
                           f"(Δ {r.delta:+.4f})")  # fmt: skip
         else:
             scan = ablation_scan(loaded.model, metric)
-            t = Table(
-                title=f"one head off at a time: change in {what} (base {scan[0].baseline:.4f})"
+            t = _table(
+                f"one head off at a time: change in {what} (base {scan[0].baseline:.4f})",
+                ("layer", "head", "Δ"),
+                maps_layers(scan),
             )
-            for col in ("layer", "head", "Δ"):
-                t.add_column(col, justify="right")
             for r in scan[: args.top]:
                 ((layer, hs),) = r.heads.items()
                 t.add_row(str(layer), str(hs[0]), f"{r.delta:+.4f}")
