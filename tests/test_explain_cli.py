@@ -180,7 +180,7 @@ def test_explain_limit_counts_tokens_of_unspaced_text(tmp_path, capsys):
     assert "note" not in capsys.readouterr().err
 
 
-def test_heads_table_keeps_full_layer_names_at_80_columns(monkeypatch):
+def test_heads_table_keeps_full_layer_names_at_80_columns(monkeypatch, capsys):
     import io
 
     from rich.console import Console
@@ -196,3 +196,4 @@ def test_heads_table_keeps_full_layer_names_at_80_columns(monkeypatch):
     assert rows and all("…" not in line for line in rows)  # nothing cut
     names = {line.split()[0] for line in rows}
     assert names == {"encoder.layers.0.self_attn", "encoder.layers.1.self_attn"}  # random model
+    assert "qkv heads: note: random weights" in capsys.readouterr().err  # and it says so

@@ -60,6 +60,8 @@ def run_view(args: argparse.Namespace) -> int:
     out = atomic_write_text(args.out, page)
     if response["notice"]:
         note(response["notice"], "view")
+    if response.get("random"):
+        note(RANDOM_NOTE, "view")
     console.print(f"viewer written: [bold]{out.resolve()}[/] (open it in a browser)")
     maps = maps_from_response(response)
     if args.png:
@@ -70,6 +72,12 @@ def run_view(args: argparse.Namespace) -> int:
             plot_alignment(maps, path=align)
             console.print(f"alignment written: [bold]{align}[/]")
     return 0
+
+
+RANDOM_NOTE = (
+    "random weights (no trained model): the numbers show the mechanics, not what trained heads"
+    " do; --model minilm (or en-fr, fr-en, DIR) for a real one"
+)
 
 
 def _similarity_metric(loaded, inputs, tokens, token: str, candidates: list[str]):
@@ -158,6 +166,8 @@ def run_heads(args: argparse.Namespace) -> int:
     if not args.sentence or not args.sentence.strip():
         raise CliError("give a sentence (or --ablate ... --data-split SPLIT for BLEU)")
     loaded = load(args.model)
+    if loaded.name == "random":
+        note(RANDOM_NOTE, "heads")
     args.sentence = _fit(loaded, args.sentence, "heads", "the sentence")
     tokens, inputs = loaded.encode(args.sentence)
     maps = loaded.maps(*inputs, tokens=tokens)
