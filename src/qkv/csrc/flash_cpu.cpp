@@ -881,7 +881,7 @@ template <typename T>
 static void backward_impl(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
                           const Tensor& dout, const Tensor& lse, Tensor& dq, Tensor& dk,
                           Tensor& dv_, double scale_d, const Structure& st, int64_t bq,
-                          int64_t bk, const MaskView& mk) {
+                          int64_t bk, const MaskView& mk, bool dotp = false) {
   const Dims D0 = Dims::of(q, k, v);
   const int64_t N = D0.N, G = D0.G, Tq = D0.Tq, d = D0.d, Tk = D0.Tk, dv = D0.dv;
   const float scale = static_cast<float>(scale_d), c2 = scale * kLog2e;
@@ -899,7 +899,8 @@ static void backward_impl(const Tensor& q, const Tensor& k, const Tensor& v, con
     // per head, read once per query block; cached per thread between calls (see HugeBuffer)
     static thread_local HugeBuffer<T> kt, vt;
     static thread_local HugeBuffer<float> dkt, dvt;
-    kt.assign(nkb * d * bk), vt.assign(nkb * dv * bk), dkt.assign(nkb * d * bk);
+    if (!dotp) kt.assign(nkb * d * bk), vt.assign(nkb * dv * bk);
+    dkt.assign(nkb * d * bk);
     dvt.assign(nkb * dv * bk);
     const size_t blk = bq * bk, lowb = low ? blk : 0;
     Scratch sc(2 * Scratch::pages(blk * 4) + 2 * Scratch::pages(lowb * sizeof(T)) +
@@ -911,11 +912,30 @@ static void backward_impl(const Tensor& q, const Tensor& k, const Tensor& v, con
     T* qt = sc.take<T>(d * bq);
     T* dot = sc.take<T>(dv * bq);
     std::vector<float> lse2(bq), D(bq);
+    // dot path (bf16 without AMX): per key block, Kᵀ and Vᵀ in chunk pairs (S, dP), K in row
+    // pairs (dQ); per block, P and dS in row pairs (dVᵀ, dKᵀ)
+    const int64_t d2 = (d + 1) / 2, dv2 = (dv + 1) / 2, rbk16 = (bk + 15) / 16 * 16;
+    const int64_t rd16 = (d + 15) / 16 * 16, kpblk = (bk + 1) / 2 * rd16;
+    static thread_local HugeBuffer<uint32_t> kc, vc, kp, pairs;
+    if (dotp) {
+      kc.assign(nkb * rbk16 * d2), vc.assign(nkb * rbk16 * dv2), kp.assign(nkb * kpblk);
+      pairs.assign((bq + 1) / 2 * 2 * rbk16);
+    }
+    uint32_t* pp = pairs.data();
+    uint32_t* dsp = dotp ? pp + (bq + 1) / 2 * rbk16 : nullptr;
     for (int64_t n = first; n < end; n += step) {
       const T* K = kd + n * Tk * d;
       const T* V = vd + n * Tk * dv;
       for (int64_t j = 0; j < nkb; ++j) {
         const int64_t ks = j * bk, nk = std::min(bk, Tk - ks);
+        if constexpr (low) {
+          if (dotp) {
+            pack_chunks(K + ks * d, nk, d, kc.data() + j * rbk16 * d2);
+            pack_chunks(V + ks * dv, nk, dv, vc.data() + j * rbk16 * dv2);
+            pack_row_pairs(K + ks * d, nk, d, d, kp.data() + j * kpblk, rd16);
+            continue;
+          }
+        }
         transpose(K + ks * d, nk, d, d, kt.data() + j * d * bk, bk);
         transpose(V + ks * dv, nk, dv, dv, vt.data() + j * dv * bk, bk);
       }
@@ -945,8 +965,16 @@ static void backward_impl(const Tensor& q, const Tensor& k, const Tensor& v, con
           for (int64_t ks = lo - lo % bk; ks < hi; ks += bk) {
             const int64_t nk = std::min(bk, Tk - ks);
             const int64_t j = ks / bk;
-            mm<T>(rows, nk, d, Q, d, kt.data() + j * d * bk, bk, S, bk, false);
-            mm<T>(rows, nk, dv, dO, dv, vt.data() + j * dv * bk, bk, dP, bk, false);
+            if (dotp) {
+              if constexpr (low) {
+                dot_mm(rows, nk, d, Q, d, kc.data() + j * rbk16 * d2, 16, d2 * 16, S, bk, false);
+                dot_mm(rows, nk, dv, dO, dv, vc.data() + j * rbk16 * dv2, 16, dv2 * 16, dP, bk,
+                       false);
+              }
+            } else {
+              mm<T>(rows, nk, d, Q, d, kt.data() + j * d * bk, bk, S, bk, false);
+              mm<T>(rows, nk, dv, dO, dv, vt.data() + j * dv * bk, bk, dP, bk, false);
+            }
             for (int64_t r = 0; r < rows; ++r) {
               const int64_t c0 = std::clamp<int64_t>(st.lo(qs + r) - ks, 0, nk);
               const int64_t c1 = std::clamp<int64_t>(st.hi(qs + r) - ks, 0, nk);
@@ -959,6 +987,16 @@ static void backward_impl(const Tensor& q, const Tensor& k, const Tensor& v, con
             }
             const T* P = low ? Plow : reinterpret_cast<const T*>(S);
             const T* dS = low ? dSlow : reinterpret_cast<const T*>(dP);
+            if (dotp) {
+              if constexpr (low) {
+                pack_row_pairs(P, rows, nk, bk, pp, rbk16);
+                pack_row_pairs(dS, rows, nk, bk, dsp, rbk16);
+                dot_mm(dv, nk, rows, dot, bq, pp, rbk16, 16, dvt.data() + j * dv * bk, bk, true);
+                dot_mm(d, nk, rows, qt, bq, dsp, rbk16, 16, dkt.data() + j * d * bk, bk, true);
+                dot_mm(rows, d, nk, dS, bk, kp.data() + j * kpblk, rd16, 16, dQ, d, true);
+              }
+              continue;
+            }
             mm<T>(dv, nk, rows, dot, bq, P, bk, dvt.data() + j * dv * bk, bk, true);  // dVᵀ
             mm<T>(d, nk, rows, qt, bq, dS, bk, dkt.data() + j * d * bk, bk, true);  // dKᵀ
             mm<T>(rows, d, nk, dS, bk, K + ks * d, d, dQ, d, true);  // dQ
@@ -973,8 +1011,11 @@ static void backward_impl(const Tensor& q, const Tensor& k, const Tensor& v, con
       }
       for (int64_t i = 0; i < Tk * d; ++i) dkd[n * Tk * d + i] *= scale;
     }
-    if (kt.cap_bytes + vt.cap_bytes + dkt.cap_bytes + dvt.cap_bytes > kKeepBytes)
-      kt.release(), vt.release(), dkt.release(), dvt.release();
+    if (kt.cap_bytes + vt.cap_bytes + dkt.cap_bytes + dvt.cap_bytes + kc.cap_bytes +
+            vc.cap_bytes + kp.cap_bytes >
+        kKeepBytes)
+      kt.release(), vt.release(), dkt.release(), dvt.release(), kc.release(), vc.release(),
+          kp.release();
   });
 }
 
@@ -1005,7 +1046,7 @@ std::tuple<Tensor, Tensor, Tensor> flash_bwd(const Tensor& q, const Tensor& k, c
   } else {
     TORCH_CHECK(q.scalar_type() == at::kBFloat16, "qkv flash_bwd: fp32 or bf16 only");
     backward_impl<BFloat16>(q, k, v, out, dout, lse, dq, dk, dv, scale, st, block_q, block_k,
-                            mk);
+                            mk, bf16_path(q.size(3)) == Bf16Path::kDot);
   }
   return {dq, dk, dv};
 }
