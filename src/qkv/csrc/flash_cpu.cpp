@@ -333,17 +333,23 @@ static inline void grad_row(float* s, float* dp, T* p_low, T* ds_low, int64_t c0
 #endif
 }
 
+// Ring attention's blocks (qkv/distributed/block.py) put query row i at key position
+// Tk - Tq + shift + i (their global offset); fwd_at/bwd_at set this for one call, so that
+// flash_fwd/flash_bwd stay the ops' only entry points.
+thread_local int64_t tl_shift = 0;
+
 // Which keys query row i (0-based, aligned bottom-right: position Tk - Tq + i) may see.
 struct Structure {
   int64_t Tq, Tk;
   bool causal;
   int64_t window;  // <= 0: none
+  int64_t shift = tl_shift;  // 0 but in ring blocks (above)
   int64_t lo(int64_t i) const {
-    const int64_t pos = Tk - Tq + i;
+    const int64_t pos = Tk - Tq + shift + i;
     return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
   }
   int64_t hi(int64_t i) const {
-    const int64_t pos = Tk - Tq + i;
+    const int64_t pos = Tk - Tq + shift + i;
     if (causal) return std::min<int64_t>(Tk, pos + 1);
     if (window > 0) return std::min<int64_t>(Tk, pos + window);
     return Tk;
@@ -1066,7 +1072,44 @@ TORCH_LIBRARY_IMPL(qkv_flash, CPU, m) {
   m.impl("bwd", &flash_bwd);
 }
 
-// Which bf16 matmul path runs here (QKV_ISA and the CPU decide; see Bf16Path).
+namespace {
+// fwd/bwd with query row i at key position Tk - Tq + shift + i (see tl_shift)
+struct ShiftScope {
+  explicit ShiftScope(int64_t s) { tl_shift = s; }
+  ~ShiftScope() { tl_shift = 0; }
+};
+
+std::tuple<Tensor, Tensor> flash_fwd_at(const Tensor& q, const Tensor& k, const Tensor& v,
+                                        double scale, bool causal, int64_t window,
+                                        int64_t block_q, int64_t block_k, int64_t shift) {
+  ShiftScope at(shift);
+  return flash_fwd(q, k, v, std::nullopt, scale, causal, window, block_q, block_k);
+}
+
+std::tuple<Tensor, Tensor, Tensor> flash_bwd_at(const Tensor& q, const Tensor& k,
+                                                const Tensor& v, const Tensor& out,
+                                                const Tensor& dout, const Tensor& lse,
+                                                double scale, bool causal, int64_t window,
+                                                int64_t block_q, int64_t block_k,
+                                                int64_t shift) {
+  ShiftScope at(shift);
+  return flash_bwd(q, k, v, out, dout, lse, std::nullopt, scale, causal, window, block_q,
+                   block_k);
+}
+}  // namespace
+
+// Which bf16 matmul path runs here (QKV_ISA and the CPU decide; see Bf16Path), and the
+// kernels with a query offset for ring attention's blocks.
 TORCH_LIBRARY_FRAGMENT(qkv_flash, m) {
   m.def("bf16_path() -> str", []() { return isa_name(); });
+  m.def("fwd_at(Tensor q, Tensor k, Tensor v, float scale, bool causal, int window, "
+        "int block_q, int block_k, int shift) -> (Tensor, Tensor)");
+  m.def("bwd_at(Tensor q, Tensor k, Tensor v, Tensor out, Tensor dout, Tensor lse, "
+        "float scale, bool causal, int window, int block_q, int block_k, int shift) -> "
+        "(Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(qkv_flash, CPU, m) {
+  m.impl("fwd_at", &flash_fwd_at);
+  m.impl("bwd_at", &flash_bwd_at);
 }
