@@ -288,6 +288,7 @@ def test_isa_switch_picks_the_path_and_rejects_unknown_values(monkeypatch):
     assert native_ops().bf16_path().startswith("avx512_bf16" if has_dot else "brgemm")
     monkeypatch.setenv("QKV_ISA", "brgemm")
     assert native_ops().bf16_path().startswith("brgemm")
+    assert native_status().endswith("bf16 path: " + native_ops().bf16_path())
     monkeypatch.setenv("QKV_ISA", "sse2")
     with pytest.raises(RuntimeError, match="QKV_ISA must be auto, amx, avx512 or brgemm"):
         native_ops().bf16_path()

@@ -463,11 +463,14 @@ static void pack_chunks(const BFloat16* x_, int64_t n, int64_t K, uint32_t* out)
   for (int64_t c = 0; c < n; c += 16)
     for (int64_t i = 0; i < 16; ++i) {
       uint32_t* o = out + (c / 16) * K2 * 16 + i;
+      if (c + i >= n) {  // past the last row: zeros
+        for (int64_t kk = 0; kk < K2; ++kk) o[kk * 16] = 0u;
+        continue;
+      }
       const uint16_t* row = x + (c + i) * K;
       for (int64_t kk = 0; kk < K2; ++kk) {
-        const bool in = c + i < n;
-        const uint32_t lo = in ? row[2 * kk] : 0u, hi = in && 2 * kk + 1 < K ? row[2 * kk + 1] : 0u;
-        o[kk * 16] = lo | (hi << 16);
+        const uint32_t hi = 2 * kk + 1 < K ? row[2 * kk + 1] : 0u;
+        o[kk * 16] = row[2 * kk] | (hi << 16);
       }
     }
 }
