@@ -177,8 +177,7 @@ def _logit_bound(q: Tensor, k: Tensor, scale: float | None) -> float:
 
 _DECISIONS: dict[tuple, tuple[Case, Decision]] = {}
 DECISION_CACHE_SIZE = 1024  # signatures remembered (the cache is emptied when full)
-_PLAIN = (bool, int, float, str)
-_TENSORLIKE = {Tensor, torch.nn.Parameter, list}  # option types keyed by _meta
+_SIMPLE = frozenset({type(None), bool, int, float, str})  # option types keyed by value
 
 
 def _meta(x: object) -> object:
@@ -209,10 +208,11 @@ def _decide(q: Tensor, k: Tensor, v: Tensor, backend: str, options: dict) -> tup
     if grad and q.numel() and k.numel() and q.dim() >= 3 and q.shape[-1] == k.shape[-1]:
         huge = _logit_bound(q, k, options.get("scale")) >= HUGE_LOGITS  # values: every call
     values = tuple(options.values())
-    if not _TENSORLIKE.isdisjoint(map(type, values)):  # tensors by their metadata
-        values = tuple(x if x is None or type(x) in _PLAIN else _meta(x) for x in values)
+    if not _SIMPLE.issuperset(map(type, values)):  # tensors by their metadata
+        values = tuple([_meta(x) for x in values])
     key = (
         backend, grad, huge, _flash.native_ops() is None, tuple(options), values,
+        tuple(map(type, values)),  # causal=1 and causal=True hash alike
         q.shape, q.dtype, q.device, q.requires_grad, k.shape, k.dtype, k.device,
         v.shape, v.dtype, v.device,
     )  # fmt: skip
