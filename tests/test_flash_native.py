@@ -289,6 +289,10 @@ def test_isa_switch_picks_the_path_and_rejects_unknown_values(monkeypatch):
     monkeypatch.setenv("QKV_ISA", "brgemm")
     assert native_ops().bf16_path().startswith("brgemm")
     assert native_status().endswith("bf16 path: " + native_ops().bf16_path())
+    if "amx_bf16" not in _cpu_flags():  # asking for AMX where there is none: a clear error
+        monkeypatch.setenv("QKV_ISA", "amx")
+        with pytest.raises(RuntimeError, match="QKV_ISA=amx: oneDNN reports no AMX"):
+            native_ops().bf16_path()
     monkeypatch.setenv("QKV_ISA", "sse2")
     with pytest.raises(RuntimeError, match="QKV_ISA must be auto, amx, avx512 or brgemm"):
         native_ops().bf16_path()
