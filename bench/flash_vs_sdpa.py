@@ -12,9 +12,8 @@ dot-product kernel, or oneDNN's brgemm).
 ``--bf16``: one table for bf16, each repeat running in turn the fused kernel on its bf16 path,
 the same kernel forced onto oneDNN's unpacked brgemm (``QKV_ISA=brgemm``), PyTorch's SDPA in
 bf16, the fused kernel in fp32 and SDPA in fp32; ratios of best times, and the bf16 flash
-throughput as a % of this run's measured bf16 matmul peak (``torch.matmul`` 2048², and the
-best of it and the flash kernel's own rate is not taken: the peak is what PyTorch's GEMM
-reaches here).
+throughput as a % of this run's measured bf16 matmul peak (what ``torch.matmul`` reaches on
+2048² here; the attention FLOPs are those of ``bench/_measure.attention_flops``).
 """
 
 from __future__ import annotations
