@@ -8,6 +8,8 @@ resident memory is its own. Rows:
 
 * ``torch sdpa, 1 proc``: PyTorch's ``scaled_dot_product_attention`` (its fused CPU
   kernel) on the whole sequence — the reference point for speed;
+* ``flash, 1 proc``: ``qkv.kernels.flash.flash_attention`` on the whole sequence (the fused
+  C++ kernel that the ring's blocks run too);
 * ``ring, 1 proc``: ``qkv.distributed.ring_attention`` with no process group (the same block
   code, the whole sequence on one process);
 * ``ring, P proc``: the sequence zigzag-sharded over P gloo processes; the worst rank.
@@ -16,6 +18,9 @@ resident memory is its own. Rows:
 warm-up call on a short sequence), inputs and gradients included. ``wait`` is the time ranks sat waiting on the network (communication not hidden
 behind computation); ``comm`` is the time of the same P-1 K/V hops done alone (no compute),
 so ``comm / time`` is the share of the time the transfers would cost if not overlapped.
+``cpu s`` is the worst rank's process CPU time (all its threads, gloo's included): on a
+machine whose cores are busy with other work, it is what the wall time would be on free
+cores, less any waiting; the ``vs`` columns compare wall times and, in brackets, CPU times.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from tqdm import tqdm
 
 from qkv.distributed import record_ring_stats, ring_attention
 from qkv.distributed.ring import _make_ring
+from qkv.kernels.flash import flash_attention
 
 
 def _status_mib(field: str) -> float:
@@ -64,6 +70,8 @@ def _worker(rank: int, world: int, port: int, cfg: dict, out_dir: str) -> None:
     def attend(q, k, v, T):
         if cfg["impl"] == "sdpa":
             return TF.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if cfg["impl"] == "flash":
+            return flash_attention(q, k, v, causal=True)
         return ring_attention(q, k, v, causal=True, layout="zigzag", seq_len=T)
 
     # warm up on a short sequence first: the first calls page in library code and thread
@@ -76,7 +84,7 @@ def _worker(rank: int, world: int, port: int, cfg: dict, out_dir: str) -> None:
     base = _status_mib("VmRSS")
     q, k, v = (torch.randn(B, h, T_local, d, requires_grad=True) for _ in range(3))
     res = {"rank": rank}
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     with record_ring_stats() as stats:
         out = attend(q, k, v, T)
         res["fwd_s"] = time.perf_counter() - t0
@@ -85,6 +93,7 @@ def _worker(rank: int, world: int, port: int, cfg: dict, out_dir: str) -> None:
             out.backward(torch.ones_like(out))
             res["bwd_s"] = time.perf_counter() - t1
     res["time_s"] = time.perf_counter() - t0
+    res["cpu_s"] = time.process_time() - c0
     res["peak_mib"] = _status_mib("VmHWM") - base
     res["wait_s"] = stats.wait_s
     if cfg["impl"] == "ring" and world > 1:  # the same K/V hops alone: the transfer cost
@@ -133,13 +142,14 @@ def main() -> None:
             raise SystemExit(f"--T {T} must be a multiple of 2·P for every P in {args.P}")
         if not args.skip_sdpa:
             plans.append((T, "sdpa", 1))
-        plans += [(T, "ring", 1)] + [(T, "ring", P) for P in args.P]
+        plans += [(T, "flash", 1), (T, "ring", 1)] + [(T, "ring", P) for P in args.P]
     rows = []
     for T, impl, world in tqdm(plans, desc="bench/ring.py", unit="run"):
         cfg = dict(T=T, impl=impl, B=args.B, h=args.h, d=args.d, backward=args.backward)
         res = run(cfg, world)
         worst = max(res, key=lambda r: r["time_s"])
-        rows.append((T, f"{'torch sdpa' if impl == 'sdpa' else 'ring'}, {world} proc", worst, res))
+        label = {"sdpa": "torch sdpa", "flash": "flash"}.get(impl, "ring")
+        rows.append((T, f"{label}, {world} proc", worst, res))
 
     what = "forward+backward" if args.backward else "forward"
     print(
@@ -148,12 +158,17 @@ def main() -> None:
         f"{os.cpu_count()} CPUs"
     )
     print(
-        f"{'T':>6}  {'run':<18} {'time s':>8} {'fwd s':>7} {'peak MiB/rank':>14} "
-        f"{'wait s':>7} {'comm s':>7} {'comm/time':>9} {'time vs 1 proc':>15} {'mem vs 1 proc':>14}"
+        f"{'T':>6}  {'run':<18} {'time s':>8} {'cpu s':>7} {'fwd s':>7} {'peak MiB/rank':>14} "
+        f"{'wait s':>7} {'comm s':>7} {'comm/time':>9} {'time vs 1 proc':>15} "
+        f"{'mem vs 1 proc':>14} {'vs flash':>14} {'vs sdpa':>14}"
     )
-    one = {}
+    one, ref = {}, {}
+    for T, name, worst, res in rows:
+        if name in ("flash, 1 proc", "torch sdpa, 1 proc"):
+            ref[(T, name.split(",")[0])] = (worst["time_s"], max(r["cpu_s"] for r in res))
     for T, name, worst, res in rows:
         peak = max(r["peak_mib"] for r in res)
+        cpu = max(r["cpu_s"] for r in res)
         if name == "ring, 1 proc":
             one[T] = (worst["time_s"], peak)
         comm = worst.get("comm_s")
@@ -161,10 +176,16 @@ def main() -> None:
         if name.startswith("ring") and T in one:
             t_ratio = f"{worst['time_s'] / one[T][0]:.2f}x"
             m_ratio = f"{peak / one[T][1]:.2f}x"
+        vs = []
+        for other in ("flash", "torch sdpa"):  # time / other's time (> 1: slower)
+            wall, c = ref.get((T, other), (None, None))
+            vs.append(f"{worst['time_s'] / wall:.2f}x ({cpu / c:.2f}x)" if wall else "")
         print(
-            f"{T:>6}  {name:<18} {worst['time_s']:>8.2f} {worst['fwd_s']:>7.2f} {peak:>14.0f} "
-            f"{worst['wait_s']:>7.3f} {comm if comm is not None else float('nan'):>7.3f} "
-            f"{(comm / worst['time_s']) if comm else float('nan'):>9.1%} {t_ratio:>15} {m_ratio:>14}"
+            f"{T:>6}  {name:<18} {worst['time_s']:>8.2f} {cpu:>7.2f} {worst['fwd_s']:>7.2f} "
+            f"{peak:>14.0f} {worst['wait_s']:>7.3f} "
+            f"{comm if comm is not None else float('nan'):>7.3f} "
+            f"{(comm / worst['time_s']) if comm else float('nan'):>9.1%} {t_ratio:>15} "
+            f"{m_ratio:>14} {vs[0]:>14} {vs[1]:>14}"
         )
 
     # what grows with T: the fixed part (BLAS buffers, score tiles) cancels in the difference

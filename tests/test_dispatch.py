@@ -133,3 +133,73 @@ def test_mha_backend_matches_nn_multiheadattention(backend):
         out = ours(x, causal=True)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     assert MultiHeadAttention(32, 4, backend=backend).backend == backend
+
+
+# --- the decision cache of backend="auto" ----------------------------------------------------
+
+
+@st.composite
+def call_signature(draw):
+    """A call's shapes, dtype, options and gradient mode (values drawn once per signature)."""
+    dtype = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float64]))
+    T = draw(st.sampled_from([8, 64, 1100]))
+    kw = dict(
+        causal=draw(st.booleans()),
+        window=draw(st.none() | st.sampled_from([4, 256])),
+        softcap=draw(st.none() | st.just(20.0)),
+        scale=draw(st.none() | st.just(0.3)),
+    )
+    if draw(st.booleans()):
+        kw["mask"] = torch.rand(T, T) > 0.2
+    if draw(st.booleans()):
+        kw["bias"] = torch.zeros(T, T, dtype=dtype).requires_grad_(draw(st.booleans()))
+    return T, dtype, kw, draw(st.booleans())
+
+
+@settings(max_examples=40)
+@given(st.lists(call_signature(), min_size=2, max_size=6))
+def test_cached_decisions_equal_fresh_ones(calls):
+    """A sequence of calls, repeated: every (cached) decision equals explain_dispatch's."""
+    from qkv import dispatch
+
+    for T, dtype, kw, grad in calls + calls:
+        q = torch.randn(1, 2, T, 8, dtype=dtype, requires_grad=grad)
+        options = dict(mask=None, bias=None, causal=False, window=None, scale=None)
+        options.update(softcap=None, dropout_p=0.0, return_weights=False, weights_heads=None)
+        options.update(kw)
+        _, cached = dispatch.decide(q, q, q, **options)
+        fresh = explain_dispatch(q, q, q, **kw)
+        assert (cached.backend, cached.kernel) == (fresh.backend, fresh.kernel)
+        assert cached.reasons == fresh.reasons
+
+
+def test_cache_hit_and_what_changes_a_decision(monkeypatch):
+    from qkv import dispatch
+    from qkv.kernels import flash as flash_mod
+
+    q = torch.randn(1, 2, 64, 8, dtype=torch.bfloat16, requires_grad=True)
+    options = dict(mask=None, bias=None, causal=True)
+    first = dispatch.decide(q, q, q, **options)
+    assert dispatch.decide(q, q, q, **options)[1] is first[1]  # remembered
+    assert first[1].backend == explain_dispatch(q, q, q, causal=True).backend == "flash"
+    with torch.no_grad():  # gradient mode is part of the signature
+        assert dispatch.decide(q, q, q, **options)[1].backend == "torch"
+    monkeypatch.setattr(flash_mod, "native_ops", lambda: None)  # so is the fused kernel
+    assert dispatch.decide(q, q, q, **options)[1].backend == "torch"
+    huge = (q.detach() * 1e4).requires_grad_()  # the scores' bound is checked on every call
+    assert dispatch.decide(huge, huge, huge, **options)[1].backend == "math"
+
+
+def test_cached_signature_still_rejects_bad_arguments():
+    """Validation is part of the signature: a bad mask or option raises every time."""
+    q = torch.randn(1, 2, 16, 8)
+    assert scaled_dot_product_attention(q, q, q, mask=torch.ones(16, 16, dtype=torch.bool)).shape
+    for _ in range(2):
+        with pytest.raises(ValueError, match="mask"):
+            scaled_dot_product_attention(q, q, q, mask=torch.ones(16, 15, dtype=torch.bool))
+        with pytest.raises(TypeError, match="mask"):
+            scaled_dot_product_attention(q, q, q, mask=torch.ones(16, 16))
+        with pytest.raises(ValueError, match="window"):
+            scaled_dot_product_attention(q, q, q, window=0)
+        with pytest.raises(TypeError, match="dtype"):
+            scaled_dot_product_attention(q, q.double(), q)

@@ -271,3 +271,73 @@ def test_stale_build_lock_is_removed(tmp_path, monkeypatch):
     with _build_lock("qkv_test_ext"):
         assert not stale.exists()
     assert (tmp_path / "qkv_test_ext" / "qkv-build.flock").exists()
+
+
+# --- bf16 matmul paths: AMX tiles, the AVX512_BF16 dot-product kernel, oneDNN's brgemm ---
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _bf16_paths() -> list[str]:
+    """QKV_ISA values whose path this machine has (amx only where oneDNN sees AMX)."""
+    paths = ["avx512", "brgemm"]
+    if "amx_bf16" in _cpu_flags() and os.environ.get("ONEDNN_MAX_CPU_ISA") is None:
+        paths.append("amx")
+    return paths
+
+
+def test_isa_switch_picks_the_path_and_rejects_unknown_values(monkeypatch):
+    has_dot = "avx512_bf16" in _cpu_flags()
+    monkeypatch.setenv("QKV_ISA", "avx512")
+    assert native_ops().bf16_path().startswith("avx512_bf16" if has_dot else "brgemm")
+    monkeypatch.setenv("QKV_ISA", "brgemm")
+    assert native_ops().bf16_path().startswith("brgemm")
+    assert native_status().endswith("bf16 path: " + native_ops().bf16_path())
+    if "amx_bf16" not in _cpu_flags():  # asking for AMX where there is none: a clear error
+        monkeypatch.setenv("QKV_ISA", "amx")
+        with pytest.raises(RuntimeError, match="QKV_ISA=amx: oneDNN reports no AMX"):
+            native_ops().bf16_path()
+    monkeypatch.setenv("QKV_ISA", "sse2")
+    with pytest.raises(RuntimeError, match="QKV_ISA must be auto, amx, avx512 or brgemm"):
+        native_ops().bf16_path()
+    q = torch.randn(1, 1, 4, 8).bfloat16()
+    with pytest.raises(RuntimeError, match="QKV_ISA"):
+        flash_attention(q, q, q)
+
+
+@pytest.mark.parametrize("path", _bf16_paths())
+@settings(max_examples=25)
+@given(case=native_case())
+def test_bf16_paths_equal_math_within_bf16_error(path, case):
+    """Every bf16 matmul path against fp64 math: odd head dims and key counts (the dot
+    kernel's paired reduction), GQA, tails of every size, causal/window, bool masks."""
+    q, k, v, kw, blocks = case
+    q, k, v = (t.bfloat16().requires_grad_() for t in (q, k, v))
+    ref, ref_inputs = _ref(q, k, v, **kw)
+    old = os.environ.get("QKV_ISA")
+    os.environ["QKV_ISA"] = path
+    try:
+        out = flash_attention(q, k, v, **kw, **blocks)
+        g = torch.randn(ref.output.shape, generator=torch.Generator().manual_seed(1))
+        ours = torch.autograd.grad(out, (q, k, v), g.bfloat16())
+    finally:
+        if old is None:
+            del os.environ["QKV_ISA"]
+        else:
+            os.environ["QKV_ISA"] = old
+    # inputs are exact bf16 numbers; the kernel rounds p (<= 1) and the output to bf16
+    ref_out = ref.output
+    assert (out.double() - ref_out).abs().max() <= 2e-2 * max(1.0, v.abs().max().item())
+    theirs = torch.autograd.grad(ref_out, ref_inputs, g.double())
+    for a, r in zip(ours, theirs):
+        bound = 0.05 * max(r.abs().max().item(), 1e-3)
+        assert (a.double() - r).abs().max() <= bound, ((a.double() - r).abs().max(), bound)

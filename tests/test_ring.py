@@ -17,11 +17,13 @@ import traceback
 import zlib
 from datetime import timedelta
 
+import hypothesis.strategies as st
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as TF
+from hypothesis import given, settings
 from torch import nn
 
 from qkv import ALiBi, MultiHeadAttention, RotaryEmbedding
@@ -35,9 +37,11 @@ from qkv.distributed import (
     unshard,
 )
 from qkv.distributed import block as block_mod
+from qkv.distributed.block import block_backward, block_forward
 from qkv.distributed.context_parallel import ContextParallelAttention, make_context_parallel
 from qkv.distributed.ring import _merge
-from qkv.functional import scaled_dot_product_attention
+from qkv.functional import attention_steps, scaled_dot_product_attention
+from qkv.kernels._native import native_ops
 
 TOL = 1e-5
 
@@ -302,9 +306,12 @@ def test_merge_of_empty_rows_is_zero_not_nan():
     assert torch.equal(out[0, 0, 0], torch.ones(3)) and torch.equal(out[0, 0, 1], torch.zeros(3))
 
 
+@pytest.mark.parametrize("kernel", ["fused", "ops"])
 @pytest.mark.parametrize("causal,window", [(False, None), (True, None), (True, 4), (False, 3)])
-def test_one_process_tiled_blocks_match_torch_sdpa(monkeypatch, causal, window):
-    monkeypatch.setattr(block_mod, "TILE_ELEMENTS", 50)  # many tiles, some partly masked
+def test_one_process_tiled_blocks_match_torch_sdpa(monkeypatch, causal, window, kernel):
+    monkeypatch.setattr(block_mod, "TILE_ELEMENTS", 50)  # ops: many tiles, some partly masked
+    if kernel == "ops":
+        monkeypatch.setattr(block_mod, "native_ops", lambda: None)
     g = torch.Generator().manual_seed(1)
     q, go = torch.randn(2, 4, 19, 8, generator=g), torch.randn(2, 4, 19, 8, generator=g)
     k, v = torch.randn(2, 2, 19, 8, generator=g), torch.randn(2, 2, 19, 8, generator=g)
@@ -355,3 +362,76 @@ def test_context_parallel_attention_on_one_process_equals_the_module():
         cpa(x, x)
     with pytest.raises(ValueError, match="ALiBi"):
         ContextParallelAttention(MultiHeadAttention(16, 4, position=ALiBi(4)))
+
+
+# --- the ring's blocks on the fused C++ kernel, against fp64 math ---------------------------
+
+
+def _block_reference(q, k, v, q_start, k_start, causal, window, scale):
+    """fp64 attention of the block, its mask from global positions (True = may attend)."""
+    Tq, Tk = q.shape[2], k.shape[2]
+    delta = (k_start + torch.arange(Tk))[None, :] - (q_start + torch.arange(Tq))[:, None]
+    lo, hi = block_mod.band(causal, window)
+    allowed = (delta >= lo) & (delta <= hi)  # (Tq, Tk)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    steps = attention_steps(q64, k64, v64, mask=allowed, scale=scale)
+    return steps, (q64, k64, v64)
+
+
+@pytest.mark.skipif(native_ops() is None, reason="the fused kernel is not built here")
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(
+    Tq=st.integers(1, 70), Tk=st.integers(1, 70), q_start=st.integers(0, 120),
+    k_start=st.integers(0, 120), causal=st.booleans(), window=st.none() | st.integers(1, 40),
+    g=st.sampled_from([1, 2, 3]), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+)  # fmt: skip
+def test_fused_blocks_equal_fp64_at_any_offset(Tq, Tk, q_start, k_start, causal, window, g, dtype):
+    """block_forward/block_backward on the fused kernel (query rows at their global offset,
+    the global lse given to the backward) against fp64 math with the same positions."""
+    gen = torch.Generator().manual_seed(Tq * 1000 + Tk)
+    q = torch.randn(2, 2 * g, Tq, 8, generator=gen).to(dtype)
+    k, v = (torch.randn(2, 2, Tk, 8, generator=gen).to(dtype) for _ in range(2))
+    scale = 0.35
+    assert block_mod._fused_ops(q, k, v, scale) is not None
+    kw = dict(scale=scale, q_start=q_start, k_start=k_start, causal=causal, window=window)
+    out, lse = block_forward(q, k, v, **kw)
+    ref, ref_in = _block_reference(q, k, v, q_start, k_start, causal, window, scale)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert torch.equal(lse == float("-inf"), ref.lse == float("-inf"))
+    finite = ref.lse > float("-inf")
+    assert torch.all((lse.double()[finite] - ref.lse[finite]).abs() <= 10 * tol)
+    assert (out.double() - ref.output).abs().max() <= tol * 4
+    go = torch.randn(out.shape, generator=gen).to(dtype)
+    delta = (go.float() * out.float()).sum(-1)
+    grads = block_backward(q, k, v, go, lse, delta, out=out, **kw)
+    want = torch.autograd.grad(ref.output, ref_in, go.double())
+    for a, b in zip(grads, want):
+        bound = 4 * tol if dtype == torch.float32 else 0.05 * max(b.abs().max().item(), 1e-3)
+        assert (a.double() - b).abs().max() <= bound
+
+
+def test_ring_runs_the_fused_kernel_and_the_fallback_agrees(monkeypatch):
+    """One process: the fused blocks and the PyTorch-ops blocks give the same fp32 answer."""
+    if native_ops() is None:
+        pytest.skip("the fused kernel is not built here")
+    calls = []
+    ops = native_ops()
+
+    class Spy:
+        def __getattr__(self, name):
+            calls.append(name)
+            return getattr(ops, name)
+
+    monkeypatch.setattr(block_mod, "native_ops", lambda: Spy())
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 4, 40, 8, generator=g).requires_grad_() for _ in range(3))
+    out = ring_attention(q, k, v, causal=True, window=9)
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    assert "fwd_at" in calls and "bwd_at" in calls
+    monkeypatch.setattr(block_mod, "native_ops", lambda: None)
+    q2, k2, v2 = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out2 = ring_attention(q2, k2, v2, causal=True, window=9)
+    grads2 = torch.autograd.grad(out2.sum(), (q2, k2, v2))
+    assert (out - out2).abs().max() <= TOL
+    for a, b in zip(grads, grads2):
+        assert (a - b).abs().max() <= TOL

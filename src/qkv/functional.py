@@ -210,11 +210,11 @@ def scaled_dot_product_attention(
             "weights_heads selects heads of the returned weights: pass return_weights=True"
         )
     options = dict(mask=mask, bias=bias, causal=causal, window=window, scale=scale, softcap=softcap)
-    case = dispatch.describe(
-        q, k, v, **options, dropout_p=dropout_p, return_weights=return_weights,
-        weights_heads=weights_heads,
-    )  # fmt: skip
-    decision = dispatch.choose(case, backend)
+    # describe + choose + the chosen backend's argument checks, remembered per call signature
+    call = dict(
+        options, dropout_p=dropout_p, return_weights=return_weights, weights_heads=weights_heads
+    )
+    case, decision = dispatch._decide(q, k, v, backend, call)
     dispatch.log_decision(decision, case)
     if decision.backend == "math":  # also every empty input (see dispatch.choose)
         steps = attention_steps(q, k, v, **options, dropout_p=dropout_p)
@@ -224,9 +224,6 @@ def scaled_dot_product_attention(
         if weights_heads is not None:
             weights = weights.index_select(-3, torch.as_tensor(weights_heads, device=q.device))
         return steps.output, weights
-    check_options(window=window, scale=scale, softcap=softcap, dropout_p=dropout_p)
-    check_mask(mask, case.shape, q.device)
-    check_bias(bias, case.shape, q.device)
     if decision.backend == "torch":
         return dispatch.torch_sdpa(
             q, k, v, mask=mask, bias=bias, causal=causal, window=window, scale=scale,

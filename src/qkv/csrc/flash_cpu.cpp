@@ -26,6 +26,7 @@
 #endif
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <exception>
 #include <mutex>
@@ -34,6 +35,7 @@
 #include <cstring>
 #include <new>
 #include <optional>
+#include <string>
 
 #include <sys/mman.h>
 #include <limits>
@@ -331,17 +333,23 @@ static inline void grad_row(float* s, float* dp, T* p_low, T* ds_low, int64_t c0
 #endif
 }
 
+// Ring attention's blocks (qkv/distributed/block.py) put query row i at key position
+// Tk - Tq + shift + i (their global offset); fwd_at/bwd_at set this for one call, so that
+// flash_fwd/flash_bwd stay the ops' only entry points.
+thread_local int64_t tl_shift = 0;
+
 // Which keys query row i (0-based, aligned bottom-right: position Tk - Tq + i) may see.
 struct Structure {
   int64_t Tq, Tk;
   bool causal;
   int64_t window;  // <= 0: none
+  int64_t shift = tl_shift;  // 0 but in ring blocks (above)
   int64_t lo(int64_t i) const {
-    const int64_t pos = Tk - Tq + i;
+    const int64_t pos = Tk - Tq + shift + i;
     return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
   }
   int64_t hi(int64_t i) const {
-    const int64_t pos = Tk - Tq + i;
+    const int64_t pos = Tk - Tq + shift + i;
     if (causal) return std::min<int64_t>(Tk, pos + 1);
     if (window > 0) return std::min<int64_t>(Tk, pos + window);
     return Tk;
@@ -353,6 +361,175 @@ template <typename T>
 static inline void mm(int64_t M, int64_t N, int64_t K, const T* A, int64_t ld_a, const T* B,
                       int64_t ld_b, float* C, int64_t ld_c, bool add) {
   cpublas::brgemm(M, N, K, ld_a, ld_b, ld_c, add, A, B, C, /*is_vnni=*/false);
+}
+
+// ---- bf16 on CPUs without AMX: qkv's AVX512_BF16 micro-kernel --------------------------
+// Without AMX, oneDNN's unpacked bf16 brgemm reached ~35-40 % of the bf16 peak on 256x256x64
+// blocks (slower than the fp32 kernel). vdpbf16ps multiplies PAIRS of bf16 along the
+// reduction dimension into fp32 lanes, so the B operand is stored as uint32 pairs
+// (B[2kk, n], B[2kk+1, n]) 16 columns per vector ("pair layout"); A needs no packing (its
+// pairs are adjacent in a row-major row). K and V are packed once per call and head, the
+// backward's P and dS once per block (pack_row_pairs). An odd reduction length pairs the last
+// element of A with 0 (A's half is masked, B's pad is stored as 0).
+//
+// Which path bf16 takes (Bf16Path): AMX tiles through oneDNN's VNNI-packed brgemm where the
+// CPU has AMX (the forward; the backward uses oneDNN's unpacked brgemm there), this kernel
+// where it has AVX512_BF16, oneDNN's unpacked brgemm otherwise. QKV_ISA=amx|avx512|brgemm
+// forces one (oneDNN's own ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 also hides AMX from it).
+enum class Bf16Path { kAmx, kDot, kBrgemm };
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+constexpr bool kHasDot = true;
+
+// C (MR x 16·NV, ldc) (+)= A (MR x K, lda) · B; B's pair kk of column block j (16 columns)
+// is at B + j·bnb + kk·bkk. Columns of the last block outside `last` are neither read from
+// nor written to C.
+template <int MR, int NV>
+static void dot_tile(int64_t K, const uint16_t* A, int64_t lda, const uint32_t* B, int64_t bkk,
+                     int64_t bnb, float* C, int64_t ldc, bool add, __mmask16 last) {
+  __m512 acc[MR][NV];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NV; ++j)
+      acc[i][j] = add ? _mm512_maskz_loadu_ps(j == NV - 1 ? last : 0xffff, C + i * ldc + j * 16)
+                      : _mm512_setzero_ps();
+  const int64_t K2 = K / 2;
+  for (int64_t kk = 0; kk < K2; ++kk) {
+    __m512bh b[NV];
+    for (int j = 0; j < NV; ++j) b[j] = (__m512bh)_mm512_loadu_si512(B + j * bnb + kk * bkk);
+    for (int i = 0; i < MR; ++i) {
+      int32_t a;
+      std::memcpy(&a, A + i * lda + 2 * kk, sizeof(a));
+      const __m512bh av = (__m512bh)_mm512_set1_epi32(a);
+      for (int j = 0; j < NV; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], av, b[j]);
+    }
+  }
+  if (K & 1) {  // the last element pairs with 0
+    __m512bh b[NV];
+    for (int j = 0; j < NV; ++j) b[j] = (__m512bh)_mm512_loadu_si512(B + j * bnb + K2 * bkk);
+    for (int i = 0; i < MR; ++i) {
+      const __m512bh av = (__m512bh)_mm512_set1_epi32(A[i * lda + K - 1]);
+      for (int j = 0; j < NV; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], av, b[j]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NV; ++j)
+      _mm512_mask_storeu_ps(C + i * ldc + j * 16, j == NV - 1 ? last : 0xffff, acc[i][j]);
+}
+
+using DotTile = void (*)(int64_t, const uint16_t*, int64_t, const uint32_t*, int64_t, int64_t,
+                         float*, int64_t, bool, __mmask16);
+constexpr int kDotRows = 6;  // 6 x 4 accumulators + 4 B vectors + 1 broadcast <= 32 zmm
+
+template <int MR>
+constexpr std::array<DotTile, 4> dot_row() {
+  return {dot_tile<MR, 1>, dot_tile<MR, 2>, dot_tile<MR, 3>, dot_tile<MR, 4>};
+}
+
+// C (M x N, ldc) (+)= A (M x K bf16, row-major, lda) · B (K x N in the pair layout above)
+static void dot_mm(int64_t M, int64_t N, int64_t K, const BFloat16* A_, int64_t lda,
+                   const uint32_t* B, int64_t bkk, int64_t bnb, float* C, int64_t ldc,
+                   bool add) {
+  static constexpr std::array<std::array<DotTile, 4>, kDotRows> table = {
+      dot_row<1>(), dot_row<2>(), dot_row<3>(), dot_row<4>(), dot_row<5>(), dot_row<6>()};
+  const uint16_t* A = reinterpret_cast<const uint16_t*>(A_);
+  for (int64_t n0 = 0; n0 < N; n0 += 64) {
+    const int64_t nn = std::min<int64_t>(64, N - n0), nv = (nn + 15) / 16;
+    const int64_t rem = nn - (nv - 1) * 16;
+    const __mmask16 last = rem == 16 ? __mmask16(0xffff) : __mmask16((1u << rem) - 1u);
+    const uint32_t* Bn = B + (n0 / 16) * bnb;
+    int64_t m = 0;
+    for (; m + kDotRows <= M; m += kDotRows)
+      table[kDotRows - 1][nv - 1](K, A + m * lda, lda, Bn, bkk, bnb, C + m * ldc + n0, ldc, add,
+                                  last);
+    if (m < M)
+      table[M - m - 1][nv - 1](K, A + m * lda, lda, Bn, bkk, bnb, C + m * ldc + n0, ldc, add,
+                               last);
+  }
+}
+#else
+constexpr bool kHasDot = false;
+static void dot_mm(int64_t, int64_t, int64_t, const BFloat16*, int64_t, const uint32_t*, int64_t,
+                   int64_t, float*, int64_t, bool) {
+  TORCH_CHECK(false, "qkv flash: built without AVX512_BF16");
+}
+#endif
+
+// Pair layout of B = Xᵀ for X (n x K, row-major, ld K), e.g. S = Q Kᵀ: chunks of 16 rows of
+// X, each (ceil(K/2) pairs x 16) uint32; rows past n and the pad of an odd K are 0.
+// Column block j of B is at out + j·ceil(K/2)·16 (bnb), pair kk at + kk·16 (bkk = 16).
+static void pack_chunks(const BFloat16* x_, int64_t n, int64_t K, uint32_t* out) {
+  const uint16_t* x = reinterpret_cast<const uint16_t*>(x_);
+  const int64_t K2 = (K + 1) / 2;
+  for (int64_t c = 0; c < n; c += 16)
+    for (int64_t i = 0; i < 16; ++i) {
+      uint32_t* o = out + (c / 16) * K2 * 16 + i;
+      if (c + i >= n) {  // past the last row: zeros
+        for (int64_t kk = 0; kk < K2; ++kk) o[kk * 16] = 0u;
+        continue;
+      }
+      const uint16_t* row = x + (c + i) * K;
+      for (int64_t kk = 0; kk < K2; ++kk) {
+        const uint32_t hi = 2 * kk + 1 < K ? row[2 * kk + 1] : 0u;
+        o[kk * 16] = row[2 * kk] | (hi << 16);
+      }
+    }
+}
+
+// Pair layout of B = X for X (rows x n, ld): out[(r/2)·ldo + c] = (X[r, c], X[r+1, c]), an odd
+// last row paired with 0, columns n..ldo zero (bkk = ldo, bnb = 16; ldo a multiple of 16).
+static void pack_row_pairs(const BFloat16* x_, int64_t rows, int64_t n, int64_t ld,
+                           uint32_t* out, int64_t ldo) {
+  const uint16_t* x = reinterpret_cast<const uint16_t*>(x_);
+  for (int64_t r = 0; r < rows; r += 2) {
+    const uint16_t* a = x + r * ld;
+    const uint16_t* b = r + 1 < rows ? a + ld : nullptr;
+    uint32_t* o = out + (r / 2) * ldo;
+    int64_t c = 0;
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    for (; c < ldo; c += 16) {
+      const __mmask16 k = c + 16 <= n ? __mmask16(0xffff)
+                          : c < n    ? __mmask16((1u << (n - c)) - 1u)
+                                     : __mmask16(0);
+      const __m512i lo = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, a + c));
+      const __m512i hi =
+          b ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, b + c)) : _mm512_setzero_si512();
+      _mm512_storeu_si512(o + c, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+    }
+#endif
+    for (; c < ldo; ++c)
+      o[c] = c < n ? (uint32_t(a[c]) | (b ? uint32_t(b[c]) << 16 : 0u)) : 0u;
+  }
+}
+
+// The path bf16 calls take (see above); QKV_ISA is read on each call so that a process can
+// compare the paths.
+static Bf16Path bf16_path(int64_t d) {
+  const char* env = std::getenv("QKV_ISA");
+  const std::string want = env ? env : "";
+  const bool amx = cpublas::could_pack(at::kBFloat16);
+  TORCH_CHECK(want.empty() || want == "auto" || want == "amx" || want == "avx512" ||
+                  want == "brgemm",
+              "QKV_ISA must be auto, amx, avx512 or brgemm; got '", want, "'");
+  if (want == "brgemm") return Bf16Path::kBrgemm;
+  if (want == "amx") {
+    TORCH_CHECK(amx, "QKV_ISA=amx: oneDNN reports no AMX on this CPU (or ONEDNN_MAX_CPU_ISA "
+                     "hides it)");
+    return d % 2 == 0 ? Bf16Path::kAmx : Bf16Path::kBrgemm;
+  }
+  if (want != "avx512" && amx && d % 2 == 0) return Bf16Path::kAmx;
+  return kHasDot ? Bf16Path::kDot : Bf16Path::kBrgemm;
+}
+
+// bf16_path's answer in words, for benchmarks and native_status (an even head dim)
+std::string isa_name() {
+  switch (bf16_path(64)) {
+    case Bf16Path::kAmx:
+      return "amx (oneDNN brgemm, AMX tiles)";
+    case Bf16Path::kDot:
+      return "avx512_bf16 (qkv dot-product kernel)";
+    default:
+      return "brgemm (oneDNN, no AMX packing)";
+  }
 }
 
 // out = transpose(in): in (R x C, ld_in) -> out (C x R, ld_out)
@@ -440,20 +617,44 @@ class Scratch {
 // K and V of one kv head, prepared for the forward's two block matmuls. Plain: K transposed
 // (d x Tk). VNNI (bf16 with AMX): every key block j is packed for oneDNN's brgemm, Kᵀ in
 // chunks of 64 keys and V (keys padded to even) in chunks of 64 value columns.
+// Dot (bf16 without AMX): per key block, Kᵀ in the pair layout of pack_chunks and V in that
+// of pack_row_pairs (k_dot/v_dot).
 // The packed layout lives here only: the forward reads it through k_block/v_block.
 template <typename T>
 struct PreparedKV {
   HugeBuffer<T> kt, vp;
+  HugeBuffer<uint32_t> kd, vd;  // dot path
   int64_t d, dv, Tk, bk, rdv, rbk, ebk;  // rdv, rbk: dv, bk rounded up to 64; ebk: bk to even
-  bool vnni;
+  int64_t kblk = 0, vblk = 0, rdv16 = 0;  // dot: uint32 per key block of kd, vd; dv to 16
+  bool vnni, dot = false;
+  const uint32_t* k_dot(int64_t j) const { return kd.data() + j * kblk; }
+  const uint32_t* v_dot(int64_t j) const { return vd.data() + j * vblk; }
+  size_t bytes() const { return kt.cap_bytes + vp.cap_bytes + kd.cap_bytes + vd.cap_bytes; }
+  void release() { kt.release(), vp.release(), kd.release(), vd.release(); }
   // Kᵀ of key block j: VNNI (d x rbk) in 64-key chunks of d·64 each; plain: column j·bk of
   // Kᵀ (d x Tk, row stride Tk)
   const T* k_block(int64_t j) const { return kt.data() + (vnni ? j * d * rbk : j * bk); }
   // V of key block j, VNNI only: chunk c (of 64 value columns) at + c·(keys of the block, even)
   const T* v_block(int64_t j) const { return vp.data() + j * ebk * rdv; }
   void prepare(const T* k, const T* v, int64_t d_, int64_t dv_, int64_t Tk_, int64_t bk_,
-               bool vnni_) {
-    d = d_, dv = dv_, Tk = Tk_, bk = bk_, vnni = vnni_;
+               bool vnni_, bool dot_ = false) {
+    d = d_, dv = dv_, Tk = Tk_, bk = bk_, vnni = vnni_, dot = dot_;
+    if constexpr (std::is_same_v<T, BFloat16>) {
+      if (dot) {
+        const int64_t nb = (Tk + bk - 1) / bk;
+        rdv16 = (dv + 15) / 16 * 16;
+        kblk = (bk + 15) / 16 * 16 * ((d + 1) / 2);
+        vblk = (bk + 1) / 2 * rdv16;
+        kd.assign(nb * kblk), vd.assign(nb * vblk);
+        for (int64_t j = 0; j < nb; ++j) {
+          const int64_t ks = j * bk, n = std::min(bk, Tk - ks);
+          pack_chunks(k + ks * d, n, d, kd.data() + j * kblk);
+          pack_row_pairs(v + ks * dv, n, dv, dv, vd.data() + j * vblk, rdv16);
+        }
+        rdv = dv, rbk = bk, ebk = bk + (bk & 1);
+        return;
+      }
+    }
     rdv = vnni ? (dv + kPack - 1) / kPack * kPack : dv;
     rbk = vnni ? (bk + kPack - 1) / kPack * kPack : bk;
     ebk = vnni ? bk + (bk & 1) : bk;
@@ -521,7 +722,7 @@ struct Dims {
 template <typename T>
 static void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
                          Tensor& lse, double scale_d, const Structure& st, int64_t bq,
-                         int64_t bk, bool vnni, const MaskView& mk) {
+                         int64_t bk, bool vnni, const MaskView& mk, bool dot = false) {
   const Dims D0 = Dims::of(q, k, v);
   const int64_t N = D0.N, G = D0.G, Tq = D0.Tq, d = D0.d, Tk = D0.Tk, dv = D0.dv;
   const float scale = static_cast<float>(scale_d), c2 = scale * kLog2e;
@@ -535,7 +736,7 @@ static void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tens
   std::vector<PreparedKV<T>>& prep = prep_cache;
   parallel_strided(N, [&](int64_t first, int64_t e, int64_t step) {
     for (int64_t n = first; n < e; n += step)
-      prep[n].prepare(kd + n * Tk * d, vd + n * Tk * dv, d, dv, Tk, bk, vnni);
+      prep[n].prepare(kd + n * Tk * d, vd + n * Tk * dv, d, dv, Tk, bk, vnni, dot);
   });
 
   const int64_t nqb = (Tq + bq - 1) / bq;
@@ -564,6 +765,9 @@ static void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tens
           for (int64_t c = 0; c < rnk; c += kPack)
             cpublas::brgemm(rows, kPack, d, d, kPack, rbk, false, Q, kv.k_block(j) + c * d,
                             S + c, true);
+        } else if (dot) {
+          if constexpr (std::is_same_v<T, BFloat16>)
+            dot_mm(rows, nk, d, Q, d, kv.k_dot(j), 16, (d + 1) / 2 * 16, S, rbk, false);
         } else {
           mm<T>(rows, nk, d, Q, d, kv.k_block(j), Tk, S, rbk, false);
         }
@@ -615,6 +819,9 @@ static void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tens
           for (int64_t c = 0; c < dv; c += kPack)
             cpublas::brgemm(rows, kPack, enk, rbk, kPack, rdv, true, P, kv.v_block(j) + c * enk,
                             acc + c, true);
+        } else if (dot) {
+          if constexpr (std::is_same_v<T, BFloat16>)
+            dot_mm(rows, dv, nk, P, rbk, kv.v_dot(j), kv.rdv16, 16, acc, rdv, true);
         } else {
           mm<T>(rows, dv, nk, P, rbk, vd + (n * Tk + ks) * dv, dv, acc, rdv, true);
         }
@@ -632,9 +839,9 @@ static void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tens
     if (vnni) cpublas::brgemm_release(true);
   });
   size_t kept = 0;
-  for (const auto& p : prep) kept += p.kt.cap_bytes + p.vp.cap_bytes;
+  for (const auto& p : prep) kept += p.bytes();
   if (kept > kKeepBytes)
-    for (auto& p : prep) p.kt.release(), p.vp.release();
+    for (auto& p : prep) p.release();
 }
 
 std::tuple<Tensor, Tensor> flash_fwd(const Tensor& q, const Tensor& k, const Tensor& v,
@@ -664,8 +871,9 @@ std::tuple<Tensor, Tensor> flash_fwd(const Tensor& q, const Tensor& k, const Ten
     forward_impl<float>(q, k, v, out, lse, scale, st, block_q, block_k, false, mk);
   } else {
     TORCH_CHECK(q.scalar_type() == at::kBFloat16, "qkv flash_fwd: fp32 or bf16 only");
-    const bool vnni = cpublas::could_pack(at::kBFloat16) && q.size(3) % 2 == 0;
-    forward_impl<BFloat16>(q, k, v, out, lse, scale, st, block_q, block_k, vnni, mk);
+    const Bf16Path path = bf16_path(q.size(3));
+    forward_impl<BFloat16>(q, k, v, out, lse, scale, st, block_q, block_k,
+                           path == Bf16Path::kAmx, mk, path == Bf16Path::kDot);
   }
   return {out, lse};
 }
@@ -682,7 +890,7 @@ template <typename T>
 static void backward_impl(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
                           const Tensor& dout, const Tensor& lse, Tensor& dq, Tensor& dk,
                           Tensor& dv_, double scale_d, const Structure& st, int64_t bq,
-                          int64_t bk, const MaskView& mk) {
+                          int64_t bk, const MaskView& mk, bool dotp = false) {
   const Dims D0 = Dims::of(q, k, v);
   const int64_t N = D0.N, G = D0.G, Tq = D0.Tq, d = D0.d, Tk = D0.Tk, dv = D0.dv;
   const float scale = static_cast<float>(scale_d), c2 = scale * kLog2e;
@@ -700,7 +908,8 @@ static void backward_impl(const Tensor& q, const Tensor& k, const Tensor& v, con
     // per head, read once per query block; cached per thread between calls (see HugeBuffer)
     static thread_local HugeBuffer<T> kt, vt;
     static thread_local HugeBuffer<float> dkt, dvt;
-    kt.assign(nkb * d * bk), vt.assign(nkb * dv * bk), dkt.assign(nkb * d * bk);
+    if (!dotp) kt.assign(nkb * d * bk), vt.assign(nkb * dv * bk);
+    dkt.assign(nkb * d * bk);
     dvt.assign(nkb * dv * bk);
     const size_t blk = bq * bk, lowb = low ? blk : 0;
     Scratch sc(2 * Scratch::pages(blk * 4) + 2 * Scratch::pages(lowb * sizeof(T)) +
@@ -712,11 +921,30 @@ static void backward_impl(const Tensor& q, const Tensor& k, const Tensor& v, con
     T* qt = sc.take<T>(d * bq);
     T* dot = sc.take<T>(dv * bq);
     std::vector<float> lse2(bq), D(bq);
+    // dot path (bf16 without AMX): per key block, Kᵀ and Vᵀ in chunk pairs (S, dP), K in row
+    // pairs (dQ); per block, P and dS in row pairs (dVᵀ, dKᵀ)
+    const int64_t d2 = (d + 1) / 2, dv2 = (dv + 1) / 2, rbk16 = (bk + 15) / 16 * 16;
+    const int64_t rd16 = (d + 15) / 16 * 16, kpblk = (bk + 1) / 2 * rd16;
+    static thread_local HugeBuffer<uint32_t> kc, vc, kp, pairs;
+    if (dotp) {
+      kc.assign(nkb * rbk16 * d2), vc.assign(nkb * rbk16 * dv2), kp.assign(nkb * kpblk);
+      pairs.assign((bq + 1) / 2 * 2 * rbk16);
+    }
+    uint32_t* pp = pairs.data();
+    uint32_t* dsp = dotp ? pp + (bq + 1) / 2 * rbk16 : nullptr;
     for (int64_t n = first; n < end; n += step) {
       const T* K = kd + n * Tk * d;
       const T* V = vd + n * Tk * dv;
       for (int64_t j = 0; j < nkb; ++j) {
         const int64_t ks = j * bk, nk = std::min(bk, Tk - ks);
+        if constexpr (low) {
+          if (dotp) {
+            pack_chunks(K + ks * d, nk, d, kc.data() + j * rbk16 * d2);
+            pack_chunks(V + ks * dv, nk, dv, vc.data() + j * rbk16 * dv2);
+            pack_row_pairs(K + ks * d, nk, d, d, kp.data() + j * kpblk, rd16);
+            continue;
+          }
+        }
         transpose(K + ks * d, nk, d, d, kt.data() + j * d * bk, bk);
         transpose(V + ks * dv, nk, dv, dv, vt.data() + j * dv * bk, bk);
       }
@@ -746,8 +974,16 @@ static void backward_impl(const Tensor& q, const Tensor& k, const Tensor& v, con
           for (int64_t ks = lo - lo % bk; ks < hi; ks += bk) {
             const int64_t nk = std::min(bk, Tk - ks);
             const int64_t j = ks / bk;
-            mm<T>(rows, nk, d, Q, d, kt.data() + j * d * bk, bk, S, bk, false);
-            mm<T>(rows, nk, dv, dO, dv, vt.data() + j * dv * bk, bk, dP, bk, false);
+            if (dotp) {
+              if constexpr (low) {
+                dot_mm(rows, nk, d, Q, d, kc.data() + j * rbk16 * d2, 16, d2 * 16, S, bk, false);
+                dot_mm(rows, nk, dv, dO, dv, vc.data() + j * rbk16 * dv2, 16, dv2 * 16, dP, bk,
+                       false);
+              }
+            } else {
+              mm<T>(rows, nk, d, Q, d, kt.data() + j * d * bk, bk, S, bk, false);
+              mm<T>(rows, nk, dv, dO, dv, vt.data() + j * dv * bk, bk, dP, bk, false);
+            }
             for (int64_t r = 0; r < rows; ++r) {
               const int64_t c0 = std::clamp<int64_t>(st.lo(qs + r) - ks, 0, nk);
               const int64_t c1 = std::clamp<int64_t>(st.hi(qs + r) - ks, 0, nk);
@@ -760,6 +996,16 @@ static void backward_impl(const Tensor& q, const Tensor& k, const Tensor& v, con
             }
             const T* P = low ? Plow : reinterpret_cast<const T*>(S);
             const T* dS = low ? dSlow : reinterpret_cast<const T*>(dP);
+            if (dotp) {
+              if constexpr (low) {
+                pack_row_pairs(P, rows, nk, bk, pp, rbk16);
+                pack_row_pairs(dS, rows, nk, bk, dsp, rbk16);
+                dot_mm(dv, nk, rows, dot, bq, pp, rbk16, 16, dvt.data() + j * dv * bk, bk, true);
+                dot_mm(d, nk, rows, qt, bq, dsp, rbk16, 16, dkt.data() + j * d * bk, bk, true);
+                dot_mm(rows, d, nk, dS, bk, kp.data() + j * kpblk, rd16, 16, dQ, d, true);
+              }
+              continue;
+            }
             mm<T>(dv, nk, rows, dot, bq, P, bk, dvt.data() + j * dv * bk, bk, true);  // dVᵀ
             mm<T>(d, nk, rows, qt, bq, dS, bk, dkt.data() + j * d * bk, bk, true);  // dKᵀ
             mm<T>(rows, d, nk, dS, bk, K + ks * d, d, dQ, d, true);  // dQ
@@ -774,8 +1020,11 @@ static void backward_impl(const Tensor& q, const Tensor& k, const Tensor& v, con
       }
       for (int64_t i = 0; i < Tk * d; ++i) dkd[n * Tk * d + i] *= scale;
     }
-    if (kt.cap_bytes + vt.cap_bytes + dkt.cap_bytes + dvt.cap_bytes > kKeepBytes)
-      kt.release(), vt.release(), dkt.release(), dvt.release();
+    if (kt.cap_bytes + vt.cap_bytes + dkt.cap_bytes + dvt.cap_bytes + kc.cap_bytes +
+            vc.cap_bytes + kp.cap_bytes >
+        kKeepBytes)
+      kt.release(), vt.release(), dkt.release(), dvt.release(), kc.release(), vc.release(),
+          kp.release();
   });
 }
 
@@ -806,7 +1055,7 @@ std::tuple<Tensor, Tensor, Tensor> flash_bwd(const Tensor& q, const Tensor& k, c
   } else {
     TORCH_CHECK(q.scalar_type() == at::kBFloat16, "qkv flash_bwd: fp32 or bf16 only");
     backward_impl<BFloat16>(q, k, v, out, dout, lse, dq, dk, dv, scale, st, block_q, block_k,
-                            mk);
+                            mk, bf16_path(q.size(3)) == Bf16Path::kDot);
   }
   return {dq, dk, dv};
 }
@@ -824,4 +1073,46 @@ TORCH_LIBRARY(qkv_flash, m) {
 TORCH_LIBRARY_IMPL(qkv_flash, CPU, m) {
   m.impl("fwd", &flash_fwd);
   m.impl("bwd", &flash_bwd);
+}
+
+namespace {
+// fwd/bwd with query row i at key position Tk - Tq + shift + i (see tl_shift)
+struct ShiftScope {
+  explicit ShiftScope(int64_t s) { tl_shift = s; }
+  ~ShiftScope() { tl_shift = 0; }
+};
+
+std::tuple<Tensor, Tensor> flash_fwd_at(const Tensor& q, const Tensor& k, const Tensor& v,
+                                        double scale, bool causal, int64_t window,
+                                        int64_t block_q, int64_t block_k, int64_t shift) {
+  ShiftScope at(shift);
+  return flash_fwd(q, k, v, std::nullopt, scale, causal, window, block_q, block_k);
+}
+
+std::tuple<Tensor, Tensor, Tensor> flash_bwd_at(const Tensor& q, const Tensor& k,
+                                                const Tensor& v, const Tensor& out,
+                                                const Tensor& dout, const Tensor& lse,
+                                                double scale, bool causal, int64_t window,
+                                                int64_t block_q, int64_t block_k,
+                                                int64_t shift) {
+  ShiftScope at(shift);
+  return flash_bwd(q, k, v, out, dout, lse, std::nullopt, scale, causal, window, block_q,
+                   block_k);
+}
+}  // namespace
+
+// Which bf16 matmul path runs here (QKV_ISA and the CPU decide; see Bf16Path), and the
+// kernels with a query offset for ring attention's blocks.
+TORCH_LIBRARY_FRAGMENT(qkv_flash, m) {
+  m.def("bf16_path() -> str", []() { return isa_name(); });
+  m.def("fwd_at(Tensor q, Tensor k, Tensor v, float scale, bool causal, int window, "
+        "int block_q, int block_k, int shift) -> (Tensor, Tensor)");
+  m.def("bwd_at(Tensor q, Tensor k, Tensor v, Tensor out, Tensor dout, Tensor lse, "
+        "float scale, bool causal, int window, int block_q, int block_k, int shift) -> "
+        "(Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(qkv_flash, CPU, m) {
+  m.impl("fwd_at", &flash_fwd_at);
+  m.impl("bwd_at", &flash_bwd_at);
 }

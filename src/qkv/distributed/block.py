@@ -1,8 +1,10 @@
 """Attention of one block of queries against one block of keys, forward and backward.
 
-This is the per-block math the ring runs at every step. It is self-contained so that a
-faster kernel (``qkv.kernels.flash``) can replace it later: anything with the same two
-functions works.
+This is the per-block math the ring runs at every step. fp32/bf16 CPU blocks run qkv's fused
+C++ flash kernel (``qkv/csrc/flash_cpu.cpp``, its ``fwd_at``/``bwd_at`` ops: the same kernel
+as :func:`qkv.kernels.flash.flash_attention`, with the query rows placed at their global
+offset from the keys, and the global ``lse`` passed to the backward). Elsewhere (another
+device or dtype, or no compiler to build the kernel) the PyTorch-ops code of this module runs.
 
 Shapes (``g = h // h_kv`` query heads share one key/value head)::
 
@@ -30,9 +32,33 @@ import math
 import torch
 from torch import Tensor
 
+from qkv.kernels._native import native_ops
+
 __all__ = ["band", "visibility", "block_forward", "block_backward", "TILE_ELEMENTS"]
 
 TILE_ELEMENTS = 1 << 20  # scores (all heads) held at once per tile: 4 MiB in fp32
+# tiles of the fused kernel (those of qkv.kernels.flash.NATIVE_BLOCK_Q/K)
+FUSED_BLOCK_Q = 256
+FUSED_BLOCK_K = 256
+_FP32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def _fused_ops(q: Tensor, k: Tensor, v: Tensor, scale: float):
+    """The fused kernel's ops if they can run this block (fp32/bf16 on the CPU), else None."""
+    if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if not (k.dtype == v.dtype == q.dtype) or not 0 < scale < _FP32_MAX:
+        return None
+    if 0 in (q.shape[-1], v.shape[-1]):
+        return None
+    ops = native_ops()
+    return ops if ops is not None and hasattr(ops, "fwd_at") else None
+
+
+def _kernel_args(Tq: int, Tk: int, q_start: int, k_start: int, causal: bool, window):
+    """(causal, window, shift) for the kernel: its row i sits at key ``Tk - Tq + shift + i``."""
+    shift = (q_start - k_start) - (Tk - Tq)
+    return bool(causal), -1 if window is None else int(window), shift
 
 
 def band(causal: bool, window: int | None) -> tuple[float, float]:
@@ -128,6 +154,16 @@ def block_forward(
     B, h, Tq, d = q.shape
     h_kv, Tk = k.shape[1], k.shape[2]
     g = h // h_kv
+    ops = _fused_ops(q, k, v, scale)
+    if ops is not None:
+        c, w, shift = _kernel_args(Tq, Tk, q_start, k_start, causal, window)
+        out4, lse4 = ops.fwd_at(
+            q.reshape(B * h_kv, g, Tq, d).contiguous(),  # (B·h_kv, g, Tq, d)
+            k.reshape(B * h_kv, Tk, d).contiguous(),  # (B·h_kv, Tk, d)
+            v.reshape(B * h_kv, Tk, -1).contiguous(),
+            scale, c, w, FUSED_BLOCK_Q, FUSED_BLOCK_K, shift,
+        )  # fmt: skip
+        return out4.view(B, h, Tq, -1), lse4.view(B, h, Tq)
     out = q.new_zeros(B, h_kv, g, Tq, v.shape[-1])
     lse = torch.full((B, h_kv, g, Tq), float("-inf"), device=q.device)
     lohi = band(causal, window)
@@ -158,17 +194,33 @@ def block_backward(
     k_start: int = 0,
     causal: bool = False,
     window: int | None = None,
+    out: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients ``(dq, dk, dv)`` of this block's share of the attention.
 
     ``lse (B, h, Tq)`` is the log-sum-exp over ALL keys the queries see (the final one, not
     this block's), ``delta = rowsum(dout ∘ out) (B, h, Tq)`` with the final ``out``. Then
     this block's ``P = exp(S·scale − lse)`` are exactly its entries of the full softmax, and
-    summing the returned gradients over all blocks gives the full gradients.
+    summing the returned gradients over all blocks gives the full gradients. ``out (B, h, Tq,
+    d_v)``, the final output (in q's dtype), lets the fused kernel run (it computes ``delta``
+    from it); without it the PyTorch-ops code runs.
     """
     B, h, Tq, d = q.shape
     h_kv, Tk = k.shape[1], k.shape[2]
     g = h // h_kv
+    ops = None if out is None or out.dtype != q.dtype else _fused_ops(q, k, v, scale)
+    if ops is not None:
+        c, w, shift = _kernel_args(Tq, Tk, q_start, k_start, causal, window)
+        dq, dk, dv = ops.bwd_at(
+            q.reshape(B * h_kv, g, Tq, d).contiguous(),  # (B·h_kv, g, Tq, d)
+            k.reshape(B * h_kv, Tk, d).contiguous(),  # (B·h_kv, Tk, d)
+            v.reshape(B * h_kv, Tk, -1).contiguous(),
+            out.reshape(B * h_kv, g, Tq, -1).contiguous(),
+            dout.reshape(B * h_kv, g, Tq, -1).contiguous(),
+            lse.reshape(B * h_kv, g, Tq).float().contiguous(),
+            scale, c, w, FUSED_BLOCK_Q, FUSED_BLOCK_K, shift,
+        )  # fmt: skip
+        return dq.view(B, h, Tq, d), dk.view(B, h_kv, Tk, d), dv.view(B, h_kv, Tk, -1)
     dq = torch.zeros(B, h_kv, g, Tq, d, device=q.device, dtype=torch.float32)
     dk = torch.zeros(B, h_kv, Tk, d, device=q.device, dtype=torch.float32)
     dv = torch.zeros(B, h_kv, Tk, v.shape[-1], device=q.device, dtype=torch.float32)

@@ -268,7 +268,7 @@ def _backward(q, k, v, out, lse, dout, ring: _Ring, causal, window, scale, stats
             dq_b, dk_b, dv_b = block_backward(
                 q[:, :, qr], kb[:, :, kr], vb[:, :, kr], dout[:, :, qr], lse[:, :, qr],
                 delta[:, :, qr], scale=scale, q_start=qs, k_start=ks, causal=causal,
-                window=window,
+                window=window, out=out[:, :, qr],
             )  # fmt: skip
             dq[:, :, qr] += dq_b
             part[0][:, :, kr] += dk_b

@@ -7,6 +7,14 @@ flash backend keeps working on its PyTorch-ops kernel, and :func:`native_status`
 ``QKV_NATIVE=0`` turns the fused kernel off; ``QKV_NATIVE_PORTABLE=1`` builds it without
 ``-march=native`` (plain C++ loops instead of the AVX-512 ones; used by the tests to check
 that path on machines that have AVX-512).
+
+bf16 block matmuls take one of three paths, chosen per call: AMX tiles (oneDNN's brgemm on
+VNNI-packed K/V) where oneDNN sees AMX, qkv's AVX512_BF16 dot-product micro-kernel where
+the CPU has AVX512_BF16 but no AMX, oneDNN's unpacked brgemm otherwise. ``QKV_ISA=avx512``
+forces the AVX512_BF16 kernel (to develop and check it on an AMX machine), ``QKV_ISA=brgemm``
+the unpacked brgemm, ``QKV_ISA=amx`` requires AMX; oneDNN's own ``ONEDNN_MAX_CPU_ISA`` (e.g.
+``AVX512_CORE_BF16``) hides AMX from oneDNN, and so from this choice too.
+:func:`native_status` names the path (``torch.ops.qkv_flash.bf16_path()``).
 """
 
 from __future__ import annotations
@@ -105,6 +113,13 @@ def native_ops() -> object | None:
 
 
 def native_status() -> str:
-    """Whether the fused kernel is in use, and if not, why (loads it if not tried yet)."""
-    native_ops()
+    """Whether the fused kernel is in use, and if not, why (loads it if not tried yet);
+    when loaded, also the bf16 matmul path it takes now (``QKV_ISA`` is read per call)."""
+    ops = native_ops()
+    if ops is not None and hasattr(ops, "bf16_path"):
+        try:
+            path = ops.bf16_path()
+        except RuntimeError as e:  # a bad QKV_ISA value: say so rather than raise here
+            path = str(e).splitlines()[0]
+        return f"{_status}; bf16 path: {path}"
     return _status
