@@ -7,8 +7,11 @@ Shapes (the leading ``...`` is any batch shape, usually ``B``)::
     q        (..., h,    Tq, d_k)
     k        (..., h_kv, Tk, d_k)      h % h_kv == 0 (grouped / multi-query heads)
     v        (..., h_kv, Tk, d_v)
-    mask     (Tq, Tk) or (..., h|1, Tq|1, Tk|1)   bool, **True = may attend**
+    mask     (Tq, Tk) or (..., h|1, Tq|1, Tk|1)   bool, **True = may attend**;
+             or a qkv.masks.BlockMask (B|1, H|1, Tq, Tk) summarised per block
     bias     same shapes as mask, floating: added to the scaled scores
+    alibi_slopes  (h,)              bias -slope_h·|p(i) - j| without a (Tq, Tk) tensor
+    rel_bias      (h, Tq + Tk - 1)  bias rel_bias[h, Tk - 1 + j - p(i)] (relative positions)
     output   (..., h,    Tq, d_v)
     weights  (..., h,    Tq, Tk)
 
@@ -34,8 +37,15 @@ from torch import Tensor
 
 from qkv import dispatch, masks
 from qkv._validate import check_bias, check_mask, check_options, check_qkv
+from qkv.block_mask import BlockMask
 from qkv.dispatch import explain_dispatch
-from qkv.kernels.flash import flash_attention
+from qkv.kernels.flash import (
+    _densify,
+    check_block_mask,
+    check_per_head,
+    flash_attention,
+    fused_kernel_rejects,
+)
 from qkv.kernels.weights import weights_from_lse
 
 __all__ = [
@@ -172,6 +182,8 @@ def scaled_dot_product_attention(
     return_weights: bool = False,
     weights_heads: list[int] | tuple[int, ...] | None = None,
     backend: str = "auto",
+    alibi_slopes: Tensor | None = None,
+    rel_bias: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Scaled dot-product attention ``softmax(q kᵀ / √d_k) v`` with masks, biases and GQA.
 
@@ -180,7 +192,9 @@ def scaled_dot_product_attention(
         k: keys ``(..., h_kv, Tk, d_k)``; ``h % h_kv == 0`` gives grouped/multi-query heads.
         v: values ``(..., h_kv, Tk, d_v)``.
         mask: bool, **True = may attend**; ``(Tq, Tk)`` or as many dims as the scores
-            ``(..., h, Tq, Tk)`` with 1 where shared. Never broadcast from fewer dims.
+            ``(..., h, Tq, Tk)`` with 1 where shared. Never broadcast from fewer dims. Or a
+            :class:`qkv.masks.BlockMask` (:func:`qkv.masks.create_block_mask`): the fused
+            kernel skips its empty blocks and does not mask its full ones.
         bias: float, same shape rules as ``mask``; added to the scaled scores (ALiBi,
             relative positions).
         causal: query ``i`` sees keys ``j <= Tk - Tq + i`` (aligned bottom-right, so the
@@ -196,6 +210,16 @@ def scaled_dot_product_attention(
             (without gradient) so the rest of the call stays fast.
         backend: ``"auto"`` (default), ``"math"``, ``"torch"`` or ``"flash"``; see
             :mod:`qkv.dispatch` for the rule table and :func:`explain_dispatch` for why.
+        alibi_slopes: ``(h,)``, ALiBi (FlashAttention's keyword): adds
+            ``-slope_h·|p(i) - j|`` (as :func:`qkv.masks.alibi_bias`) with no ``(Tq, Tk)``
+            tensor on the fused kernel; the slopes get a gradient if they require one.
+        rel_bias: ``(h, Tq + Tk - 1)``, a relative-position bias per head and distance:
+            ``rel_bias[h, Tk - 1 + j - p(i)]`` is added to score ``(i, j)``; build it from a
+            T5 bucket table with :func:`qkv.masks.t5_relative_bias`. Differentiable.
+
+        With a block mask, ``alibi_slopes`` or ``rel_bias``, ``"auto"`` runs flash's fused
+        kernel whenever it applies (fp32/bf16/fp16 on the CPU, no dropout, not every head's
+        weights); other backends get the dense mask/bias (O(Tq·Tk)).
 
     Returns:
         ``output (..., h, Tq, d_v)``, or ``(output, weights)``. A row with no visible key
@@ -209,6 +233,35 @@ def scaled_dot_product_attention(
         raise ValueError(
             "weights_heads selects heads of the returned weights: pass return_weights=True"
         )
+    if isinstance(mask, BlockMask) or alibi_slopes is not None or rel_bias is not None:
+        shape = check_qkv(q, k, v)
+        if isinstance(mask, BlockMask):
+            check_block_mask(mask, shape, q.device)
+        check_per_head(alibi_slopes, rel_bias, shape, q.device)
+        fused_why = fused_kernel_rejects(q.device, q.dtype, scale=scale)
+        if (
+            backend in ("auto", "flash") and fused_why is None and dropout_p == 0
+            and not (return_weights and weights_heads is None) and not shape.empty
+        ):  # fmt: skip
+            dispatch.logger.debug("sdpa backend=flash (fused): block mask / ALiBi / rel_bias")
+            check_options(window=window, scale=scale, softcap=softcap, dropout_p=dropout_p)
+            check_bias(bias, shape, q.device)
+            out, lse = flash_attention(
+                q, k, v, mask=mask, bias=bias, causal=causal, window=window, scale=scale,
+                softcap=softcap, alibi_slopes=alibi_slopes, rel_bias=rel_bias, return_lse=True,
+            )  # fmt: skip
+            if not return_weights:
+                return out
+            mask, bias = _densify(q, mask if isinstance(mask, BlockMask) else None,
+                                  None if isinstance(mask, BlockMask) else mask, bias,
+                                  alibi_slopes, rel_bias, shape)  # fmt: skip
+            return out, weights_from_lse(
+                q, k, lse, heads=weights_heads, mask=mask, bias=bias, causal=causal,
+                window=window, scale=scale, softcap=softcap,
+            )  # fmt: skip
+        block_mask = mask if isinstance(mask, BlockMask) else None
+        mask, bias = _densify(q, block_mask, None if block_mask else mask, bias, alibi_slopes,
+                              rel_bias, shape)  # fmt: skip
     options = dict(mask=mask, bias=bias, causal=causal, window=window, scale=scale, softcap=softcap)
     case = dispatch.describe(
         q, k, v, **options, dropout_p=dropout_p, return_weights=return_weights,
