@@ -247,7 +247,9 @@ def _causal_window_rules(T, bq, bk, window, sinks, device):
 
 
 def _check_window(window, sinks) -> None:
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+    if window is not None and (
+        isinstance(window, bool) or not isinstance(window, int) or window < 1
+    ):
         raise ValueError(f"window must be an int >= 1 or None, got {window!r}")
     if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0:
         raise ValueError(f"sinks must be an int >= 0, got {sinks!r}")
@@ -270,8 +272,10 @@ def document_mask(
             [0, 0, 1, 1, 0],
             [0, 0, 1, 1, 1]], dtype=torch.int32)
     """
-    if not isinstance(document_ids, Tensor) or document_ids.dim() not in (1, 2) or (
-        document_ids.dtype.is_floating_point or document_ids.dtype == torch.bool
+    if (
+        not isinstance(document_ids, Tensor)
+        or document_ids.dim() not in (1, 2)
+        or (document_ids.dtype.is_floating_point or document_ids.dtype == torch.bool)
     ):
         raise ValueError(
             "document_ids must be an integer tensor (T,) or (B, T), got "
@@ -298,7 +302,11 @@ def document_mask(
 
     qmin, qmax = ranges(bq)
     kmin, kmax = ranges(bk)
-    full = (qmin == qmax)[:, :, None] & (kmin == kmax)[:, None, :] & (qmin[:, :, None] == kmin[:, None, :])
+    full = (
+        (qmin == qmax)[:, :, None]
+        & (kmin == kmax)[:, None, :]
+        & (qmin[:, :, None] == kmin[:, None, :])
+    )
     any_ = (qmax[:, :, None] >= kmin[:, None, :]) & (kmax[:, None, :] >= qmin[:, :, None])
     if causal:
         cf, ca = _causal_window_rules(T, bq, bk, window, 0, dev)
@@ -337,7 +345,9 @@ def prefix_lm_mask(
     """
     lengths = torch.as_tensor(prefix_length)
     if lengths.dim() > 1 or lengths.dtype.is_floating_point or lengths.dtype == torch.bool:
-        raise ValueError(f"prefix_length must be an int or an integer tensor (B,), got {prefix_length!r}")
+        raise ValueError(
+            f"prefix_length must be an int or an integer tensor (B,), got {prefix_length!r}"
+        )
     B = lengths.shape[0] if lengths.dim() == 1 else None
     L = lengths.reshape(-1).long()  # (B|1,)
     bq, bk = _check_sizes(B, None, T, T, block_size)

@@ -197,9 +197,14 @@ def t5_bucket(
     else:
         rel = -rel.clamp(max=0)
     exact = n // 2
-    large = exact + (
-        torch.log(rel.float().clamp(min=1) / exact) / math.log(max_distance / exact) * (n - exact)
-    ).long()
+    large = (
+        exact
+        + (
+            torch.log(rel.float().clamp(min=1) / exact)
+            / math.log(max_distance / exact)
+            * (n - exact)
+        ).long()
+    )
     large = large.clamp(max=n - 1)
     return ret + torch.where(rel < exact, rel, large)
 
