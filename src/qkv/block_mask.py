@@ -50,6 +50,25 @@ class BlockMask:
     block_size: tuple[int, int]
     index: Tensor  # (B|1, H|1, nqb, nkb) int32
     tiles: Tensor  # (P, bq, bk) bool
+    spans: Tensor | None = None  # (P, bq, 2) int32, derived: see __post_init__
+
+    def __post_init__(self) -> None:
+        # Each tile row's keys as one span [lo, hi) when they are contiguous (rows of causal,
+        # window, document and prefix tiles are), else [-1, -1]: the kernel then narrows the
+        # row's key range instead of reading mask bytes (as for causal blocks).
+        t = self.tiles
+        if self.spans is not None or t.dim() != 3:
+            return
+        n = t.shape[-1]
+        cols = torch.arange(n, device=t.device)
+        count = t.sum(-1, dtype=torch.int32)  # (P, bq)
+        lo = torch.where(t, cols, n).amin(-1).to(torch.int32)
+        hi = torch.where(t, cols + 1, 0).amax(-1).to(torch.int32)
+        lo = torch.where(count == 0, 0, lo)
+        hi = torch.where(count == 0, 0, hi)
+        span = count == hi - lo
+        spans = torch.stack([torch.where(span, lo, -1), torch.where(span, hi, -1)], -1)
+        object.__setattr__(self, "spans", spans.contiguous())
 
     @property
     def shape(self) -> tuple[int, int, int, int]:

@@ -722,19 +722,29 @@ struct VariantGrad {
 
 // A block mask (qkv.masks.BlockMask): per (batch, query head, query block, key block) -1 for
 // an empty block (skipped), -2 for a full one (no masking), else the index of its bool tile
-// (bq x bk, True = may attend). The kernel's blocks are the mask's blocks.
+// (bq x bk, True = may attend). The kernel's blocks are the mask's blocks. A tile row whose
+// keys are one contiguous span [lo, hi) (spans, (P, bq, 2); -1 if not) narrows the row's key
+// range instead: no mask bytes read, as on a causal diagonal.
 struct BlockView {
   const int32_t* idx = nullptr;
   int64_t s[5] = {0, 0, 0, 0, 0}, h_kv = 1;
   const uint8_t* tiles = nullptr;
+  const int32_t* spans = nullptr;
   int64_t ld = 0, tile = 0;
+  // the mask bytes of row r of tile t, or nullptr after narrowing [c0, c1) to its span
+  const uint8_t* row(int32_t t, int64_t r, int64_t& c0, int64_t& c1) const {
+    const int32_t* sp = spans + (t * tile / ld + r) * 2;
+    if (sp[0] < 0) return tile_row(t, r);
+    c0 = std::max<int64_t>(c0, sp[0]), c1 = std::min<int64_t>(c1, sp[1]);
+    return nullptr;
+  }
   int32_t state(int64_t n, int64_t g, int64_t qb, int64_t j) const {
     if (!idx) return -2;
     return idx[(n / h_kv) * s[0] + (n % h_kv) * s[1] + g * s[2] + qb * s[3] + j * s[4]];
   }
   const uint8_t* tile_row(int32_t t, int64_t r) const { return tiles + t * tile + r * ld; }
   static BlockView of(const std::optional<Tensor>& blocks, const std::optional<Tensor>& tiles,
-                      int64_t nqb, int64_t nkb) {
+                      const std::optional<Tensor>& spans, int64_t nqb, int64_t nkb) {
     BlockView b;
     if (!blocks.has_value() || !blocks->defined()) return b;
     TORCH_CHECK(blocks->scalar_type() == at::kInt && blocks->dim() == 5 &&
@@ -749,6 +759,10 @@ struct BlockView {
     b.h_kv = blocks->size(1);
     b.tiles = reinterpret_cast<const uint8_t*>(tiles->const_data_ptr<bool>());
     b.ld = tiles->size(2), b.tile = tiles->size(1) * tiles->size(2);
+    TORCH_CHECK(spans.has_value() && spans->scalar_type() == at::kInt && spans->is_contiguous() &&
+                    spans->numel() == tiles->size(0) * tiles->size(1) * 2,
+                "qkv flash: spans must be a contiguous int32 (P, bq, 2) tensor");
+    b.spans = spans->const_data_ptr<int32_t>();
     return b;
   }
 };
@@ -809,12 +823,12 @@ static void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tens
         }
         const int64_t enk = vnni ? nk + (nk & 1) : nk;  // P's columns the PV matmul reads
         for (int64_t r = 0; r < rows; ++r) {
-          const int64_t c0 = std::clamp<int64_t>(st.lo(qs + r) - ks, 0, nk);
-          const int64_t c1 = std::clamp<int64_t>(st.hi(qs + r) - ks, 0, nk);
+          int64_t c0 = std::clamp<int64_t>(st.lo(qs + r) - ks, 0, nk);
+          int64_t c1 = std::clamp<int64_t>(st.hi(qs + r) - ks, 0, nk);
           float* s = S + r * rbk;
           T* p = P + r * rbk;
           // mask bytes of this block's keys (none on a full block of a block mask)
-          const uint8_t* mr = bst >= 0 ? bv.tile_row(bst, r) : mk.row(n, g, qs + r, ks);
+          const uint8_t* mr = bst >= 0 ? bv.row(bst, r, c0, c1) : mk.row(n, g, qs + r, ks);
           if (var.on && c1 > c0 && var.row(s, tb.data(), n, g, qs + r, ks, c0, c1))
             mr = finite_mask(s, mr, mb.data(), c0, c1);
           float m_new, a, sum;
@@ -888,7 +902,8 @@ std::tuple<Tensor, Tensor> flash_fwd(const Tensor& q, const Tensor& k, const Ten
                                      const std::optional<Tensor>& rel,
                                      std::optional<double> softcap,
                                      const std::optional<Tensor>& blocks,
-                                     const std::optional<Tensor>& tiles) {
+                                     const std::optional<Tensor>& tiles,
+                                     const std::optional<Tensor>& spans) {
   const MaskView mk = MaskView::of(mask);
   TORCH_CHECK(q.dim() == 4 && k.dim() == 3 && v.dim() == 3, "qkv flash_fwd: bad ranks");
   TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(),
@@ -910,7 +925,7 @@ std::tuple<Tensor, Tensor> flash_fwd(const Tensor& q, const Tensor& k, const Ten
   // a block never exceeds the sequence (the scratch buffers are sized by the blocks)
   block_q = std::clamp<int64_t>(block_q, 1, q.size(2));
   block_k = std::clamp<int64_t>(block_k, 1, k.size(1));
-  const BlockView bv = BlockView::of(blocks, tiles, (q.size(2) + block_q - 1) / block_q,
+  const BlockView bv = BlockView::of(blocks, tiles, spans, (q.size(2) + block_q - 1) / block_q,
                                      (k.size(1) + block_k - 1) / block_k);
   if (q.scalar_type() == at::kFloat) {
     forward_impl<float>(q, k, v, out, lse, scale, st, block_q, block_k, false, mk, var, bv);
@@ -1006,14 +1021,14 @@ static void backward_impl(const Tensor& q, const Tensor& k, const Tensor& v, con
             mm<T>(rows, nk, d, Q, d, kt.data() + j * d * bk, bk, S, bk, false);
             mm<T>(rows, nk, dv, dO, dv, vt.data() + j * dv * bk, bk, dP, bk, false);
             for (int64_t r = 0; r < rows; ++r) {
-              const int64_t c0 = std::clamp<int64_t>(st.lo(qs + r) - ks, 0, nk);
-              const int64_t c1 = std::clamp<int64_t>(st.hi(qs + r) - ks, 0, nk);
+              int64_t c0 = std::clamp<int64_t>(st.lo(qs + r) - ks, 0, nk);
+              int64_t c1 = std::clamp<int64_t>(st.hi(qs + r) - ks, 0, nk);
               float* s = S + r * bk;  // becomes P
               float* dp = dP + r * bk;  // becomes dS
               const float sh = lse2[r], Dr = D[r];
               T* pl = low ? Plow + r * bk : nullptr;
               T* dsl = low ? dSlow + r * bk : nullptr;
-              const uint8_t* mr = bst >= 0 ? bv.tile_row(bst, r) : mk.row(n, g, qs + r, ks);
+              const uint8_t* mr = bst >= 0 ? bv.row(bst, r, c0, c1) : mk.row(n, g, qs + r, ks);
               if (!var.on) {
                 grad_row<T>(s, dp, pl, dsl, c0, c1, nk, c2, sh, Dr, mr);
                 continue;
@@ -1059,6 +1074,7 @@ std::tuple<Tensor, Tensor, Tensor> flash_bwd(const Tensor& q, const Tensor& k, c
                                              std::optional<double> softcap,
                                              const std::optional<Tensor>& blocks,
                                              const std::optional<Tensor>& tiles,
+                                             const std::optional<Tensor>& spans,
                                              const std::optional<Tensor>& dbias,
                                              const std::optional<Tensor>& drel,
                                              const std::optional<Tensor>& dalibi) {
@@ -1082,7 +1098,7 @@ std::tuple<Tensor, Tensor, Tensor> flash_bwd(const Tensor& q, const Tensor& k, c
   }
   block_q = std::clamp<int64_t>(block_q, 1, q.size(2));
   block_k = std::clamp<int64_t>(block_k, 1, k.size(1));
-  const BlockView bv = BlockView::of(blocks, tiles, (q.size(2) + block_q - 1) / block_q,
+  const BlockView bv = BlockView::of(blocks, tiles, spans, (q.size(2) + block_q - 1) / block_q,
                                      (k.size(1) + block_k - 1) / block_k);
   if (q.scalar_type() == at::kFloat) {
     backward_impl<float>(q, k, v, out, dout, lse, dq, dk, dv, scale, st, block_q, block_k, mk,
@@ -1100,11 +1116,12 @@ std::tuple<Tensor, Tensor, Tensor> flash_bwd(const Tensor& q, const Tensor& k, c
 TORCH_LIBRARY(qkv_flash, m) {
   m.def("fwd(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, bool causal, int window, "
         "int block_q, int block_k, Tensor? bias=None, Tensor? alibi=None, Tensor? rel=None, "
-        "float? softcap=None, Tensor? blocks=None, Tensor? tiles=None) -> (Tensor, Tensor)");
+        "float? softcap=None, Tensor? blocks=None, Tensor? tiles=None, Tensor? spans=None) -> "
+        "(Tensor, Tensor)");
   m.def("bwd(Tensor q, Tensor k, Tensor v, Tensor out, Tensor dout, Tensor lse, Tensor? mask, "
         "float scale, bool causal, int window, int block_q, int block_k, Tensor? bias=None, "
         "Tensor? alibi=None, Tensor? rel=None, float? softcap=None, Tensor? blocks=None, "
-        "Tensor? tiles=None, Tensor(a!)? dbias=None, Tensor(b!)? drel=None, "
+        "Tensor? tiles=None, Tensor? spans=None, Tensor(a!)? dbias=None, Tensor(b!)? drel=None, "
         "Tensor(c!)? dalibi=None) -> (Tensor, Tensor, Tensor)");
 }
 

@@ -436,17 +436,17 @@ def _bias_view(bias: Tensor | None, shape: AttentionShape) -> Tensor | None:
     return b5.expand(math.prod(shape.batch), shape.h_kv, shape.group, shape.Tq, shape.Tk)
 
 
-def _block_views(plan: _Plan) -> tuple[Tensor | None, Tensor | None]:
-    """The block mask's index as a view ``(Nb, h_kv, G, nqb, nkb)`` and its tiles."""
+def _block_views(plan: _Plan) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """The block mask's index as a view ``(Nb, h_kv, G, nqb, nkb)``, its tiles and spans."""
     bm, shape = plan.block_mask, plan.shape
     if bm is None:
-        return None, None
+        return None, None, None
     idx = bm.index  # (B|1, H|1, nqb, nkb)
     if idx.shape[0] > 1:
         idx = idx.expand(*shape.batch, *idx.shape[1:]).reshape(-1, *idx.shape[1:])
     idx = idx.unsqueeze(2) if idx.shape[1] == 1 else idx.unflatten(1, (shape.h_kv, shape.group))
     nb = math.prod(shape.batch)
-    return idx.expand(nb, shape.h_kv, shape.group, *idx.shape[-2:]), bm.tiles
+    return idx.expand(nb, shape.h_kv, shape.group, *idx.shape[-2:]), bm.tiles, bm.spans
 
 
 def _per_head(t: Tensor | None, shape: AttentionShape) -> Tensor | None:
@@ -463,12 +463,12 @@ class _FlashFunction(torch.autograd.Function):
         q4, k3, v3 = to_internal(q, k, v, shape)
         if plan.native:
             st = plan.structure
-            blocks, tiles = _block_views(plan)
+            blocks, tiles, spans = _block_views(plan)
             out4, lse4 = native_ops().fwd(
                 q4.contiguous(), k3.contiguous(), v3.contiguous(), _mask_view(mask, shape),
                 plan.scale, st.causal, _window_arg(st), plan.block_q, plan.block_k,
                 _bias_view(bias, shape), _per_head(alibi, shape), _per_head(rel, shape),
-                plan.softcap, blocks, tiles,
+                plan.softcap, blocks, tiles, spans,
             )  # fmt: skip
         else:
             q4c = q4 * plan.c  # (N, G, Tq, d_k), scale folded into q once
@@ -498,12 +498,13 @@ class _FlashFunction(torch.autograd.Function):
                 dbias5 = torch.zeros(math.prod(shape.batch), shape.h_kv, *b5.shape[2:], **f32)
             dalibi = torch.zeros(N, G, **f32) if ctx.needs_input_grad[5] else None
             drel = torch.zeros(N, G, rel.shape[-1], **f32) if ctx.needs_input_grad[6] else None
-            blocks, tiles = _block_views(plan)
+            blocks, tiles, spans = _block_views(plan)
             dq, dk, dv = native_ops().bwd(
                 q4.contiguous(), k3.contiguous(), v3.contiguous(), out4, dout4.contiguous(),
                 lse4, _mask_view(mask, shape), plan.scale, st.causal, _window_arg(st),
                 plan.block_q, plan.block_k, _bias_view(bias, shape), _per_head(alibi, shape),
-                _per_head(rel, shape), plan.softcap, blocks, tiles, dbias5, drel, dalibi,
+                _per_head(rel, shape), plan.softcap, blocks, tiles, spans, dbias5, drel,
+                dalibi,
             )  # fmt: skip
             dbias = None
             if need_dbias:
