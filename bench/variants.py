@@ -109,7 +109,8 @@ def fused_part(Ts: list[int], dtypes: list[str], reps: int) -> None:
                 if variant == "softcap":
                     fkw, am = dict(softcap=30.0), None
                 else:
-                    fkw = {"bias": dict(bias=dense["bias"]), "alibi": dict(alibi_slopes=slopes),
+                    bias = dense["bias"].to(dtype)  # in the inputs' dtype, as SDPA's mask
+                    fkw = {"bias": dict(bias=bias), "alibi": dict(alibi_slopes=slopes),
                            "t5": dict(rel_bias=rel)}[variant]  # fmt: skip
                     am = torch.where(causal, dense[variant], float("-inf")).to(dtype)
                 for backward in (False, True):

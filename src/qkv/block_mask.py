@@ -33,7 +33,7 @@ __all__ = [
 
 BLOCK_SIZE = 128  # FlexAttention's default; also the fused kernel's block with a block mask
 EMPTY, FULL = -1, -2
-_CHUNK_ELEMENTS = 1 << 23  # mask_fn evaluated on ~8M (query, key) pairs at a time
+_CHUNK_ELEMENTS = 1 << 19  # mask_fn evaluated on ~512K (query, key) pairs at a time
 
 MaskFn = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 
@@ -137,11 +137,11 @@ def create_block_mask(
 ) -> BlockMask:
     """A :class:`BlockMask` from ``mask_fn(b, h, q_idx, kv_idx) -> bool`` (FlexAttention's form).
 
-    ``mask_fn`` receives index tensors that broadcast together (``b``, ``h`` 0-dim, ``q_idx``
-    ``(rows, 1)``, ``kv_idx`` ``(1, Tk)``) and returns True where query ``q_idx`` may attend
-    to key ``kv_idx`` (indices from 0, not aligned bottom-right). ``B``/``H`` ``None`` means
-    the same mask for every batch entry/head (``b``/``h`` are then 0). It is evaluated a chunk
-    of query blocks at a time (~8M pairs), so no ``(Tq, Tk)`` tensor is held.
+    ``mask_fn`` receives int32 index tensors that broadcast together (``b``, ``h`` 0-dim,
+    ``q_idx`` ``(rows, 1)``, ``kv_idx`` ``(1, cols)``) and returns True where query ``q_idx``
+    may attend to key ``kv_idx`` (indices from 0, not aligned bottom-right). ``B``/``H``
+    ``None`` means the same mask for every batch entry/head (``b``/``h`` are then 0). It is
+    evaluated on chunks of whole blocks (~512K pairs), so no ``(Tq, Tk)`` tensor is held.
 
     >>> docs = torch.tensor([0] * 300 + [1] * 212)
     >>> bm = create_block_mask(lambda b, h, q, kv: docs[q] == docs[kv], None, None, 512, 512)
@@ -151,45 +151,59 @@ def create_block_mask(
     bq, bk = _check_sizes(B, H, Tq, Tk, block_size)
     nqb, nkb = -(-Tq // bq), -(-Tk // bk)
     Bm, Hm = B or 1, H or 1
-    kv_idx = torch.arange(Tk, device=device).unsqueeze(0)  # (1, Tk)
-    pad_k = nkb * bk - Tk
-    rows_per_chunk = max(1, _CHUNK_ELEMENTS // max(1, nkb * bk * bq)) * bq
+    # chunks of whole blocks, ~512K pairs: the mask_fn's temporaries stay in cache (measured
+    # 2-4x faster than 8M-pair chunks); int32 indices halve their size again
+    cols = min(nkb, max(1, _CHUNK_ELEMENTS // (bq * bk))) * bk
+    rows = max(1, _CHUNK_ELEMENTS // (bq * cols)) * bq
     index = torch.empty(Bm, Hm, nqb, nkb, dtype=torch.int32, device=device)
     tiles: list[Tensor] = []
     n_tiles = 0
     for b in range(Bm):
-        bt = torch.tensor(b, device=device)
+        bt = torch.tensor(b, dtype=torch.int32, device=device)
         for h in range(Hm):
-            ht = torch.tensor(h, device=device)
-            for qs in range(0, Tq, rows_per_chunk):
-                qe = min(qs + rows_per_chunk, Tq)
-                q_idx = torch.arange(qs, qe, device=device).unsqueeze(1)  # (rows, 1)
-                m = torch.as_tensor(mask_fn(bt, ht, q_idx, kv_idx), device=device)
-                if m.dtype != torch.bool:
-                    raise TypeError(f"mask_fn must return bool (True = may attend), got {m.dtype}")
-                m = m.expand(qe - qs, Tk)  # (rows, Tk)
-                nq = -(-(qe - qs) // bq)
-                pad_q = nq * bq - (qe - qs)
-                # any / all per block as max / min of the bytes (the fastest reductions
-                # measured); outside the sequence counts as False for any, True for all
-                u = m.contiguous().view(torch.uint8)
-                pad = (0, pad_k, 0, pad_q)
-                lo = torch.nn.functional.pad(u, pad, value=0) if pad_q or pad_k else u
-                hi = torch.nn.functional.pad(u, pad, value=1) if pad_q or pad_k else u
-                any_ = lo.view(nq, bq, nkb, bk).amax(dim=(1, 3)) > 0  # (nq, nkb)
-                all_ = hi.view(nq, bq, nkb, bk).amin(dim=(1, 3)) > 0
-                state = torch.where(all_, FULL, torch.where(any_, 0, EMPTY)).to(torch.int32)
-                partial = state == 0
-                p = int(partial.sum())
-                if p:
-                    state[partial] = torch.arange(n_tiles, n_tiles + p, dtype=state.dtype,
-                                                  device=device)  # fmt: skip
-                    blocks = lo.view(torch.bool).view(nq, bq, nkb, bk).transpose(1, 2)
-                    tiles.append(blocks[partial])  # (p, bq, bk), False outside
-                    n_tiles += p
-                index[b, h, qs // bq : qs // bq + nq] = state
+            ht = torch.tensor(h, dtype=torch.int32, device=device)
+            for qs in range(0, Tq, rows):
+                qe = min(qs + rows, Tq)
+                q_idx = torch.arange(qs, qe, dtype=torch.int32, device=device).unsqueeze(1)
+                for ks in range(0, Tk, cols):
+                    ke = min(ks + cols, Tk)
+                    kv_idx = torch.arange(ks, ke, dtype=torch.int32, device=device).unsqueeze(0)
+                    m = torch.as_tensor(mask_fn(bt, ht, q_idx, kv_idx), device=device)
+                    if m.dtype != torch.bool:
+                        raise TypeError(
+                            f"mask_fn must return bool (True = may attend), got {m.dtype}"
+                        )
+                    state, new = _summarise(m.expand(qe - qs, ke - ks), bq, bk, n_tiles)
+                    if new is not None:
+                        tiles.append(new)
+                        n_tiles += new.shape[0]
+                    index[b, h, qs // bq : qs // bq + state.shape[0],
+                          ks // bk : ks // bk + state.shape[1]] = state  # fmt: skip
     tile_t = torch.cat(tiles) if tiles else torch.zeros(0, bq, bk, dtype=torch.bool, device=device)
     return BlockMask(B, H, Tq, Tk, (bq, bk), index, tile_t.contiguous())
+
+
+def _summarise(m: Tensor, bq: int, bk: int, first: int) -> tuple[Tensor, Tensor | None]:
+    """States ``(nq, nk)`` of the blocks of a chunk ``m (rows, cols)`` (rows, cols multiples of
+    the block unless at the sequence's end) and the tiles of its partial blocks, numbered from
+    ``first``. any / all per block are the max / min of the bytes (the fastest reductions
+    measured); outside the sequence counts as False for any, True for all."""
+    r, c = m.shape
+    nq, nk = -(-r // bq), -(-c // bk)
+    u = m.contiguous().view(torch.uint8)
+    pad = (0, nk * bk - c, 0, nq * bq - r)
+    lo = torch.nn.functional.pad(u, pad, value=0) if any(pad) else u
+    hi = torch.nn.functional.pad(u, pad, value=1) if any(pad) else u
+    any_ = lo.view(nq, bq, nk, bk).amax(dim=(1, 3)) > 0  # (nq, nk)
+    all_ = hi.view(nq, bq, nk, bk).amin(dim=(1, 3)) > 0
+    state = torch.where(all_, FULL, torch.where(any_, 0, EMPTY)).to(torch.int32)
+    partial = state == 0
+    p = int(partial.sum())
+    if not p:
+        return state, None
+    state[partial] = torch.arange(first, first + p, dtype=torch.int32, device=m.device)
+    blocks = lo.view(torch.bool).view(nq, bq, nk, bk).transpose(1, 2)  # (nq, nk, bq, bk)
+    return state, blocks[partial]  # (p, bq, bk), False outside
 
 
 # --- shortcuts: block states from the structure (no per-pair evaluation), tiles only for

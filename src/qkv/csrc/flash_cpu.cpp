@@ -535,7 +535,10 @@ static inline __m512 tanh_v(__m512 x) {
   const __m512 t = _mm512_max_ps(_mm512_mul_ps(_mm512_abs_ps(x), _mm512_set1_ps(-2.f * kLog2e)),
                                  _mm512_set1_ps(-200.f));
   const __m512 e = exp2_v<false>(t, 0xffff);
-  const __m512 th = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
+  const __m512 den = _mm512_add_ps(one, e);  // in [1, 2]: 1/den by rcp14 and a Newton step
+  __m512 r = _mm512_rcp14_ps(den);
+  r = _mm512_mul_ps(r, _mm512_fnmadd_ps(den, r, _mm512_set1_ps(2.f)));
+  const __m512 th = _mm512_mul_ps(_mm512_sub_ps(one, e), r);
   const __m512i sign = _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(INT32_MIN));
   return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(th), sign));
 }
@@ -545,7 +548,8 @@ struct Variant {
   bool on = false;
   float scale = 1.f, cap = 0.f;  // cap = 0: no soft-capping
   int64_t h_kv = 1, G = 1, Tq = 0, Tk = 0;
-  const float* bias = nullptr;  // view (Nb, h_kv, G, Tq, Tk) of fp32, key stride 0 or 1
+  const void* bias = nullptr;  // view (Nb, h_kv, G, Tq, Tk) of fp32 or bf16, key stride 0/1
+  bool bias_bf16 = false;
   int64_t bs[5] = {0, 0, 0, 0, 0};
   const float* alibi = nullptr;  // slopes (h_kv, G): query head hq = hk·G + g
   const float* rel = nullptr;  // (h_kv, G, Tq + Tk - 1): rel[hq, j - p(i) + Tk - 1]
@@ -553,15 +557,24 @@ struct Variant {
 
   int64_t head(int64_t n, int64_t g) const { return (n % h_kv) * G + g; }
   int64_t pos(int64_t i) const { return Tk - Tq + i; }
-  const float* bias_row(int64_t n, int64_t g, int64_t i) const {
-    return bias + (n / h_kv) * bs[0] + (n % h_kv) * bs[1] + g * bs[2] + i * bs[3];
+  int64_t bias_off(int64_t n, int64_t g, int64_t i) const {
+    return (n / h_kv) * bs[0] + (n % h_kv) * bs[1] + g * bs[2] + i * bs[3];
   }
 
   // s[c0:c1) (query i, keys ks + c) -> logits; t[c] = tanh(x/cap) if soft-capping.
   // Returns whether some logit is -inf.
   bool row(float* s, float* t, int64_t n, int64_t g, int64_t i, int64_t ks, int64_t c0,
            int64_t c1) const {
-    const float* br = bias ? bias_row(n, g, i) + (bs[4] ? ks : 0) : nullptr;
+    const int64_t bo = bias ? bias_off(n, g, i) + (bs[4] ? ks : 0) : 0;
+    const float* br = bias && !bias_bf16 ? static_cast<const float*>(bias) + bo : nullptr;
+    const uint16_t* bb = bias && bias_bf16 ? static_cast<const uint16_t*>(bias) + bo : nullptr;
+    auto bias_at = [&](int64_t c) {  // one bias value (c = 0 for a key-broadcast bias)
+      if (br) return br[c];
+      const uint32_t u = uint32_t(bb[c]) << 16;
+      float f;
+      std::memcpy(&f, &u, sizeof(f));
+      return f;
+    };
     const int64_t hq = head(n, g);
     const float slope = alibi ? alibi[hq] : 0.f;
     const float* rr = rel ? rel + hq * rel_ld + (ks - pos(i) + Tk - 1) : nullptr;
@@ -581,7 +594,18 @@ struct Variant {
         _mm512_mask_storeu_ps(t + c, k, th);
         x = _mm512_mul_ps(th, vcap);
       }
-      if (br) x = _mm512_add_ps(x, bs[4] ? _mm512_maskz_loadu_ps(k, br + c) : _mm512_set1_ps(*br));
+      if (bias) {
+        __m512 b;
+        if (!bs[4]) {
+          b = _mm512_set1_ps(bias_at(0));
+        } else if (br) {
+          b = _mm512_maskz_loadu_ps(k, br + c);
+        } else {  // bf16 -> fp32: the 16 bits above 16 zero bits
+          const __m256i h = _mm256_maskz_loadu_epi16(k, bb + c);
+          b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+        }
+        x = _mm512_add_ps(x, b);
+      }
       if (alibi) {
         const __m512 dist = _mm512_abs_ps(
             _mm512_sub_ps(_mm512_set1_ps(dpos - static_cast<float>(c)), iota));
@@ -599,7 +623,7 @@ struct Variant {
         t[c] = std::tanh(x / cap);
         x = cap * t[c];
       }
-      if (br) x += bs[4] ? br[c] : *br;
+      if (bias) x += bias_at(bs[4] ? c : 0);
       if (alibi) x -= slope * std::fabs(dpos - static_cast<float>(c));
       if (rr) x += rr[c];
       neg |= x == kNegInf;
@@ -621,10 +645,13 @@ struct Variant {
     }
     if (bias.has_value() && bias->defined()) {
       const Tensor& b = *bias;
-      TORCH_CHECK(b.scalar_type() == at::kFloat && b.dim() == 5 && b.size(3) == Tq &&
-                      b.size(4) == Tk && (b.stride(4) == 0 || b.stride(4) == 1),
-                  "qkv flash: bias must be an fp32 (Nb, h_kv, G, Tq, Tk) view, key stride 0/1");
-      v.bias = b.const_data_ptr<float>();
+      TORCH_CHECK((b.scalar_type() == at::kFloat || b.scalar_type() == at::kBFloat16) &&
+                      b.dim() == 5 && b.size(3) == Tq && b.size(4) == Tk &&
+                      (b.stride(4) == 0 || b.stride(4) == 1),
+                  "qkv flash: bias must be an fp32/bf16 (Nb, h_kv, G, Tq, Tk) view, key stride "
+                  "0/1");
+      v.bias = b.const_data_ptr();
+      v.bias_bf16 = b.scalar_type() == at::kBFloat16;
       for (int x = 0; x < 5; ++x) v.bs[x] = b.stride(x);
       v.h_kv = b.size(1);
     }

@@ -425,11 +425,13 @@ def _window_arg(structure: Structure) -> int:
 
 
 def _bias_view(bias: Tensor | None, shape: AttentionShape) -> Tensor | None:
-    """The bias as the fused kernel reads it: fp32, a broadcast view ``(Nb, h_kv, G, Tq, Tk)``
-    with key stride 0 or 1."""
+    """The bias as the fused kernel reads it: fp32 or bf16 (read in place), a broadcast view
+    ``(Nb, h_kv, G, Tq, Tk)`` with key stride 0 or 1."""
     if bias is None:
         return None
-    b = bias.detach().float()
+    b = bias.detach()
+    if b.dtype not in (torch.float32, torch.bfloat16):
+        b = b.float()
     if b.shape[-1] > 1 and b.stride(-1) != 1:
         b = b.contiguous()
     b5 = to_5d(b, shape)  # (Nb|1, h_kv|1, G|1, Tq|1, Tk|1)
