@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 import torch.nn.functional as TF  # noqa: E402
-from _measure import cpu_name, peak_memory_mib, threads_note  # noqa: E402
 
+from _measure import cpu_name, peak_memory_mib, threads_note  # noqa: E402
 from qkv import masks  # noqa: E402
 from qkv.block_mask import EMPTY, FULL, BlockMask  # noqa: E402
 from qkv.kernels._native import native_status  # noqa: E402
@@ -69,6 +69,11 @@ def interleaved(fns: list, reps: int) -> list[float]:
             f()
             best[i] = min(best[i], time.perf_counter() - t)
     return best
+
+
+def _call(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` as a zero-argument callable (binds loop variables now)."""
+    return lambda: fn(*args, **kwargs)
 
 
 def _runner(fn, inputs, backward: bool):
@@ -116,12 +121,10 @@ def fused_part(Ts: list[int], dtypes: list[str], reps: int) -> None:
                 for backward in (False, True):
                     for t in (q, k, v):
                         t.requires_grad_(backward)
-                    flash = _runner(lambda: flash_attention(q, k, v, causal=True, **fkw),
-                                    (q, k, v), backward)  # fmt: skip
-                    if am is None:
-                        sdpa_fn = lambda: TF.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
-                    else:
-                        sdpa_fn = lambda: TF.scaled_dot_product_attention(q, k, v, attn_mask=am)  # noqa: E731
+                    flash_fn = _call(flash_attention, q, k, v, causal=True, **fkw)
+                    sdpa_kw = dict(is_causal=True) if am is None else dict(attn_mask=am)
+                    sdpa_fn = _call(TF.scaled_dot_product_attention, q, k, v, **sdpa_kw)
+                    flash = _runner(flash_fn, (q, k, v), backward)
                     sdpa = _runner(sdpa_fn, (q, k, v), backward)
                     tf, ts = interleaved([flash, sdpa], reps)
                     mode = "fwd+bwd" if backward else "fwd"
@@ -135,8 +138,8 @@ def fused_part(Ts: list[int], dtypes: list[str], reps: int) -> None:
         q, k, v = (torch.randn(B, H, T, D) for _ in range(3))
         slopes = masks.alibi_slopes(H)
         with torch.no_grad():
-            m_a = peak_memory_mib(lambda: flash_attention(q, k, v, causal=True, alibi_slopes=slopes))
-            m_s = peak_memory_mib(lambda: flash_attention(q, k, v, causal=True, softcap=30.0))
+            m_a = peak_memory_mib(_call(flash_attention, q, k, v, causal=True, alibi_slopes=slopes))
+            m_s = peak_memory_mib(_call(flash_attention, q, k, v, causal=True, softcap=30.0))
         out_mib = B * H * T * D * 4 / 2**20
         print(f"{T:>6} {m_a:>10.1f} {m_s:>12.1f} {out_mib:>8.1f} {H * T * T * 4 / 2**20:>14.0f}")
 
@@ -186,15 +189,15 @@ def block_part(T: int, reps: int, dtypes: list[str], flex: bool) -> None:
     flex_mods = _flex() if flex else None
     for name, (shortcut, fn) in patterns.items():
         bm, t_short = min((_timed(shortcut) for _ in range(3)), key=lambda x: x[1])
-        bm2, t_fn = _timed(lambda: masks.create_block_mask(fn, None, None, T, T))
+        bm2, t_fn = _timed(_call(masks.create_block_mask, fn, None, None, T, T))
         assert torch.equal(bm.index != EMPTY, bm2.index != EMPTY)
         t_flex = float("nan")
         fbm = None
         if flex_mods is not None and not isinstance(flex_mods, str):
             try:
-                cbm = flex_mods[1]
-                fbm, t_flex = _timed(lambda: cbm(fn, None, None, T, T, device="cpu"))
-                _, t_flex = _timed(lambda: cbm(fn, None, None, T, T, device="cpu"))
+                make = _call(flex_mods[1], fn, None, None, T, T, device="cpu")
+                fbm, t_flex = _timed(make)
+                _, t_flex = _timed(make)  # the second build (the first may compile)
             except Exception as e:  # noqa: BLE001 (a peer failing is reported, not fatal)
                 flex_mods = f"create_block_mask failed: {type(e).__name__}: {e}"[:200]
         built[name] = (bm, fbm, fn)
@@ -213,18 +216,19 @@ def block_part(T: int, reps: int, dtypes: list[str], flex: bool) -> None:
         for name, (bm, fbm, _fn) in built.items():
             dense_bm = _dense_blocks(bm)
             fns = [
-                _runner(lambda bm=bm: flash_attention(q, k, v, mask=bm), (), False),
-                _runner(lambda d=dense_bm: flash_attention(q, k, v, mask=d), (), False),
+                _runner(_call(flash_attention, q, k, v, mask=bm), (), False),
+                _runner(_call(flash_attention, q, k, v, mask=dense_bm), (), False),
             ]
             flex_note = ""
             if fbm is not None and not isinstance(flex_mods, str):
                 try:
                     if compiled is None:
                         compiled = torch.compile(flex_mods[0], dynamic=False)
+                    flex_fn = _call(compiled, q, k, v, block_mask=fbm)
                     with torch.no_grad():
-                        _, t_c = _timed(lambda fbm=fbm: compiled(q, k, v, block_mask=fbm))
+                        _, t_c = _timed(flex_fn)
                     flex_note = f"(first Flex call, compiling: {t_c:.1f} s)"
-                    fns.append(_runner(lambda fbm=fbm: compiled(q, k, v, block_mask=fbm), (), False))
+                    fns.append(_runner(flex_fn, (), False))
                 except Exception as e:  # noqa: BLE001
                     flex_mods = f"flex_attention failed: {type(e).__name__}: {e}"[:200]
                     flex_note = f"Flex skipped: {flex_mods}"
