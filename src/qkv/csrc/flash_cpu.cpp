@@ -561,7 +561,7 @@ struct Variant {
     return (n / h_kv) * bs[0] + (n % h_kv) * bs[1] + g * bs[2] + i * bs[3];
   }
 
-  // s[c0:c1) (query i, keys ks + c) -> logits; t[c] = tanh(x/cap) if soft-capping.
+  // s[c0:c1) (query i, keys ks + c) -> logits; t[c] = tanh(x/cap) if soft-capping and t.
   // Returns whether some logit is -inf.
   bool row(float* s, float* t, int64_t n, int64_t g, int64_t i, int64_t ks, int64_t c0,
            int64_t c1) const {
@@ -591,7 +591,7 @@ struct Variant {
       __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + c), vscale);
       if (cap > 0.f) {
         const __m512 th = tanh_v(_mm512_mul_ps(x, vinv));
-        _mm512_mask_storeu_ps(t + c, k, th);
+        if (t) _mm512_mask_storeu_ps(t + c, k, th);
         x = _mm512_mul_ps(th, vcap);
       }
       if (bias) {
@@ -620,8 +620,9 @@ struct Variant {
     for (; c < c1; ++c) {
       float x = s[c] * scale;
       if (cap > 0.f) {
-        t[c] = std::tanh(x / cap);
-        x = cap * t[c];
+        const float th = std::tanh(x / cap);
+        if (t) t[c] = th;
+        x = cap * th;
       }
       if (bias) x += bias_at(bs[4] ? c : 0);
       if (alibi) x -= slope * std::fabs(dpos - static_cast<float>(c));
@@ -824,7 +825,7 @@ static void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tens
     float* S = sc.take<float>(bq * rbk);
     T* P = sc.take<T>(bq * rbk);  // p of a block (its own buffer: see the lazy max below)
     float* acc = sc.take<float>(bq * rdv);
-    std::vector<float> m(bq), l(bq), alpha(bq), tb(var.on ? bk : 0);
+    std::vector<float> m(bq), l(bq), alpha(bq);
     std::vector<uint8_t> mb(var.on ? bk : 0);
     for (int64_t idx = first; idx < end; idx += step) {
       const int64_t n = idx / (G * nqb), g = (idx / nqb) % G, qb = idx % nqb;
@@ -856,7 +857,7 @@ static void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tens
           T* p = P + r * rbk;
           // mask bytes of this block's keys (none on a full block of a block mask)
           const uint8_t* mr = bst >= 0 ? bv.row(bst, r, c0, c1) : mk.row(n, g, qs + r, ks);
-          if (var.on && c1 > c0 && var.row(s, tb.data(), n, g, qs + r, ks, c0, c1))
+          if (var.on && c1 > c0 && var.row(s, nullptr, n, g, qs + r, ks, c0, c1))
             mr = finite_mask(s, mr, mb.data(), c0, c1);
           float m_new, a, sum;
           const float bmax = c1 <= c0 || m[r] != kNegInf
