@@ -239,6 +239,23 @@ def block_part(T: int, reps: int, dtypes: list[str], flex: bool) -> None:
                   f"{tflex * 1e3:>8.1f} {tflex / tq:>9.2f}  {flex_note}", flush=True)  # fmt: skip
 
 
+def shortcut_costs(T: int) -> None:
+    """Building the shortcut block masks at a long T (best of 3, ms)."""
+    g = torch.Generator().manual_seed(1)
+    cuts = torch.sort(torch.randperm(T - 1, generator=g)[:15] + 1).values
+    doc = torch.zeros(T, dtype=torch.long)
+    doc[cuts] = 1
+    doc = doc.cumsum(0)
+    print(f"\n## shortcut block masks at T={T} (ms, best of 3)")
+    for name, make in (
+        ("documents (16)", _call(masks.document_mask, doc)),
+        ("prefix-LM", _call(masks.prefix_lm_mask, T // 4, T)),
+        ("sink+window", _call(masks.sliding_window_mask, T, 1024, sinks=4)),
+    ):
+        best = min(_timed(make)[1] for _ in range(3))
+        print(f"{name:>15} {best * 1e3:8.1f}")
+
+
 def _flex():
     """(flex_attention, create_block_mask) or the reason they cannot run here."""
     try:
@@ -250,7 +267,8 @@ def _flex():
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", choices=["fused", "blocks", "both"], default="both")
+    ap.add_argument("--part", choices=["fused", "blocks", "shortcuts", "both"], default="both")
+    ap.add_argument("--T-shortcuts", type=int, default=65536)
     ap.add_argument("--T", type=int, nargs="+", default=[1024, 4096])
     ap.add_argument("--T-blocks", type=int, default=16384)
     ap.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=["fp32", "bf16"])
@@ -266,6 +284,8 @@ def main() -> None:
         fused_part(args.T, args.dtypes, args.reps)
     if args.part in ("blocks", "both"):
         block_part(args.T_blocks, args.reps, args.dtypes, not args.no_flex)
+    if args.part in ("shortcuts", "blocks", "both"):
+        shortcut_costs(args.T_shortcuts)
 
 
 if __name__ == "__main__":
