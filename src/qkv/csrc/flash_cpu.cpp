@@ -748,6 +748,20 @@ struct VariantGrad {
   }
 };
 
+// p and dS rows (fp32) -> their low-precision copies for the backward's matmuls
+template <typename T>
+static inline void to_low(const float* p, const float* ds, T* p_low, T* ds_low, int64_t n) {
+  int64_t c = 0;
+#ifdef __AVX512F__
+  for (; c < n; c += 16) {
+    const __mmask16 k = c + 16 <= n ? __mmask16(0xffff) : __mmask16((1u << (n - c)) - 1u);
+    store16<T>(p_low + c, _mm512_maskz_loadu_ps(k, p + c), k);
+    store16<T>(ds_low + c, _mm512_maskz_loadu_ps(k, ds + c), k);
+  }
+#endif
+  for (; c < n; ++c) store<T>(p_low + c, p[c]), store<T>(ds_low + c, ds[c]);
+}
+
 // A block mask (qkv.masks.BlockMask): per (batch, query head, query block, key block) -1 for
 // an empty block (skipped), -2 for a full one (no masking), else the index of its bool tile
 // (bq x bk, True = may attend). The kernel's blocks are the mask's blocks. A tile row whose
@@ -1066,9 +1080,7 @@ static void backward_impl(const Tensor& q, const Tensor& k, const Tensor& v, con
                 mr = finite_mask(s, mr, mb.data(), c0, c1);
               grad_row<float>(s, dp, nullptr, nullptr, c0, c1, nk, c2, sh, Dr, mr);
               vg.row(dp, tb.data(), var, n, g, qs + r, ks, c0, c1);
-              if constexpr (low) {
-                for (int64_t c = 0; c < nk; ++c) store<T>(pl + c, s[c]), store<T>(dsl + c, dp[c]);
-              }
+              if constexpr (low) to_low(s, dp, pl, dsl, nk);
             }
             const T* P = low ? Plow : reinterpret_cast<const T*>(S);
             const T* dS = low ? dSlow : reinterpret_cast<const T*>(dP);
