@@ -397,3 +397,18 @@ def test_portable_build_runs_the_variants():
         timeout=600,
     )  # fmt: skip
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]
+
+
+def test_explain_dispatch_names_the_route_of_the_variants():
+    from qkv.functional import explain_dispatch
+
+    q = torch.randn(1, 4, 64, 16)
+    slopes = masks.alibi_slopes(4)
+    d = explain_dispatch(q, q, q, alibi_slopes=slopes, causal=True)
+    assert d.backend == "flash" and d.kernel == "fused C++ kernel" and "ALiBi" in d.reasons["torch"]
+    bm = masks.document_mask(torch.tensor([0] * 30 + [1] * 34))
+    assert explain_dispatch(q, q, q, mask=bm).backend == "flash"
+    # dropout: flash cannot run it, so the slopes become a dense bias for the other backends
+    d = explain_dispatch(q, q, q, alibi_slopes=slopes, dropout_p=0.1)
+    assert d.backend == "torch" and "dropout" in d.reasons["flash"]
+    assert explain_dispatch(q, q, q, mask=bm, backend="math").backend == "math"

@@ -38,7 +38,6 @@ from torch import Tensor
 from qkv import dispatch, masks
 from qkv._validate import check_bias, check_mask, check_options, check_qkv
 from qkv.block_mask import BlockMask
-from qkv.dispatch import explain_dispatch
 from qkv.kernels.flash import (
     _densify,
     check_block_mask,
@@ -238,12 +237,9 @@ def scaled_dot_product_attention(
         if isinstance(mask, BlockMask):
             check_block_mask(mask, shape, q.device)
         check_per_head(alibi_slopes, rel_bias, shape, q.device)
-        fused_why = fused_kernel_rejects(q.device, q.dtype, scale=scale)
-        if (
-            backend in ("auto", "flash") and fused_why is None and dropout_p == 0
-            and not (return_weights and weights_heads is None) and not shape.empty
-        ):  # fmt: skip
-            dispatch.logger.debug("sdpa backend=flash (fused): block mask / ALiBi / rel_bias")
+        why = _why_not_fused(q, shape, backend, scale, dropout_p, return_weights, weights_heads)
+        if why is None:
+            dispatch.logger.debug("sdpa backend=flash (fused): %s", _FUSED_EXTRAS)
             check_options(window=window, scale=scale, softcap=softcap, dropout_p=dropout_p)
             check_bias(bias, shape, q.device)
             out, lse = flash_attention(
@@ -259,6 +255,7 @@ def scaled_dot_product_attention(
                 q, k, lse, heads=weights_heads, mask=mask, bias=bias, causal=causal,
                 window=window, scale=scale, softcap=softcap,
             )  # fmt: skip
+        dispatch.logger.debug("sdpa: dense mask/bias (%s)", why)
         block_mask = mask if isinstance(mask, BlockMask) else None
         mask, bias = _densify(q, block_mask, None if block_mask else mask, bias, alibi_slopes,
                               rel_bias, shape)  # fmt: skip
@@ -289,3 +286,60 @@ def scaled_dot_product_attention(
     if not return_weights:
         return out
     return out, weights_from_lse(q, k, lse, heads=weights_heads, **options)
+
+
+_FUSED_EXTRAS = (
+    "block mask / ALiBi slopes / rel_bias: fused flash runs them without a dense (Tq, Tk) tensor"
+)
+
+
+def _why_not_fused(
+    q: Tensor, shape, backend: str, scale: float | None, dropout_p: float,
+    return_weights: bool, weights_heads,
+) -> str | None:  # fmt: skip
+    """Why a call with a block mask, ALiBi slopes or a relative table does not run on flash's
+    fused kernel (then they are expanded to a dense mask/bias); ``None``: it does."""
+    if backend not in ("auto", "flash"):
+        return f"backend={backend!r} requested"
+    if dropout_p > 0:
+        return f"dropout_p={dropout_p} > 0: flash has no dropout"
+    if return_weights and weights_heads is None:
+        return "all heads' weights requested"
+    if shape.empty:
+        return "empty input"
+    return fused_kernel_rejects(q.device, q.dtype, scale=scale)
+
+
+def explain_dispatch(
+    q: Tensor, k: Tensor, v: Tensor, *, backend: str = "auto",
+    alibi_slopes: Tensor | None = None, rel_bias: Tensor | None = None, **kwargs,
+) -> dispatch.Decision:  # fmt: skip
+    """Which backend ``scaled_dot_product_attention(q, k, v, **kwargs)`` runs, and why.
+
+    :func:`qkv.dispatch.explain_dispatch`, also for block masks, ``alibi_slopes`` and
+    ``rel_bias``. ``print()`` the result for one line per rejected backend.
+
+    >>> q = k = v = torch.randn(1, 2, 64, 16)
+    >>> explain_dispatch(q, k, v, alibi_slopes=torch.ones(2)).kernel
+    'fused C++ kernel'
+    """
+    mask = kwargs.get("mask")
+    if not (isinstance(mask, BlockMask) or alibi_slopes is not None or rel_bias is not None):
+        return dispatch.explain_dispatch(q, k, v, backend=backend, **kwargs)
+    shape = check_qkv(q, k, v)
+    why = _why_not_fused(
+        q, shape, backend, kwargs.get("scale"), kwargs.get("dropout_p", 0.0),
+        kwargs.get("return_weights", False), kwargs.get("weights_heads"),
+    )  # fmt: skip
+    if why is None:
+        reasons = {
+            "torch": _FUSED_EXTRAS,
+            "math": "the reference: slowest, holds (Tq, Tk) per head",
+        }
+        return dispatch.Decision("flash", backend, reasons, "fused C++ kernel")
+    block_mask = mask if isinstance(mask, BlockMask) else None
+    kwargs["mask"], kwargs["bias"] = _densify(
+        q, block_mask, None if block_mask else mask, kwargs.get("bias"), alibi_slopes, rel_bias,
+        shape,
+    )  # fmt: skip
+    return dispatch.explain_dispatch(q, k, v, backend=backend, **kwargs)
