@@ -412,3 +412,19 @@ def test_explain_dispatch_names_the_route_of_the_variants():
     d = explain_dispatch(q, q, q, alibi_slopes=slopes, dropout_p=0.1)
     assert d.backend == "torch" and "dropout" in d.reasons["flash"]
     assert explain_dispatch(q, q, q, mask=bm, backend="math").backend == "math"
+
+
+def test_block_mask_with_two_batch_dims():
+    """A BlockMask for B = 2·3 entries serves q (2, 3, h, T, d) (batch flattened)."""
+    torch.manual_seed(6)
+    q = torch.randn(2, 3, 4, 50, 8, requires_grad=True)
+    ids = torch.randint(0, 3, (6, 50)).sort(1).values
+    bm = masks.document_mask(ids, block_size=16)
+    dense = (ids[:, :, None] == ids[:, None, :]) & masks.causal(50)  # (6, 50, 50)
+    out = scaled_dot_product_attention(q, q, q, mask=bm)
+    ref = attention_steps(*(q.detach().double() for _ in "qkv"), mask=dense.view(2, 3, 1, 50, 50))
+    torch.testing.assert_close(out.double(), ref.output, atol=2e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="mask_fn must return a bool tensor that broadcasts"):
+        masks.create_block_mask(
+            lambda b, h, i, j: torch.ones(3, dtype=torch.bool), None, None, 8, 8
+        )

@@ -173,7 +173,14 @@ def create_block_mask(
                         raise TypeError(
                             f"mask_fn must return bool (True = may attend), got {m.dtype}"
                         )
-                    state, new = _summarise(m.expand(qe - qs, ke - ks), bq, bk, n_tiles)
+                    try:
+                        m = m.expand(qe - qs, ke - ks)
+                    except RuntimeError:
+                        raise ValueError(
+                            f"mask_fn must return a bool tensor that broadcasts to (q_idx, kv_idx)"
+                            f" = ({qe - qs}, {ke - ks}), got shape {tuple(m.shape)}"
+                        ) from None
+                    state, new = _summarise(m, bq, bk, n_tiles)
                     if new is not None:
                         tiles.append(new)
                         n_tiles += new.shape[0]

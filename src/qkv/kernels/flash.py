@@ -443,9 +443,7 @@ def _block_views(plan: _Plan) -> tuple[Tensor | None, Tensor | None, Tensor | No
     bm, shape = plan.block_mask, plan.shape
     if bm is None:
         return None, None, None
-    idx = bm.index  # (B|1, H|1, nqb, nkb)
-    if idx.shape[0] > 1:
-        idx = idx.expand(*shape.batch, *idx.shape[1:]).reshape(-1, *idx.shape[1:])
+    idx = bm.index  # (B|1, H|1, nqb, nkb), B = prod(batch)
     idx = idx.unsqueeze(2) if idx.shape[1] == 1 else idx.unflatten(1, (shape.h_kv, shape.group))
     nb = math.prod(shape.batch)
     return idx.expand(nb, shape.h_kv, shape.group, *idx.shape[-2:]), bm.tiles, bm.spans
