@@ -1,8 +1,9 @@
 """The fused C++ flash kernel (qkv/csrc/flash_cpu.cpp) against the reference math and SDPA.
 
-The kernel runs for fp32/bf16 CPU inputs with causal/window structure and no mask, bias or
-soft-cap; everything else stays on the PyTorch-ops kernel (tests/test_flash.py). Both kernels
-are checked here on the same inputs: the PyTorch-ops one with the fused kernel switched off.
+The kernel runs for fp32/bf16 CPU inputs with every option; fp64 stays on the PyTorch-ops
+kernel (tests/test_flash.py). Both kernels are checked here on the same inputs: the
+PyTorch-ops one with the fused kernel switched off. Biases, ALiBi, relative tables,
+soft-capping and block masks: tests/test_flash_variants.py.
 """
 
 import os
@@ -171,8 +172,11 @@ def test_explain_dispatch_names_the_flash_kernel():
     assert explain_dispatch(q, q, q, causal=True, backend="flash").kernel == "fused C++ kernel"
     mask = torch.ones(64, 64, dtype=torch.bool)
     assert explain_dispatch(q, q, q, mask=mask, backend="flash").kernel == "fused C++ kernel"
-    why = str(explain_dispatch(q, q, q, bias=torch.zeros(64, 64), backend="flash"))
-    assert "PyTorch-ops kernel" in why and "bias" in why
+    bias = torch.zeros(64, 64)
+    assert explain_dispatch(q, q, q, bias=bias, backend="flash").kernel == "fused C++ kernel"
+    q64 = q.double()
+    why = str(explain_dispatch(q64, q64, q64, bias=bias.double(), backend="flash"))
+    assert "PyTorch-ops kernel" in why and "float64" in why
 
 
 def _qkv(T, dtype, grad):
@@ -191,7 +195,7 @@ def _qkv(T, dtype, grad):
         (512, torch.bfloat16, False, {"causal": True}, "torch"),  # short bf16 inference
         (4096, torch.bfloat16, False, {"causal": True}, "flash"),
         (2048, torch.bfloat16, True, {"mask": "padding"}, "flash"),  # masks are fused too
-        (2048, torch.bfloat16, True, {"bias": "zeros"}, "torch"),  # bias: not fused
+        (2048, torch.bfloat16, True, {"bias": "zeros"}, "flash"),  # biases are fused too
     ],
 )
 def test_auto_rules_for_the_fused_kernel(T, dtype, grad, kw, expected):

@@ -129,8 +129,9 @@ class MultiHeadAttention(nn.Module):
             x: queries' input.
             context: keys' input for cross-attention (``None`` = self-attention).
             value: values' input when it differs from ``context``.
-            mask: bool, **True = may attend**; ``(Tq, Tk)`` or ``(B|1, h|1, Tq|1, Tk)``.
-                With a cache, ``Tk`` counts every cached position.
+            mask: bool, **True = may attend**; ``(Tq, Tk)`` or ``(B|1, h|1, Tq|1, Tk)``, or a
+                :class:`qkv.masks.BlockMask` (document/prefix-LM/sliding-window structure,
+                empty blocks skipped). With a cache, ``Tk`` counts every cached position.
             attn_bias: float bias added to the scaled scores, same shapes as ``mask``.
             causal: causal self-attention (bottom-right aligned, so it works with a cache).
             window: sliding-window attention (see ``qkv.functional``).
@@ -178,15 +179,15 @@ class MultiHeadAttention(nn.Module):
             k, v = self.project_kv(context, value)  # (B, h_kv, Tk, d_k)
             if cache is not None:
                 k, v = cache.set(k, v)
-        if isinstance(self.position, ALiBi):
-            alibi = self.position.bias(Tq, k.shape[2], device=x.device, dtype=x.dtype)
-            attn_bias = alibi if attn_bias is None else attn_bias + alibi
+        slopes = None
+        if isinstance(self.position, ALiBi):  # per-head slopes: no (Tq, Tk) bias on flash
+            slopes = masks.alibi_slopes(self.n_heads).to(x.device)  # (h,)
         want_weights = need_weights or self.recorder is not None
         out = F.scaled_dot_product_attention(
             q, k, v, mask=mask, bias=attn_bias, causal=causal, window=window,
             dropout_p=self.dropout if self.training else 0.0, return_weights=want_weights,
             weights_heads=None if self.recorder is not None else weights_heads,
-            backend=self.backend,
+            backend=self.backend, alibi_slopes=slopes,
         )  # fmt: skip
         out, weights = out if want_weights else (out, None)
         if self.recorder is not None:

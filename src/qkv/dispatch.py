@@ -12,8 +12,9 @@ Backends of :func:`qkv.functional.scaled_dot_product_attention`:
 (``python bench/flash_vs_sdpa.py`` and ``bench/attention.py``, 1 and 2 threads, B=1 h=8 d=64;
 the ratio is the chosen backend's speed over the other's; full numbers in README
 ``## Speed (issue 3)``). "fused" means flash runs its fused C++ kernel (fp32/bf16 on the CPU,
-bool masks allowed, no bias or soft-cap; :func:`qkv.kernels.flash.fused_kernel_rejects`;
-measured with and without a key-padding mask):
+with masks, biases and soft-capping; :func:`qkv.kernels.flash.fused_kernel_rejects`;
+measured with and without a key-padding mask; biases, ALiBi, soft-capping and block masks in
+``bench/variants.py``):
 
 ==================================================  =======  =======================================
 case (first matching row wins)                      backend  why (measured)
@@ -28,7 +29,7 @@ fused, ``window``, ``Tk >= 2·window``               flash    1.5× (T=512) to 4
 fused, ``Tq·Tk >= 1024²``                           flash    forward 1.0-1.2× (fp32), 1.3-1.7× (bf16)
 ``window``, ``Tk >= 4·window`` (not fused, fp32/64)  flash    1.4× (T=1024) to 6.2× (T=4096), w=256
 ``window``, ``Tk >= 16·window`` (not fused, 16-bit)  flash    2.0× at T=4096 (0.5× at T=1024)
-everything else (bias, shorter inference)           torch    flash's forward is 0.3-1.1× of it there
+everything else (shorter inference, fp64)           torch    flash's forward is 0.3-1.1× of it there
 ==================================================  =======  =======================================
 
 Empty inputs (a zero batch dim, ``h``, ``Tq`` or ``Tk``) run the reference whatever the

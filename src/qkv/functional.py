@@ -7,8 +7,11 @@ Shapes (the leading ``...`` is any batch shape, usually ``B``)::
     q        (..., h,    Tq, d_k)
     k        (..., h_kv, Tk, d_k)      h % h_kv == 0 (grouped / multi-query heads)
     v        (..., h_kv, Tk, d_v)
-    mask     (Tq, Tk) or (..., h|1, Tq|1, Tk|1)   bool, **True = may attend**
+    mask     (Tq, Tk) or (..., h|1, Tq|1, Tk|1)   bool, **True = may attend**;
+             or a qkv.masks.BlockMask (B|1, H|1, Tq, Tk) summarised per block
     bias     same shapes as mask, floating: added to the scaled scores
+    alibi_slopes  (h,)              bias -slope_h·|p(i) - j| without a (Tq, Tk) tensor
+    rel_bias      (h, Tq + Tk - 1)  bias rel_bias[h, Tk - 1 + j - p(i)] (relative positions)
     output   (..., h,    Tq, d_v)
     weights  (..., h,    Tq, Tk)
 
@@ -34,8 +37,14 @@ from torch import Tensor
 
 from qkv import dispatch, masks
 from qkv._validate import check_bias, check_mask, check_options, check_qkv
-from qkv.dispatch import explain_dispatch
-from qkv.kernels.flash import flash_attention
+from qkv.block_mask import BlockMask
+from qkv.kernels.flash import (
+    _densify,
+    check_block_mask,
+    check_per_head,
+    flash_attention,
+    fused_kernel_rejects,
+)
 from qkv.kernels.weights import weights_from_lse
 
 __all__ = [
@@ -172,6 +181,8 @@ def scaled_dot_product_attention(
     return_weights: bool = False,
     weights_heads: list[int] | tuple[int, ...] | None = None,
     backend: str = "auto",
+    alibi_slopes: Tensor | None = None,
+    rel_bias: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Scaled dot-product attention ``softmax(q kᵀ / √d_k) v`` with masks, biases and GQA.
 
@@ -180,7 +191,9 @@ def scaled_dot_product_attention(
         k: keys ``(..., h_kv, Tk, d_k)``; ``h % h_kv == 0`` gives grouped/multi-query heads.
         v: values ``(..., h_kv, Tk, d_v)``.
         mask: bool, **True = may attend**; ``(Tq, Tk)`` or as many dims as the scores
-            ``(..., h, Tq, Tk)`` with 1 where shared. Never broadcast from fewer dims.
+            ``(..., h, Tq, Tk)`` with 1 where shared. Never broadcast from fewer dims. Or a
+            :class:`qkv.masks.BlockMask` (:func:`qkv.masks.create_block_mask`): the fused
+            kernel skips its empty blocks and does not mask its full ones.
         bias: float, same shape rules as ``mask``; added to the scaled scores (ALiBi,
             relative positions).
         causal: query ``i`` sees keys ``j <= Tk - Tq + i`` (aligned bottom-right, so the
@@ -196,6 +209,16 @@ def scaled_dot_product_attention(
             (without gradient) so the rest of the call stays fast.
         backend: ``"auto"`` (default), ``"math"``, ``"torch"`` or ``"flash"``; see
             :mod:`qkv.dispatch` for the rule table and :func:`explain_dispatch` for why.
+        alibi_slopes: ``(h,)``, ALiBi (FlashAttention's keyword): adds
+            ``-slope_h·|p(i) - j|`` (as :func:`qkv.masks.alibi_bias`) with no ``(Tq, Tk)``
+            tensor on the fused kernel; the slopes get a gradient if they require one.
+        rel_bias: ``(h, Tq + Tk - 1)``, a relative-position bias per head and distance:
+            ``rel_bias[h, Tk - 1 + j - p(i)]`` is added to score ``(i, j)``; build it from a
+            T5 bucket table with :func:`qkv.masks.t5_relative_bias`. Differentiable.
+
+        With a block mask, ``alibi_slopes`` or ``rel_bias``, ``"auto"`` runs flash's fused
+        kernel whenever it applies (fp32/bf16/fp16 on the CPU, no dropout, not every head's
+        weights); other backends get the dense mask/bias (O(Tq·Tk)).
 
     Returns:
         ``output (..., h, Tq, d_v)``, or ``(output, weights)``. A row with no visible key
@@ -209,6 +232,33 @@ def scaled_dot_product_attention(
         raise ValueError(
             "weights_heads selects heads of the returned weights: pass return_weights=True"
         )
+    if isinstance(mask, BlockMask) or alibi_slopes is not None or rel_bias is not None:
+        shape = check_qkv(q, k, v)
+        if isinstance(mask, BlockMask):
+            check_block_mask(mask, shape, q.device)
+        check_per_head(alibi_slopes, rel_bias, shape, q.device)
+        why = _why_not_fused(q, shape, backend, scale, dropout_p, return_weights, weights_heads)
+        if why is None:
+            dispatch.logger.debug("sdpa backend=flash (fused): %s", _FUSED_EXTRAS)
+            check_options(window=window, scale=scale, softcap=softcap, dropout_p=dropout_p)
+            check_bias(bias, shape, q.device)
+            out, lse = flash_attention(
+                q, k, v, mask=mask, bias=bias, causal=causal, window=window, scale=scale,
+                softcap=softcap, alibi_slopes=alibi_slopes, rel_bias=rel_bias, return_lse=True,
+            )  # fmt: skip
+            if not return_weights:
+                return out
+            mask, bias = _densify(q, mask if isinstance(mask, BlockMask) else None,
+                                  None if isinstance(mask, BlockMask) else mask, bias,
+                                  alibi_slopes, rel_bias, shape)  # fmt: skip
+            return out, weights_from_lse(
+                q, k, lse, heads=weights_heads, mask=mask, bias=bias, causal=causal,
+                window=window, scale=scale, softcap=softcap,
+            )  # fmt: skip
+        dispatch.logger.debug("sdpa: dense mask/bias (%s)", why)
+        block_mask = mask if isinstance(mask, BlockMask) else None
+        mask, bias = _densify(q, block_mask, None if block_mask else mask, bias, alibi_slopes,
+                              rel_bias, shape)  # fmt: skip
     options = dict(mask=mask, bias=bias, causal=causal, window=window, scale=scale, softcap=softcap)
     # describe + choose + the chosen backend's argument checks, remembered per call signature
     call = dict(
@@ -233,3 +283,60 @@ def scaled_dot_product_attention(
     if not return_weights:
         return out
     return out, weights_from_lse(q, k, lse, heads=weights_heads, **options)
+
+
+_FUSED_EXTRAS = (
+    "block mask / ALiBi slopes / rel_bias: fused flash runs them without a dense (Tq, Tk) tensor"
+)
+
+
+def _why_not_fused(
+    q: Tensor, shape, backend: str, scale: float | None, dropout_p: float,
+    return_weights: bool, weights_heads,
+) -> str | None:  # fmt: skip
+    """Why a call with a block mask, ALiBi slopes or a relative table does not run on flash's
+    fused kernel (then they are expanded to a dense mask/bias); ``None``: it does."""
+    if backend not in ("auto", "flash"):
+        return f"backend={backend!r} requested"
+    if dropout_p > 0:
+        return f"dropout_p={dropout_p} > 0: flash has no dropout"
+    if return_weights and weights_heads is None:
+        return "all heads' weights requested"
+    if shape.empty:
+        return "empty input"
+    return fused_kernel_rejects(q.device, q.dtype, scale=scale)
+
+
+def explain_dispatch(
+    q: Tensor, k: Tensor, v: Tensor, *, backend: str = "auto",
+    alibi_slopes: Tensor | None = None, rel_bias: Tensor | None = None, **kwargs,
+) -> dispatch.Decision:  # fmt: skip
+    """Which backend ``scaled_dot_product_attention(q, k, v, **kwargs)`` runs, and why.
+
+    :func:`qkv.dispatch.explain_dispatch`, also for block masks, ``alibi_slopes`` and
+    ``rel_bias``. ``print()`` the result for one line per rejected backend.
+
+    >>> q = k = v = torch.randn(1, 2, 64, 16)
+    >>> explain_dispatch(q, k, v, alibi_slopes=torch.ones(2)).kernel
+    'fused C++ kernel'
+    """
+    mask = kwargs.get("mask")
+    if not (isinstance(mask, BlockMask) or alibi_slopes is not None or rel_bias is not None):
+        return dispatch.explain_dispatch(q, k, v, backend=backend, **kwargs)
+    shape = check_qkv(q, k, v)
+    why = _why_not_fused(
+        q, shape, backend, kwargs.get("scale"), kwargs.get("dropout_p", 0.0),
+        kwargs.get("return_weights", False), kwargs.get("weights_heads"),
+    )  # fmt: skip
+    if why is None:
+        reasons = {
+            "torch": _FUSED_EXTRAS,
+            "math": "the reference: slowest, holds (Tq, Tk) per head",
+        }
+        return dispatch.Decision("flash", backend, reasons, "fused C++ kernel")
+    block_mask = mask if isinstance(mask, BlockMask) else None
+    kwargs["mask"], kwargs["bias"] = _densify(
+        q, block_mask, None if block_mask else mask, kwargs.get("bias"), alibi_slopes, rel_bias,
+        shape,
+    )  # fmt: skip
+    return dispatch.explain_dispatch(q, k, v, backend=backend, **kwargs)

@@ -23,7 +23,22 @@ import math
 import torch
 from torch import Tensor
 
+from qkv.block_mask import (
+    BlockMask,
+    create_block_mask,
+    document_mask,
+    prefix_lm_mask,
+    sliding_window_mask,
+)
+
 __all__ = [
+    "BlockMask",
+    "create_block_mask",
+    "document_mask",
+    "prefix_lm_mask",
+    "sliding_window_mask",
+    "t5_bucket",
+    "t5_relative_bias",
     "causal",
     "sliding_window",
     "padding",
@@ -164,6 +179,54 @@ def alibi_bias(
     distance = (q_pos - k_pos).abs().to(dtype)  # (Tq, Tk)
     slopes = alibi_slopes(n_heads).to(device=device, dtype=dtype)
     return (-slopes[:, None, None] * distance).unsqueeze(0)  # (1, h, Tq, Tk)
+
+
+def t5_bucket(
+    relative_position: Tensor, *, bidirectional: bool = True, num_buckets: int = 32,
+    max_distance: int = 128,
+) -> Tensor:  # fmt: skip
+    """T5's bucket of a relative position ``key - query``: exact below ``num_buckets // 4``
+    (bidirectional; ``// 2`` otherwise), logarithmic up to ``max_distance``, then the last."""
+    n = num_buckets
+    ret = torch.zeros_like(relative_position)
+    rel = relative_position
+    if bidirectional:
+        n //= 2
+        ret = ret + (rel > 0).long() * n
+        rel = rel.abs()
+    else:
+        rel = -rel.clamp(max=0)
+    exact = n // 2
+    large = (
+        exact
+        + (
+            torch.log(rel.float().clamp(min=1) / exact)
+            / math.log(max_distance / exact)
+            * (n - exact)
+        ).long()
+    )
+    large = large.clamp(max=n - 1)
+    return ret + torch.where(rel < exact, rel, large)
+
+
+def t5_relative_bias(
+    table: Tensor, Tq: int, Tk: int | None = None, *, bidirectional: bool = True,
+    max_distance: int = 128,
+) -> Tensor:  # fmt: skip
+    """The ``rel_bias`` ``(h, Tq + Tk - 1)`` of a T5 bucket table ``(h, num_buckets)``.
+
+    Entry ``Tk - 1 + r`` is the bias of relative position ``r = j - p(i)`` (key minus query,
+    bottom-right aligned); pass it as ``scaled_dot_product_attention(..., rel_bias=...)``.
+    Gathered from ``table``, so the table gets its gradient.
+    """
+    Tk = Tq if Tk is None else Tk
+    if table.dim() != 2:
+        raise ValueError(f"table must be (h, num_buckets), got shape {tuple(table.shape)}")
+    r = torch.arange(-(Tk - 1), Tq, device=table.device)  # (Tq + Tk - 1,)
+    buckets = t5_bucket(
+        r, bidirectional=bidirectional, num_buckets=table.shape[1], max_distance=max_distance
+    )
+    return table[:, buckets]  # (h, Tq + Tk - 1)
 
 
 # --- conversions from other conventions (the only place they are handled) ---------------

@@ -8,8 +8,10 @@
 //
 // Causal (bottom-right) and sliding windows give each query row one contiguous key range,
 // so empty blocks are skipped without reading any mask; a bool mask (True = may attend), if
-// given, is read in place as a broadcast view (MaskView). Biases, soft-capping and fp64 stay
-// on the PyTorch-ops kernel. Layout (qkv/kernels/_blocks.py):
+// given, is read in place as a broadcast view (MaskView). Biases (with their gradient), ALiBi
+// slopes, relative-position tables, soft-capping (Variant) and block masks (BlockView: empty
+// blocks skipped, full ones unmasked) are applied row by row; fp64 stays on the PyTorch-ops
+// kernel. Layout (qkv/kernels/_blocks.py):
 //   q (N, G, Tq, d)   k (N, Tk, d)   v (N, Tk, dv)   out (N, G, Tq, dv)   lse (N, G, Tq) fp32
 // with N = batch * kv heads and G query heads per kv head (GQA without repeating K/V).
 #include <ATen/ATen.h>
@@ -719,13 +721,304 @@ struct Dims {
   }
 };
 
+// ---- Variants: bias, ALiBi, relative-position table, soft-capping, block masks -----------
+// With any of the first four, each score row becomes its final logits in place before the
+// softmax (the order of qkv.functional): x = s·scale → cap·tanh(x/cap) → + bias
+// - slope_h·|p(i) - j| + rel_h[j - p(i) + Tk - 1]; the exponent is then (x - m)·log2e and the
+// lse is m + log l. A logit of -inf (an additive mask in the bias) counts as masked. None of
+// them holds a (Tq, Tk) tensor except a bias the caller passed.
+
+#ifdef __AVX512F__
+// tanh for 16 lanes: tanh|x| = (1 - e) / (1 + e) with e = 2^(-2|x|·log2e) in (0, 1]
+// (absolute error ~1e-7), the sign copied from x.
+static inline __m512 tanh_v(__m512 x) {
+  const __m512 one = _mm512_set1_ps(1.f);
+  const __m512 t = _mm512_max_ps(_mm512_mul_ps(_mm512_abs_ps(x), _mm512_set1_ps(-2.f * kLog2e)),
+                                 _mm512_set1_ps(-200.f));
+  const __m512 e = exp2_v<false>(t, 0xffff);
+  const __m512 den = _mm512_add_ps(one, e);  // in [1, 2]: 1/den by rcp14 and a Newton step
+  __m512 r = _mm512_rcp14_ps(den);
+  r = _mm512_mul_ps(r, _mm512_fnmadd_ps(den, r, _mm512_set1_ps(2.f)));
+  const __m512 th = _mm512_mul_ps(_mm512_sub_ps(one, e), r);
+  const __m512i sign = _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(INT32_MIN));
+  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(th), sign));
+}
+#endif
+
+struct Variant {
+  bool on = false;
+  float scale = 1.f, cap = 0.f;  // cap = 0: no soft-capping
+  int64_t h_kv = 1, G = 1, Tq = 0, Tk = 0;
+  const void* bias = nullptr;  // view (Nb, h_kv, G, Tq, Tk) of fp32 or bf16, key stride 0/1
+  bool bias_bf16 = false;
+  int64_t bs[5] = {0, 0, 0, 0, 0};
+  const float* alibi = nullptr;  // slopes (h_kv, G): query head hq = hk·G + g
+  const float* rel = nullptr;  // (h_kv, G, Tq + Tk - 1): rel[hq, j - p(i) + Tk - 1]
+  int64_t rel_ld = 0;
+
+  int64_t head(int64_t n, int64_t g) const { return (n % h_kv) * G + g; }
+  int64_t pos(int64_t i) const { return Tk - Tq + i; }
+  int64_t bias_off(int64_t n, int64_t g, int64_t i) const {
+    return (n / h_kv) * bs[0] + (n % h_kv) * bs[1] + g * bs[2] + i * bs[3];
+  }
+
+  // s[c0:c1) (query i, keys ks + c) -> logits; t[c] = tanh(x/cap) if soft-capping and t.
+  // Returns whether some logit is -inf.
+  bool row(float* s, float* t, int64_t n, int64_t g, int64_t i, int64_t ks, int64_t c0,
+           int64_t c1) const {
+    const int64_t bo = bias ? bias_off(n, g, i) + (bs[4] ? ks : 0) : 0;
+    const float* br = bias && !bias_bf16 ? static_cast<const float*>(bias) + bo : nullptr;
+    const uint16_t* bb = bias && bias_bf16 ? static_cast<const uint16_t*>(bias) + bo : nullptr;
+    auto bias_at = [&](int64_t c) {  // one bias value (c = 0 for a key-broadcast bias)
+      if (br) return br[c];
+      const uint32_t u = uint32_t(bb[c]) << 16;
+      float f;
+      std::memcpy(&f, &u, sizeof(f));
+      return f;
+    };
+    const int64_t hq = head(n, g);
+    const float slope = alibi ? alibi[hq] : 0.f;
+    const float* rr = rel ? rel + hq * rel_ld + (ks - pos(i) + Tk - 1) : nullptr;
+    const float dpos = static_cast<float>(pos(i) - ks);  // distance = |dpos - c|
+    bool neg = false;
+    int64_t c = c0;
+#ifdef __AVX512F__
+    const __m512 vscale = _mm512_set1_ps(scale), vcap = _mm512_set1_ps(cap);
+    const __m512 vinv = _mm512_set1_ps(cap > 0.f ? 1.f / cap : 0.f);
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __mmask16 anyneg = 0;
+    for (; c < c1; c += 16) {
+      const __mmask16 k = c + 16 <= c1 ? __mmask16(0xffff) : __mmask16((1u << (c1 - c)) - 1u);
+      __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + c), vscale);
+      if (cap > 0.f) {
+        const __m512 th = tanh_v(_mm512_mul_ps(x, vinv));
+        if (t) _mm512_mask_storeu_ps(t + c, k, th);
+        x = _mm512_mul_ps(th, vcap);
+      }
+      if (bias) {
+        __m512 b;
+        if (!bs[4]) {
+          b = _mm512_set1_ps(bias_at(0));
+        } else if (br) {
+          b = _mm512_maskz_loadu_ps(k, br + c);
+        } else {  // bf16 -> fp32: the 16 bits above 16 zero bits
+          const __m256i h = _mm256_maskz_loadu_epi16(k, bb + c);
+          b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+        }
+        x = _mm512_add_ps(x, b);
+      }
+      if (alibi) {
+        const __m512 dist = _mm512_abs_ps(
+            _mm512_sub_ps(_mm512_set1_ps(dpos - static_cast<float>(c)), iota));
+        x = _mm512_fnmadd_ps(_mm512_set1_ps(slope), dist, x);
+      }
+      if (rr) x = _mm512_add_ps(x, _mm512_maskz_loadu_ps(k, rr + c));
+      anyneg |= _mm512_mask_cmp_ps_mask(k, x, _mm512_set1_ps(kNegInf), _CMP_EQ_OQ);
+      _mm512_mask_storeu_ps(s + c, k, x);
+    }
+    neg = anyneg != 0;
+#else
+    for (; c < c1; ++c) {
+      float x = s[c] * scale;
+      if (cap > 0.f) {
+        const float th = std::tanh(x / cap);
+        if (t) t[c] = th;
+        x = cap * th;
+      }
+      if (bias) x += bias_at(bs[4] ? c : 0);
+      if (alibi) x -= slope * std::fabs(dpos - static_cast<float>(c));
+      if (rr) x += rr[c];
+      neg |= x == kNegInf;
+      s[c] = x;
+    }
+#endif
+    return neg;
+  }
+
+  static Variant of(const std::optional<Tensor>& bias, const std::optional<Tensor>& alibi,
+                    const std::optional<Tensor>& rel, std::optional<double> softcap,
+                    double scale, int64_t G, int64_t Tq, int64_t Tk) {
+    Variant v;
+    v.scale = static_cast<float>(scale), v.G = G, v.Tq = Tq, v.Tk = Tk;
+    if (softcap.has_value()) {
+      TORCH_CHECK(*softcap > 0 && std::isfinite(static_cast<float>(*softcap)),
+                  "qkv flash: softcap must be finite and > 0 in fp32");
+      v.cap = static_cast<float>(*softcap);
+    }
+    if (bias.has_value() && bias->defined()) {
+      const Tensor& b = *bias;
+      TORCH_CHECK((b.scalar_type() == at::kFloat || b.scalar_type() == at::kBFloat16) &&
+                      b.dim() == 5 && b.size(3) == Tq && b.size(4) == Tk &&
+                      (b.stride(4) == 0 || b.stride(4) == 1),
+                  "qkv flash: bias must be an fp32/bf16 (Nb, h_kv, G, Tq, Tk) view, key stride "
+                  "0/1");
+      v.bias = b.const_data_ptr();
+      v.bias_bf16 = b.scalar_type() == at::kBFloat16;
+      for (int x = 0; x < 5; ++x) v.bs[x] = b.stride(x);
+      v.h_kv = b.size(1);
+    }
+    if (alibi.has_value() && alibi->defined()) {
+      TORCH_CHECK(alibi->scalar_type() == at::kFloat && alibi->is_contiguous() &&
+                      alibi->dim() == 2 && alibi->size(1) == G,
+                  "qkv flash: alibi slopes must be contiguous fp32 (h_kv, G)");
+      v.alibi = alibi->const_data_ptr<float>(), v.h_kv = alibi->size(0);
+    }
+    if (rel.has_value() && rel->defined()) {
+      TORCH_CHECK(rel->scalar_type() == at::kFloat && rel->is_contiguous() && rel->dim() == 3 &&
+                      rel->size(1) == G && rel->size(2) == Tq + Tk - 1,
+                  "qkv flash: rel must be contiguous fp32 (h_kv, G, Tq + Tk - 1)");
+      v.rel = rel->const_data_ptr<float>(), v.rel_ld = rel->size(2), v.h_kv = rel->size(0);
+    }
+    v.on = v.cap > 0.f || v.bias || v.alibi || v.rel;
+    return v;
+  }
+};
+
+// mb[c] = allowed by the mask row m (all if none) and x[c] > -inf, for c in [c0, c1)
+static inline const uint8_t* finite_mask(const float* x, const uint8_t* m, uint8_t* mb,
+                                         int64_t c0, int64_t c1) {
+  for (int64_t c = c0; c < c1; ++c) mb[c] = (!m || m[c]) && x[c] != kNegInf;
+  return mb;
+}
+
+// Gradients of the variants from dL = d(loss)/d(logits) of one row (query i, keys ks + c,
+// c in [c0, c1); dL is 0 elsewhere): the bias's (broadcast dims summed in place), the
+// relative table's, the ALiBi slope's; then dL becomes d/d(s·scale): times 1 - tanh².
+struct VariantGrad {
+  float* dbias = nullptr;  // (Nb, h_kv, Gb, Tqb, Tkb), dims 2-4 of size 1 when broadcast
+  int64_t ds[5] = {0, 0, 0, 0, 0}, dsz[5] = {1, 1, 1, 1, 1};
+  float* drel = nullptr;  // (N, G, Tq + Tk - 1)
+  float* dalibi = nullptr;  // (N, G)
+
+  static VariantGrad of(const std::optional<Tensor>& dbias, const std::optional<Tensor>& drel,
+                        const std::optional<Tensor>& dalibi) {
+    VariantGrad g;
+    if (dbias.has_value() && dbias->defined()) {
+      TORCH_CHECK(dbias->scalar_type() == at::kFloat && dbias->dim() == 5,
+                  "qkv flash_bwd: dbias must be fp32 5-D");
+      g.dbias = dbias->data_ptr<float>();
+      for (int x = 0; x < 5; ++x) g.ds[x] = dbias->stride(x), g.dsz[x] = dbias->size(x);
+    }
+    if (drel.has_value() && drel->defined()) {
+      TORCH_CHECK(drel->scalar_type() == at::kFloat && drel->is_contiguous(),
+                  "qkv flash_bwd: drel must be contiguous fp32");
+      g.drel = drel->data_ptr<float>();
+    }
+    if (dalibi.has_value() && dalibi->defined()) {
+      TORCH_CHECK(dalibi->scalar_type() == at::kFloat && dalibi->is_contiguous(),
+                  "qkv flash_bwd: dalibi must be contiguous fp32");
+      g.dalibi = dalibi->data_ptr<float>();
+    }
+    return g;
+  }
+
+  void row(float* dl, const float* t, const Variant& v, int64_t n, int64_t g, int64_t i,
+           int64_t ks, int64_t c0, int64_t c1) const {
+    if (c1 <= c0) return;
+    if (dbias) {
+      const int64_t h_kv = v.h_kv;
+      float* r = dbias + (n / h_kv) * ds[0] + (n % h_kv) * ds[1] + (dsz[2] > 1 ? g : 0) * ds[2] +
+                 (dsz[3] > 1 ? i : 0) * ds[3];
+      if (dsz[4] > 1) {
+        r += ks;
+#pragma omp simd
+        for (int64_t c = c0; c < c1; ++c) r[c] += dl[c];
+      } else {
+        float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+        for (int64_t c = c0; c < c1; ++c) acc += dl[c];
+        r[0] += acc;
+      }
+    }
+    if (drel) {
+      float* r = drel + (n * v.G + g) * v.rel_ld + (ks - v.pos(i) + v.Tk - 1);
+#pragma omp simd
+      for (int64_t c = c0; c < c1; ++c) r[c] += dl[c];
+    }
+    if (dalibi) {  // d/dslope of -slope·|p(i) - j|
+      const float dpos = static_cast<float>(v.pos(i) - ks);
+      float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+      for (int64_t c = c0; c < c1; ++c) acc += dl[c] * std::fabs(dpos - static_cast<float>(c));
+      dalibi[n * v.G + g] -= acc;
+    }
+    if (v.cap > 0.f) {
+#pragma omp simd
+      for (int64_t c = c0; c < c1; ++c) dl[c] *= 1.f - t[c] * t[c];
+    }
+  }
+};
+
+// p and dS rows (fp32) -> their low-precision copies for the backward's matmuls
+template <typename T>
+static inline void to_low(const float* p, const float* ds, T* p_low, T* ds_low, int64_t n) {
+  int64_t c = 0;
+#ifdef __AVX512F__
+  for (; c < n; c += 16) {
+    const __mmask16 k = c + 16 <= n ? __mmask16(0xffff) : __mmask16((1u << (n - c)) - 1u);
+    store16<T>(p_low + c, _mm512_maskz_loadu_ps(k, p + c), k);
+    store16<T>(ds_low + c, _mm512_maskz_loadu_ps(k, ds + c), k);
+  }
+#endif
+  for (; c < n; ++c) store<T>(p_low + c, p[c]), store<T>(ds_low + c, ds[c]);
+}
+
+// A block mask (qkv.masks.BlockMask): per (batch, query head, query block, key block) -1 for
+// an empty block (skipped), -2 for a full one (no masking), else the index of its bool tile
+// (bq x bk, True = may attend). The kernel's blocks are the mask's blocks. A tile row whose
+// keys are one contiguous span [lo, hi) (spans, (P, bq, 2); -1 if not) narrows the row's key
+// range instead: no mask bytes read, as on a causal diagonal.
+struct BlockView {
+  const int32_t* idx = nullptr;
+  int64_t s[5] = {0, 0, 0, 0, 0}, h_kv = 1;
+  const uint8_t* tiles = nullptr;
+  const int32_t* spans = nullptr;
+  int64_t ld = 0, tile = 0;
+  // the mask bytes of row r of tile t, or nullptr after narrowing [c0, c1) to its span
+  const uint8_t* row(int32_t t, int64_t r, int64_t& c0, int64_t& c1) const {
+    const int32_t* sp = spans + (t * tile / ld + r) * 2;
+    if (sp[0] < 0) return tile_row(t, r);
+    c0 = std::max<int64_t>(c0, sp[0]), c1 = std::min<int64_t>(c1, sp[1]);
+    return nullptr;
+  }
+  int32_t state(int64_t n, int64_t g, int64_t qb, int64_t j) const {
+    if (!idx) return -2;
+    return idx[(n / h_kv) * s[0] + (n % h_kv) * s[1] + g * s[2] + qb * s[3] + j * s[4]];
+  }
+  const uint8_t* tile_row(int32_t t, int64_t r) const { return tiles + t * tile + r * ld; }
+  static BlockView of(const std::optional<Tensor>& blocks, const std::optional<Tensor>& tiles,
+                      const std::optional<Tensor>& spans, int64_t nqb, int64_t nkb) {
+    BlockView b;
+    if (!blocks.has_value() || !blocks->defined()) return b;
+    TORCH_CHECK(blocks->scalar_type() == at::kInt && blocks->dim() == 5 &&
+                    blocks->size(3) == nqb && blocks->size(4) == nkb,
+                "qkv flash: blocks must be an int32 (Nb, h_kv, G, q blocks, k blocks) view "
+                "matching block_q, block_k");
+    TORCH_CHECK(tiles.has_value() && tiles->scalar_type() == at::kBool && tiles->dim() == 3 &&
+                    tiles->is_contiguous(),
+                "qkv flash: tiles must be a contiguous bool (P, bq, bk) tensor");
+    b.idx = blocks->const_data_ptr<int32_t>();
+    for (int x = 0; x < 5; ++x) b.s[x] = blocks->stride(x);
+    b.h_kv = blocks->size(1);
+    b.tiles = reinterpret_cast<const uint8_t*>(tiles->const_data_ptr<bool>());
+    b.ld = tiles->size(2), b.tile = tiles->size(1) * tiles->size(2);
+    TORCH_CHECK(spans.has_value() && spans->scalar_type() == at::kInt && spans->is_contiguous() &&
+                    spans->numel() == tiles->size(0) * tiles->size(1) * 2,
+                "qkv flash: spans must be a contiguous int32 (P, bq, 2) tensor");
+    b.spans = spans->const_data_ptr<int32_t>();
+    return b;
+  }
+};
+
 template <typename T>
 static void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
                          Tensor& lse, double scale_d, const Structure& st, int64_t bq,
-                         int64_t bk, bool vnni, const MaskView& mk, bool dot = false) {
+                         int64_t bk, bool vnni, const MaskView& mk, const Variant& var,
+                         const BlockView& bv, bool dot = false) {
   const Dims D0 = Dims::of(q, k, v);
   const int64_t N = D0.N, G = D0.G, Tq = D0.Tq, d = D0.d, Tk = D0.Tk, dv = D0.dv;
-  const float scale = static_cast<float>(scale_d), c2 = scale * kLog2e;
+  // with variants the rows hold logits (see Variant): the exponent's factor is log2e alone
+  const float scale = var.on ? 1.f : static_cast<float>(scale_d), c2 = scale * kLog2e;
   const T *qd = q.const_data_ptr<T>(), *kd = k.const_data_ptr<T>(), *vd = v.const_data_ptr<T>();
   T* od = out.data_ptr<T>();
   float* ld = lse.data_ptr<float>();
@@ -748,6 +1041,7 @@ static void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tens
     T* P = sc.take<T>(bq * rbk);  // p of a block (its own buffer: see the lazy max below)
     float* acc = sc.take<float>(bq * rdv);
     std::vector<float> m(bq), l(bq), alpha(bq);
+    std::vector<uint8_t> mb(var.on ? bk : 0);
     for (int64_t idx = first; idx < end; idx += step) {
       const int64_t n = idx / (G * nqb), g = (idx / nqb) % G, qb = idx % nqb;
       const int64_t qs = qb * bq, rows = std::min(bq, Tq - qs);
@@ -760,6 +1054,8 @@ static void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tens
       // key blocks on the global grid of bk (the VNNI packs are per grid block)
       for (int64_t j = lo / bk; j * bk < hi; ++j) {
         const int64_t ks = j * bk, nk = std::min(bk, Tk - ks);
+        const int32_t bst = bv.state(n, g, qb, j);
+        if (bst == -1) continue;  // an empty block of the block mask
         if (vnni) {
           const int64_t rnk = (nk + kPack - 1) / kPack * kPack;
           for (int64_t c = 0; c < rnk; c += kPack)
@@ -773,11 +1069,14 @@ static void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tens
         }
         const int64_t enk = vnni ? nk + (nk & 1) : nk;  // P's columns the PV matmul reads
         for (int64_t r = 0; r < rows; ++r) {
-          const int64_t c0 = std::clamp<int64_t>(st.lo(qs + r) - ks, 0, nk);
-          const int64_t c1 = std::clamp<int64_t>(st.hi(qs + r) - ks, 0, nk);
+          int64_t c0 = std::clamp<int64_t>(st.lo(qs + r) - ks, 0, nk);
+          int64_t c1 = std::clamp<int64_t>(st.hi(qs + r) - ks, 0, nk);
           float* s = S + r * rbk;
           T* p = P + r * rbk;
-          const uint8_t* mr = mk.row(n, g, qs + r, ks);  // mask bytes of this block's keys
+          // mask bytes of this block's keys (none on a full block of a block mask)
+          const uint8_t* mr = bst >= 0 ? bv.row(bst, r, c0, c1) : mk.row(n, g, qs + r, ks);
+          if (var.on && c1 > c0 && var.row(s, nullptr, n, g, qs + r, ks, c0, c1))
+            mr = finite_mask(s, mr, mb.data(), c0, c1);
           float m_new, a, sum;
           const float bmax = c1 <= c0 || m[r] != kNegInf
                                  ? kNegInf
@@ -847,7 +1146,13 @@ static void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tens
 std::tuple<Tensor, Tensor> flash_fwd(const Tensor& q, const Tensor& k, const Tensor& v,
                                      const std::optional<Tensor>& mask, double scale,
                                      bool causal, int64_t window, int64_t block_q,
-                                     int64_t block_k) {
+                                     int64_t block_k, const std::optional<Tensor>& bias,
+                                     const std::optional<Tensor>& alibi,
+                                     const std::optional<Tensor>& rel,
+                                     std::optional<double> softcap,
+                                     const std::optional<Tensor>& blocks,
+                                     const std::optional<Tensor>& tiles,
+                                     const std::optional<Tensor>& spans) {
   const MaskView mk = MaskView::of(mask);
   TORCH_CHECK(q.dim() == 4 && k.dim() == 3 && v.dim() == 3, "qkv flash_fwd: bad ranks");
   TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(),
@@ -857,6 +1162,8 @@ std::tuple<Tensor, Tensor> flash_fwd(const Tensor& q, const Tensor& k, const Ten
   TORCH_CHECK(q.size(3) > 0 && q.size(3) == k.size(2) && v.size(2) > 0,
               "qkv flash_fwd: head dims must be >= 1 and q, k must share theirs");
   const Structure st{q.size(2), k.size(1), causal, window};
+  const Variant var = Variant::of(bias, alibi, rel, softcap, scale, q.size(1), q.size(2),
+                                  k.size(1));
   Tensor out = at::empty({q.size(0), q.size(1), q.size(2), v.size(2)}, q.options());
   Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
   if (out.numel() == 0 || k.size(1) == 0) {  // no score: zeros, lse = -inf (no work, no
@@ -867,13 +1174,15 @@ std::tuple<Tensor, Tensor> flash_fwd(const Tensor& q, const Tensor& k, const Ten
   // a block never exceeds the sequence (the scratch buffers are sized by the blocks)
   block_q = std::clamp<int64_t>(block_q, 1, q.size(2));
   block_k = std::clamp<int64_t>(block_k, 1, k.size(1));
+  const BlockView bv = BlockView::of(blocks, tiles, spans, (q.size(2) + block_q - 1) / block_q,
+                                     (k.size(1) + block_k - 1) / block_k);
   if (q.scalar_type() == at::kFloat) {
-    forward_impl<float>(q, k, v, out, lse, scale, st, block_q, block_k, false, mk);
+    forward_impl<float>(q, k, v, out, lse, scale, st, block_q, block_k, false, mk, var, bv);
   } else {
     TORCH_CHECK(q.scalar_type() == at::kBFloat16, "qkv flash_fwd: fp32 or bf16 only");
     const Bf16Path path = bf16_path(q.size(3));
     forward_impl<BFloat16>(q, k, v, out, lse, scale, st, block_q, block_k,
-                           path == Bf16Path::kAmx, mk, path == Bf16Path::kDot);
+                           path == Bf16Path::kAmx, mk, var, bv, path == Bf16Path::kDot);
   }
   return {out, lse};
 }
@@ -890,10 +1199,12 @@ template <typename T>
 static void backward_impl(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
                           const Tensor& dout, const Tensor& lse, Tensor& dq, Tensor& dk,
                           Tensor& dv_, double scale_d, const Structure& st, int64_t bq,
-                          int64_t bk, const MaskView& mk, bool dotp = false) {
+                          int64_t bk, const MaskView& mk, const Variant& var,
+                          const VariantGrad& vg, const BlockView& bv, bool dotp = false) {
   const Dims D0 = Dims::of(q, k, v);
   const int64_t N = D0.N, G = D0.G, Tq = D0.Tq, d = D0.d, Tk = D0.Tk, dv = D0.dv;
-  const float scale = static_cast<float>(scale_d), c2 = scale * kLog2e;
+  const float scale = static_cast<float>(scale_d);
+  const float c2 = (var.on ? 1.f : scale) * kLog2e;  // variants: rows hold logits
   const T *qd = q.const_data_ptr<T>(), *kd = k.const_data_ptr<T>(), *vd = v.const_data_ptr<T>();
   const T* od = out.const_data_ptr<T>();
   const T* dod = dout.const_data_ptr<T>();
@@ -920,7 +1231,8 @@ static void backward_impl(const Tensor& q, const Tensor& k, const Tensor& v, con
     T* dSlow = sc.take<T>(lowb);
     T* qt = sc.take<T>(d * bq);
     T* dot = sc.take<T>(dv * bq);
-    std::vector<float> lse2(bq), D(bq);
+    std::vector<float> lse2(bq), D(bq), tb(var.on ? bk : 0);
+    std::vector<uint8_t> mb(var.on ? bk : 0);
     // dot path (bf16 without AMX): per key block, Kᵀ and Vᵀ in chunk pairs (S, dP), K in row
     // pairs (dQ); per block, P and dS in row pairs (dVᵀ, dKᵀ)
     const int64_t d2 = (d + 1) / 2, dv2 = (dv + 1) / 2, rbk16 = (bk + 15) / 16 * 16;
@@ -974,6 +1286,8 @@ static void backward_impl(const Tensor& q, const Tensor& k, const Tensor& v, con
           for (int64_t ks = lo - lo % bk; ks < hi; ks += bk) {
             const int64_t nk = std::min(bk, Tk - ks);
             const int64_t j = ks / bk;
+            const int32_t bst = bv.state(n, g, qs / bq, j);
+            if (bst == -1) continue;  // an empty block of the block mask
             if (dotp) {
               if constexpr (low) {
                 dot_mm(rows, nk, d, Q, d, kc.data() + j * rbk16 * d2, 16, d2 * 16, S, bk, false);
@@ -985,14 +1299,24 @@ static void backward_impl(const Tensor& q, const Tensor& k, const Tensor& v, con
               mm<T>(rows, nk, dv, dO, dv, vt.data() + j * dv * bk, bk, dP, bk, false);
             }
             for (int64_t r = 0; r < rows; ++r) {
-              const int64_t c0 = std::clamp<int64_t>(st.lo(qs + r) - ks, 0, nk);
-              const int64_t c1 = std::clamp<int64_t>(st.hi(qs + r) - ks, 0, nk);
+              int64_t c0 = std::clamp<int64_t>(st.lo(qs + r) - ks, 0, nk);
+              int64_t c1 = std::clamp<int64_t>(st.hi(qs + r) - ks, 0, nk);
               float* s = S + r * bk;  // becomes P
               float* dp = dP + r * bk;  // becomes dS
               const float sh = lse2[r], Dr = D[r];
               T* pl = low ? Plow + r * bk : nullptr;
               T* dsl = low ? dSlow + r * bk : nullptr;
-              grad_row<T>(s, dp, pl, dsl, c0, c1, nk, c2, sh, Dr, mk.row(n, g, qs + r, ks));
+              const uint8_t* mr = bst >= 0 ? bv.row(bst, r, c0, c1) : mk.row(n, g, qs + r, ks);
+              if (!var.on) {
+                grad_row<T>(s, dp, pl, dsl, c0, c1, nk, c2, sh, Dr, mr);
+                continue;
+              }
+              // logits, dL = p∘(dP - D) in fp32, the variants' gradients, then the bf16 copies
+              if (c1 > c0 && var.row(s, tb.data(), n, g, qs + r, ks, c0, c1))
+                mr = finite_mask(s, mr, mb.data(), c0, c1);
+              grad_row<float>(s, dp, nullptr, nullptr, c0, c1, nk, c2, sh, Dr, mr);
+              vg.row(dp, tb.data(), var, n, g, qs + r, ks, c0, c1);
+              if constexpr (low) to_low(s, dp, pl, dsl, nk);
             }
             const T* P = low ? Plow : reinterpret_cast<const T*>(S);
             const T* dS = low ? dSlow : reinterpret_cast<const T*>(dP);
@@ -1032,8 +1356,21 @@ std::tuple<Tensor, Tensor, Tensor> flash_bwd(const Tensor& q, const Tensor& k, c
                                              const Tensor& out, const Tensor& dout,
                                              const Tensor& lse, const std::optional<Tensor>& mask,
                                              double scale, bool causal, int64_t window,
-                                             int64_t block_q, int64_t block_k) {
+                                             int64_t block_q, int64_t block_k,
+                                             const std::optional<Tensor>& bias,
+                                             const std::optional<Tensor>& alibi,
+                                             const std::optional<Tensor>& rel,
+                                             std::optional<double> softcap,
+                                             const std::optional<Tensor>& blocks,
+                                             const std::optional<Tensor>& tiles,
+                                             const std::optional<Tensor>& spans,
+                                             const std::optional<Tensor>& dbias,
+                                             const std::optional<Tensor>& drel,
+                                             const std::optional<Tensor>& dalibi) {
   const MaskView mk = MaskView::of(mask);
+  const Variant var = Variant::of(bias, alibi, rel, softcap, scale, q.size(1), q.size(2),
+                                  k.size(1));
+  const VariantGrad vg = VariantGrad::of(dbias, drel, dalibi);
   TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous() &&
                   out.is_contiguous() && dout.is_contiguous() && lse.is_contiguous(),
               "qkv flash_bwd: inputs must be contiguous");
@@ -1050,12 +1387,15 @@ std::tuple<Tensor, Tensor, Tensor> flash_bwd(const Tensor& q, const Tensor& k, c
   }
   block_q = std::clamp<int64_t>(block_q, 1, q.size(2));
   block_k = std::clamp<int64_t>(block_k, 1, k.size(1));
+  const BlockView bv = BlockView::of(blocks, tiles, spans, (q.size(2) + block_q - 1) / block_q,
+                                     (k.size(1) + block_k - 1) / block_k);
   if (q.scalar_type() == at::kFloat) {
-    backward_impl<float>(q, k, v, out, dout, lse, dq, dk, dv, scale, st, block_q, block_k, mk);
+    backward_impl<float>(q, k, v, out, dout, lse, dq, dk, dv, scale, st, block_q, block_k, mk,
+                         var, vg, bv);
   } else {
     TORCH_CHECK(q.scalar_type() == at::kBFloat16, "qkv flash_bwd: fp32 or bf16 only");
     backward_impl<BFloat16>(q, k, v, out, dout, lse, dq, dk, dv, scale, st, block_q, block_k,
-                            mk, bf16_path(q.size(3)) == Bf16Path::kDot);
+                            mk, var, vg, bv, bf16_path(q.size(3)) == Bf16Path::kDot);
   }
   return {dq, dk, dv};
 }
@@ -1064,10 +1404,14 @@ std::tuple<Tensor, Tensor, Tensor> flash_bwd(const Tensor& q, const Tensor& k, c
 
 TORCH_LIBRARY(qkv_flash, m) {
   m.def("fwd(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, bool causal, int window, "
-        "int block_q, int block_k) -> (Tensor, Tensor)");
+        "int block_q, int block_k, Tensor? bias=None, Tensor? alibi=None, Tensor? rel=None, "
+        "float? softcap=None, Tensor? blocks=None, Tensor? tiles=None, Tensor? spans=None) -> "
+        "(Tensor, Tensor)");
   m.def("bwd(Tensor q, Tensor k, Tensor v, Tensor out, Tensor dout, Tensor lse, Tensor? mask, "
-        "float scale, bool causal, int window, int block_q, int block_k) -> "
-        "(Tensor, Tensor, Tensor)");
+        "float scale, bool causal, int window, int block_q, int block_k, Tensor? bias=None, "
+        "Tensor? alibi=None, Tensor? rel=None, float? softcap=None, Tensor? blocks=None, "
+        "Tensor? tiles=None, Tensor? spans=None, Tensor(a!)? dbias=None, Tensor(b!)? drel=None, "
+        "Tensor(c!)? dalibi=None) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(qkv_flash, CPU, m) {

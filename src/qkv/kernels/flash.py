@@ -2,11 +2,14 @@
 
 Two kernels behind one function. fp16 inputs run in fp32 (fp16 cannot hold ``q·kᵀ`` of
 moderate inputs, nor the backward's ``dO·vᵀ``, and CPU fp16 matmuls ran ~17× slower than the
-fp32 fused kernel: T=1024, h=8, d=64, causal, 1 thread). fp32/bf16 CPU calls with
-causal/window structure, maybe a bool mask, and no bias or soft-cap run the fused C++ kernel
-(``qkv/csrc/flash_cpu.cpp``, loaded by :mod:`qkv.kernels._native`;
-:func:`fused_kernel_rejects` says when it does not apply). All other calls run the
-PyTorch-ops kernel of this module, described below.
+fp32 fused kernel: T=1024, h=8, d=64, causal, 1 thread). fp32/bf16 CPU calls run the fused
+C++ kernel (``qkv/csrc/flash_cpu.cpp``, loaded by :mod:`qkv.kernels._native`;
+:func:`fused_kernel_rejects` says when it does not apply) with every option: causal/window
+structure, bool masks, :class:`qkv.block_mask.BlockMask` (empty blocks skipped, full ones
+unmasked), biases (and their gradient), ALiBi slopes, relative-position tables and
+soft-capping, applied per score row. All other calls (fp64, no compiler) run the
+PyTorch-ops kernel of this module, described below, with ALiBi, relative tables and block
+masks expanded to a dense bias/mask first.
 
 FlashAttention's algorithm (Dao et al. 2022; backward of FlashAttention-2), written with block
 matmuls. For each query block the keys are visited in blocks, keeping per row a running
@@ -50,6 +53,7 @@ import torch
 from torch import Tensor
 
 from qkv._validate import AttentionShape, check_bias, check_mask, check_options, check_qkv
+from qkv.block_mask import BlockMask
 from qkv.kernels._blocks import Structure, block, from_5d_grad, reduce_to, to_5d, to_internal
 from qkv.kernels._native import native_ops, native_status
 
@@ -84,6 +88,7 @@ class _Plan:
     dtype: torch.dtype  # of q, k, v
     native: bool  # run the fused C++ kernel (see _native_ok)
     scale: float
+    block_mask: BlockMask | None = None  # fused kernel only (otherwise expanded to a mask)
 
     @property
     def acc_dtype(self) -> torch.dtype:
@@ -349,17 +354,15 @@ def fused_kernel_rejects(
 ) -> str | None:  # fmt: skip
     """Why the fused C++ kernel cannot run a call (``None``: it runs; see :mod:`._native`).
 
-    It covers fp32/bf16 on the CPU with causal/window structure and bool masks (True = may
-    attend), and fp16 converted to fp32; biases, soft-capping and fp64 run on the PyTorch-ops
-    kernel of this module.
+    It covers fp32/bf16 on the CPU (fp16 converted to fp32) with every option (masks, block
+    masks, biases, ALiBi, relative tables, soft-capping); fp64 runs on the PyTorch-ops kernel
+    of this module. ``has_mask``/``has_bias``/``softcap`` are accepted for callers that
+    describe a call; none of them rejects it.
     """
     if torch.device(device).type != "cpu":
         return f"device {torch.device(device).type}: the fused kernel is CPU-only"
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return f"dtype {dtype}: the fused kernel takes float32/bfloat16 (and float16 as float32)"
-    for name, present in (("bias", has_bias), ("softcap", softcap is not None)):
-        if present:
-            return f"{name} given: the fused kernel takes causal/window structure and bool masks"
     if scale is not None and not 0 < scale < _FP32_MAX:
         return f"scale={scale} is not a positive fp32 number"
     if native_ops() is None:
@@ -374,7 +377,11 @@ def _native_ok(q: Tensor, k: Tensor, v: Tensor, mask, bias, softcap, scale: floa
         softcap=softcap, scale=scale,
     )  # fmt: skip
     # a mask broadcast over the keys (last dim 1) is left to the PyTorch-ops kernel
-    mask_ok = mask is None or (mask.dtype == torch.bool and mask.shape[-1] == k.shape[-2] > 1)
+    mask_ok = (
+        mask is None
+        or isinstance(mask, BlockMask)
+        or (mask.dtype == torch.bool and mask.shape[-1] == k.shape[-2] > 1)
+    )
     return reason is None and not empty and mask_ok and k.dtype == v.dtype == q.dtype
 
 
@@ -417,23 +424,58 @@ def _window_arg(structure: Structure) -> int:
     return -1 if structure.window is None else structure.window
 
 
+def _bias_view(bias: Tensor | None, shape: AttentionShape) -> Tensor | None:
+    """The bias as the fused kernel reads it: fp32 or bf16 (read in place), a broadcast view
+    ``(Nb, h_kv, G, Tq, Tk)`` with key stride 0 or 1."""
+    if bias is None:
+        return None
+    b = bias.detach()
+    if b.dtype not in (torch.float32, torch.bfloat16):
+        b = b.float()
+    if b.shape[-1] > 1 and b.stride(-1) != 1:
+        b = b.contiguous()
+    b5 = to_5d(b, shape)  # (Nb|1, h_kv|1, G|1, Tq|1, Tk|1)
+    return b5.expand(math.prod(shape.batch), shape.h_kv, shape.group, shape.Tq, shape.Tk)
+
+
+def _block_views(plan: _Plan) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """The block mask's index as a view ``(Nb, h_kv, G, nqb, nkb)``, its tiles and spans."""
+    bm, shape = plan.block_mask, plan.shape
+    if bm is None:
+        return None, None, None
+    idx = bm.index  # (B|1, H|1, nqb, nkb), B = prod(batch)
+    idx = idx.unsqueeze(2) if idx.shape[1] == 1 else idx.unflatten(1, (shape.h_kv, shape.group))
+    nb = math.prod(shape.batch)
+    return idx.expand(nb, shape.h_kv, shape.group, *idx.shape[-2:]), bm.tiles, bm.spans
+
+
+def _per_head(t: Tensor | None, shape: AttentionShape) -> Tensor | None:
+    """ALiBi slopes ``(h,)`` → ``(h_kv, G)``; a relative table ``(h, L)`` → ``(h_kv, G, L)``."""
+    if t is None:
+        return None
+    return t.detach().float().contiguous().view(shape.h_kv, shape.group, *t.shape[1:])
+
+
 class _FlashFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, bias, mask, plan):  # type: ignore[override]
+    def forward(ctx, q, k, v, bias, mask, alibi, rel, plan):  # type: ignore[override]
         shape = plan.shape
         q4, k3, v3 = to_internal(q, k, v, shape)
         if plan.native:
             st = plan.structure
+            blocks, tiles, spans = _block_views(plan)
             out4, lse4 = native_ops().fwd(
                 q4.contiguous(), k3.contiguous(), v3.contiguous(), _mask_view(mask, shape),
                 plan.scale, st.causal, _window_arg(st), plan.block_q, plan.block_k,
+                _bias_view(bias, shape), _per_head(alibi, shape), _per_head(rel, shape),
+                plan.softcap, blocks, tiles, spans,
             )  # fmt: skip
         else:
             q4c = q4 * plan.c  # (N, G, Tq, d_k), scale folded into q once
             fwd = _forward if plan.dtype == plan.acc_dtype else _forward_low
             out4, lse4 = fwd(plan, q4c, k3, v3, to_5d(bias, shape), to_5d(mask, shape))
         ctx.plan = plan
-        ctx.save_for_backward(q, k, v, bias, mask, out4, lse4)
+        ctx.save_for_backward(q, k, v, bias, mask, alibi, rel, out4, lse4)
         out = out4.view(*shape.batch, shape.h, shape.Tq, shape.d_v)
         lse = lse4.view(*shape.batch, shape.h, shape.Tq)
         ctx.mark_non_differentiable(lse)
@@ -441,30 +483,51 @@ class _FlashFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, _dlse):  # type: ignore[override]
-        q, k, v, bias, mask, out4, lse4 = ctx.saved_tensors
+        q, k, v, bias, mask, alibi, rel, out4, lse4 = ctx.saved_tensors
         plan: _Plan = ctx.plan
         shape = plan.shape
         q4, k3, v3 = to_internal(q, k, v, shape)
         dout4 = dout.reshape(out4.shape)
+        need_dbias = bias is not None and ctx.needs_input_grad[3]
         if plan.native:
             st = plan.structure
+            N, G, f32 = q4.shape[0], shape.group, dict(dtype=torch.float32, device=q.device)
+            dbias5 = None
+            if need_dbias:  # batch and kv-head dims full (one thread each), the rest as bias
+                b5 = to_5d(bias, shape)
+                dbias5 = torch.zeros(math.prod(shape.batch), shape.h_kv, *b5.shape[2:], **f32)
+            dalibi = torch.zeros(N, G, **f32) if ctx.needs_input_grad[5] else None
+            drel = torch.zeros(N, G, rel.shape[-1], **f32) if ctx.needs_input_grad[6] else None
+            blocks, tiles, spans = _block_views(plan)
             dq, dk, dv = native_ops().bwd(
                 q4.contiguous(), k3.contiguous(), v3.contiguous(), out4, dout4.contiguous(),
                 lse4, _mask_view(mask, shape), plan.scale, st.causal, _window_arg(st),
-                plan.block_q, plan.block_k,
+                plan.block_q, plan.block_k, _bias_view(bias, shape), _per_head(alibi, shape),
+                _per_head(rel, shape), plan.softcap, blocks, tiles, spans, dbias5, drel,
+                dalibi,
             )  # fmt: skip
+            dbias = None
+            if need_dbias:
+                g5 = reduce_to(dbias5, to_5d(bias, shape).shape)
+                dbias = from_5d_grad(g5, bias, shape).to(bias.dtype)
+            if dalibi is not None:  # (Nb·h_kv, G) summed over the batch → (h,)
+                dalibi = dalibi.view(-1, shape.h).sum(0).to(alibi.dtype)
+            if drel is not None:
+                drel = drel.view(-1, shape.h, rel.shape[-1]).sum(0).to(rel.dtype)
             return (
                 dq.to(q.dtype).view(q.shape), dk.to(k.dtype).view(k.shape),
-                dv.to(v.dtype).view(v.shape), None, None, None,
+                dv.to(v.dtype).view(v.shape), dbias, None, dalibi, drel, None,
             )  # fmt: skip
         bias5 = to_5d(bias, shape)
-        need_dbias = bias is not None and ctx.needs_input_grad[3]
         dq, dk, dv, dbias5 = _backward(
             plan, dout4, q4 * plan.c, k3, v3, out4, lse4, bias5, to_5d(mask, shape), need_dbias
         )
         dq = (dq * plan.c).to(q.dtype).view(q.shape)
         dbias = from_5d_grad(dbias5, bias, shape).to(bias.dtype) if need_dbias else None
-        return dq, dk.to(k.dtype).view(k.shape), dv.to(v.dtype).view(v.shape), dbias, None, None
+        return (
+            dq, dk.to(k.dtype).view(k.shape), dv.to(v.dtype).view(v.shape), dbias, None, None,
+            None, None,
+        )  # fmt: skip
 
 
 def flash_attention(
@@ -478,6 +541,8 @@ def flash_attention(
     window: int | None = None,
     scale: float | None = None,
     softcap: float | None = None,
+    alibi_slopes: Tensor | None = None,
+    rel_bias: Tensor | None = None,
     return_lse: bool = False,
     block_q: int | None = None,
     block_k: int | None = None,
@@ -486,10 +551,12 @@ def flash_attention(
 
     Args:
         q: ``(..., h, Tq, d_k)``; k ``(..., h_kv, Tk, d_k)``; v ``(..., h_kv, Tk, d_v)``.
-        mask: bool, **True = may attend**, ``(Tq, Tk)`` or ``(..., h|1, Tq|1, Tk|1)``.
+        mask: bool, **True = may attend**, ``(Tq, Tk)`` or ``(..., h|1, Tq|1, Tk|1)``, or a
+            :class:`qkv.block_mask.BlockMask` (its block size sets ``block_q``/``block_k``).
         bias: float, same shapes as ``mask``, added to the scaled (soft-capped) scores;
             receives a gradient when it requires one.
-        causal, window, scale, softcap: as :func:`qkv.functional.scaled_dot_product_attention`.
+        causal, window, scale, softcap, alibi_slopes, rel_bias: as
+            :func:`qkv.functional.scaled_dot_product_attention`.
         return_lse: also return the log-sum-exp ``(..., h, Tq)`` (fp32; ``-inf`` for a row
             with no visible key).
         block_q, block_k: tile sizes (default :data:`BLOCK_Q`, :data:`BLOCK_K`), at most
@@ -504,12 +571,26 @@ def flash_attention(
     """
     shape = check_qkv(q, k, v)
     check_options(window=window, scale=scale, softcap=softcap, dropout_p=0.0)
+    block_mask = mask if isinstance(mask, BlockMask) else None
+    if block_mask is not None:
+        check_block_mask(block_mask, shape, q.device)
+        mask = None
     check_mask(mask, shape, q.device)
     check_bias(bias, shape, q.device)
+    check_per_head(alibi_slopes, rel_bias, shape, q.device)
     for name, b in (("block_q", block_q), ("block_k", block_k)):
         if b is not None and (not isinstance(b, int) or b < 1):
             raise ValueError(f"{name} must be an int >= 1 or None, got {b!r}")
     scale = 1.0 / math.sqrt(shape.d_k) if scale is None else float(scale)
+    extra = (block_mask, alibi_slopes, rel_bias)
+    if any(t is not None for t in extra) and (
+        shape.empty or shape.d_v == 0 or not _native_ok(q, k, v, block_mask, bias, softcap, scale)
+    ):  # the PyTorch-ops kernel (or the empty answer): all of them as a dense bias/mask
+        mask, bias = _densify(q, block_mask, mask, bias, alibi_slopes, rel_bias, shape)
+        return flash_attention(
+            q, k, v, mask=mask, bias=bias, causal=causal, window=window, scale=scale,
+            softcap=softcap, return_lse=return_lse, block_q=block_q, block_k=block_k,
+        )  # fmt: skip
     if shape.empty:  # no score to compute (and nothing for the C++ kernel to index)
         out, lse = _Empty.apply(q, k, v, bias, shape)
         return (out, lse) if return_lse else out
@@ -523,13 +604,15 @@ def flash_attention(
         return (out, lse) if return_lse else out
     if q.dtype == torch.float16:  # in fp32 (module docstring); autograd casts the gradients
         out, lse = flash_attention(
-            q.float(), k.float(), v.float(), mask=mask, bias=bias, causal=causal,
-            window=window, scale=scale, softcap=softcap, return_lse=True, block_q=block_q,
-            block_k=block_k,
+            q.float(), k.float(), v.float(), mask=block_mask or mask, bias=bias, causal=causal,
+            window=window, scale=scale, softcap=softcap, alibi_slopes=alibi_slopes,
+            rel_bias=rel_bias, return_lse=True, block_q=block_q, block_k=block_k,
         )  # fmt: skip
         out = out.to(q.dtype)
         return (out, lse) if return_lse else out
     native = _native_ok(q, k, v, mask, bias, softcap, scale)
+    if block_mask is not None:  # the kernel's blocks are the mask's
+        block_q, block_k = block_mask.block_size
     if native:
         default_q, default_k = NATIVE_BLOCK_Q, NATIVE_BLOCK_K
     else:
@@ -545,6 +628,70 @@ def flash_attention(
         dtype=q.dtype,
         native=native,
         scale=scale,
+        block_mask=block_mask,
     )
-    out, lse = _FlashFunction.apply(q, k, v, bias, mask, plan)
+    out, lse = _FlashFunction.apply(q, k, v, bias, mask, alibi_slopes, rel_bias, plan)
     return (out, lse) if return_lse else out
+
+
+def check_block_mask(bm: BlockMask, shape: AttentionShape, device: torch.device) -> None:
+    """A block mask must cover exactly these scores: ``(B|1, H|1, Tq, Tk)``."""
+    b, h = bm.index.shape[:2]
+    batch = math.prod(shape.batch)
+    if (bm.Tq, bm.Tk) != (shape.Tq, shape.Tk) or h not in (1, shape.h) or b not in (1, batch):
+        raise ValueError(
+            f"mask: BlockMask for B={bm.B}, H={bm.H}, Tq={bm.Tq}, Tk={bm.Tk} does not fit "
+            f"scores {shape.scores} (B: 1 or {batch}, H: 1 or {shape.h}, Tq={shape.Tq}, "
+            f"Tk={shape.Tk})"
+        )
+    if bm.index.device != device:
+        raise ValueError(f"mask: BlockMask must be on {device}, got {bm.index.device}")
+
+
+def check_per_head(
+    alibi_slopes: Tensor | None, rel_bias: Tensor | None, shape: AttentionShape,
+    device: torch.device,
+) -> None:  # fmt: skip
+    """ALiBi slopes ``(h,)`` and a relative table ``(h, Tq + Tk - 1)``: floating, on device."""
+    want = {"alibi_slopes": (shape.h,), "rel_bias": (shape.h, shape.Tq + shape.Tk - 1)}
+    for name, t in (("alibi_slopes", alibi_slopes), ("rel_bias", rel_bias)):
+        if t is None:
+            continue
+        if not isinstance(t, Tensor) or not t.dtype.is_floating_point:
+            got = getattr(t, "dtype", type(t).__name__)
+            raise TypeError(f"{name} must be a floating-point tensor, got {got}")
+        if tuple(t.shape) != want[name]:
+            raise ValueError(f"{name} must have shape {want[name]}, got {tuple(t.shape)}")
+        if t.device != device:
+            raise ValueError(f"{name} must be on {device}, got {t.device}")
+
+
+def alibi_dense(slopes: Tensor, Tq: int, Tk: int) -> Tensor:
+    """``-slope_h·|p(i) - j|`` as a dense bias ``(1, h, Tq, Tk)`` (differentiable in the slopes)."""
+    pos = torch.arange(Tq, device=slopes.device)[:, None] + (Tk - Tq)  # (Tq, 1), bottom-right
+    dist = (pos - torch.arange(Tk, device=slopes.device)[None, :]).abs()  # (Tq, Tk)
+    return (-slopes[:, None, None] * dist.to(slopes.dtype)).unsqueeze(0)
+
+
+def rel_dense(rel: Tensor, Tq: int, Tk: int) -> Tensor:
+    """``rel[h, Tk - 1 + j - p(i)]`` as a dense bias ``(1, h, Tq, Tk)`` (differentiable)."""
+    i = torch.arange(Tq, device=rel.device)[:, None]
+    j = torch.arange(Tk, device=rel.device)[None, :]
+    return rel[:, j - i + Tq - 1].unsqueeze(0)  # Tk - 1 + j - (Tk - Tq + i)
+
+
+def _lead(t: Tensor, shape: AttentionShape) -> Tensor:
+    """``(1|Nb, h|1, Tq, Tk)`` → ``(*batch|1s, h|1, Tq, Tk)`` (the score's rank)."""
+    batch = [1] * len(shape.batch) if t.shape[0] == 1 else list(shape.batch)
+    return t.reshape(*batch, *t.shape[1:])
+
+
+def _densify(q, block_mask, mask, bias, alibi_slopes, rel_bias, shape):
+    """Block mask → bool mask, ALiBi/relative table → one dense bias (for the other paths)."""
+    if block_mask is not None:
+        mask = _lead(block_mask.to_dense(), shape)  # (..., H|1, Tq, Tk)
+    for t, f in ((alibi_slopes, alibi_dense), (rel_bias, rel_dense)):
+        if t is not None:
+            extra = _lead(f(t, shape.Tq, shape.Tk), shape)  # (1.., h, Tq, Tk)
+            bias = extra if bias is None else bias + extra
+    return mask, bias
