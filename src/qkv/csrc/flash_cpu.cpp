@@ -1430,7 +1430,9 @@ std::tuple<Tensor, Tensor> flash_fwd_at(const Tensor& q, const Tensor& k, const 
                                         double scale, bool causal, int64_t window,
                                         int64_t block_q, int64_t block_k, int64_t shift) {
   ShiftScope at(shift);
-  return flash_fwd(q, k, v, std::nullopt, scale, causal, window, block_q, block_k);
+  const std::optional<Tensor> none;  // no mask, bias or block mask in ring blocks
+  return flash_fwd(q, k, v, none, scale, causal, window, block_q, block_k, none, none, none,
+                   std::nullopt, none, none, none);
 }
 
 std::tuple<Tensor, Tensor, Tensor> flash_bwd_at(const Tensor& q, const Tensor& k,
@@ -1440,8 +1442,9 @@ std::tuple<Tensor, Tensor, Tensor> flash_bwd_at(const Tensor& q, const Tensor& k
                                                 int64_t block_q, int64_t block_k,
                                                 int64_t shift) {
   ShiftScope at(shift);
-  return flash_bwd(q, k, v, out, dout, lse, std::nullopt, scale, causal, window, block_q,
-                   block_k);
+  const std::optional<Tensor> none;
+  return flash_bwd(q, k, v, out, dout, lse, none, scale, causal, window, block_q, block_k, none,
+                   none, none, std::nullopt, none, none, none, none, none, none);
 }
 }  // namespace
 
