@@ -35,6 +35,7 @@ from torch import Tensor
 from qkv import dispatch, masks
 from qkv._validate import check_bias, check_mask, check_options, check_qkv
 from qkv.dispatch import explain_dispatch
+from qkv.kernels.decode import run_decode
 from qkv.kernels.flash import flash_attention
 from qkv.kernels.weights import weights_from_lse
 
@@ -194,7 +195,7 @@ def scaled_dot_product_attention(
         weights_heads: with ``return_weights``, only these query heads' weights
             ``(..., len(weights_heads), Tq, Tk)``, recomputed from the fast path's log-sum-exp
             (without gradient) so the rest of the call stays fast.
-        backend: ``"auto"`` (default), ``"math"``, ``"torch"`` or ``"flash"``; see
+        backend: ``"auto"`` (default), ``"math"``, ``"torch"``, ``"flash"`` or ``"decode"``; see
             :mod:`qkv.dispatch` for the rule table and :func:`explain_dispatch` for why.
 
     Returns:
@@ -232,7 +233,12 @@ def scaled_dot_product_attention(
             q, k, v, mask=mask, bias=bias, causal=causal, window=window, scale=scale,
             dropout_p=dropout_p,
         )  # fmt: skip
-    out, lse = flash_attention(q, k, v, **options, return_lse=True)
+    if decision.backend == "decode":
+        out, lse = run_decode(
+            q, k, v, case.shape, mask=mask, causal=causal, window=window, scale=scale
+        )
+    else:
+        out, lse = flash_attention(q, k, v, **options, return_lse=True)
     if not return_weights:
         return out
     return out, weights_from_lse(q, k, lse, heads=weights_heads, **options)

@@ -276,7 +276,6 @@ static void run_segment(const Problem<T>& P, int64_t n, int64_t k0, int64_t k1, 
 
   for (int64_t kb = k0; kb < k1; kb += kBlock) {
     const int64_t nk = std::min(kBlock, k1 - kb);
-    static const bool touch = getenv("QKV_TOUCH") != nullptr;
     // ---- scores S (R x kBlock) in log2 units, -inf where not visible
     for (int64_t t0 = 0; t0 < kBlock; t0 += kTile) {
       const int64_t nt = std::clamp<int64_t>(nk - t0, 0, kTile);
@@ -464,8 +463,10 @@ struct Segment {
   int64_t n, k0, k1;
 };
 
+// splits > 0: cut the keys into exactly that many pieces (the tests' way to exercise the
+// merge on small inputs); else one piece per thread, fewer for small calls.
 template <typename T>
-static void decode_impl(const Problem<T>& P, T* out, float* lse) {
+static void decode_impl(const Problem<T>& P, T* out, float* lse, int64_t splits) {
   const int64_t N = P.N, R = P.R, dv = P.dv;
   const int64_t dvp = (dv + 15) / 16 * 16;
   // keys any row may see: [lo(0), hi(Tq - 1)) (lo and hi grow with the row)
@@ -476,6 +477,7 @@ static void decode_impl(const Problem<T>& P, T* out, float* lse) {
   if (!omp_in_parallel())
     nt = std::clamp<int64_t>(W * R / kMinPairsPerThread, 1, at::get_num_threads());
 #endif
+  if (splits > 0) nt = splits;
   // thread t takes pairs [W·t/nt, W·(t+1)/nt), cut at tile boundaries and at head ends
   std::vector<Segment> segs;
   std::vector<int64_t> first(nt + 1, 0);  // thread t's segments: [first[t], first[t+1])
@@ -508,7 +510,7 @@ static void decode_impl(const Problem<T>& P, T* out, float* lse) {
   for (int64_t s = S - 1; s >= 0; --s) head_first[segs[s].n] = s;
   for (int64_t h = N - 1; h >= 0; --h) head_first[h] = std::min(head_first[h], head_first[h + 1]);
 
-  auto work = [&](int64_t t) {
+  auto work = [&](int64_t t) {  // piece t
     float* tb = base + t * per_thread;
     Scratch sc{tb, tb + R * dqp, tb + R * dqp + R * kBlock, tb + R * dqp + 2 * R * kBlock,
                tb + R * dqp + 2 * R * kBlock + (kTile * P.d + 15) / 16 * 16};
@@ -551,24 +553,25 @@ static void decode_impl(const Problem<T>& P, T* out, float* lse) {
     }
   };
 #ifdef _OPENMP
-  if (nt > 1) {
+  if (nt > 1 && !omp_in_parallel()) {
 #pragma omp parallel num_threads(nt)
     {
-      const int64_t t = omp_get_thread_num();
-      work(t);
+      // the team may be smaller than asked: each thread takes every team-th piece
+      const int64_t t = omp_get_thread_num(), team = omp_get_num_threads();
+      for (int64_t p = t; p < nt; p += team) work(p);
 #pragma omp barrier
-      for (int64_t h = t; h < N; h += nt) merge(h);
+      for (int64_t h = t; h < N; h += team) merge(h);
     }
     return;
   }
 #endif
-  work(0);
+  for (int64_t t = 0; t < nt; ++t) work(t);
   for (int64_t h = 0; h < N; ++h) merge(h);
 }
 
 std::tuple<Tensor, Tensor> decode_fwd(const Tensor& q, const Tensor& k, const Tensor& v,
                                       const std::optional<Tensor>& mask, double scale,
-                                      bool causal, int64_t window) {
+                                      bool causal, int64_t window, int64_t splits) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
               "qkv decode: q, k, v must be 4-D (Nb, heads, T, d)");
   TORCH_CHECK(q.is_contiguous(), "qkv decode: q must be contiguous");
@@ -607,7 +610,7 @@ std::tuple<Tensor, Tensor> decode_fwd(const Tensor& q, const Tensor& k, const Te
                        q.const_data_ptr<T>(), k.const_data_ptr<T>(), v.const_data_ptr<T>(),
                        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
                        v.stride(2), st, mk, c2};
-    decode_impl<T>(P, out.data_ptr<T>(), lse.data_ptr<float>());
+    decode_impl<T>(P, out.data_ptr<T>(), lse.data_ptr<float>(), splits);
   };
   if (q.scalar_type() == at::kFloat) run(float{});
   else run(BFloat16{});
@@ -628,8 +631,8 @@ std::string decode_isa() {
 }  // namespace
 
 TORCH_LIBRARY(qkv_decode, m) {
-  m.def("fwd(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, bool causal, int window)"
-        " -> (Tensor, Tensor)");
+  m.def("fwd(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, bool causal, int window,"
+        " int splits=0) -> (Tensor, Tensor)");
   m.def("isa() -> str", &decode_isa);
 }
 
