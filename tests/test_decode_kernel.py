@@ -6,8 +6,9 @@ arithmetic: scores are fp32 sums of exact products, so a row's score error is at
 ``E = (d + 3)·eps32·scale·max_j Σ|q||k|``; that moves the softmax weights by at most ``2E``
 (1-norm) and the output by ``2E·max|v|``; on top come the fp32 sums over the keys (at most
 ``Tk·eps32·max|v|``) and the rounding of the output to its dtype: bf16 outputs are within
-``2^-8·max|v|`` more (half an ulp of bf16 is ``2^-9`` of the value; the rest is fp32 sums),
-which is also below PyTorch's own bf16 SDPA error on these inputs (checked in one test).
+``2^-8·max|v|`` more (the weights are rounded to bf16 for the P·V products, as in PyTorch's
+bf16 kernels, and the output is rounded: each at most ``2^-9`` relative); and the error stays
+within 2× PyTorch's own bf16 SDPA error on the same call (FlashAttention's test rule).
 """
 
 import math
@@ -165,14 +166,14 @@ def test_rows_without_visible_keys_are_zero_with_lse_minus_inf():
 
 
 def test_bf16_error_is_within_torch_sdpa_own():
-    """Our bf16 error is no larger than PyTorch's bf16 SDPA on the same decode call."""
+    """Our bf16 error is within 2× PyTorch's bf16 SDPA error on the same decode call."""
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, 8, 4, 64, generator=g).bfloat16()
     k, v = (torch.randn(1, 2, 3001, 64, generator=g).bfloat16() for _ in range(2))
     ref = attention_steps(q.double(), k.double(), v.double()).output
     ours = (decode_attention(q, k, v).double() - ref).abs().max()
     theirs = (TF.scaled_dot_product_attention(q, k, v, enable_gqa=True).double() - ref).abs().max()
-    assert ours <= theirs, (float(ours), float(theirs))
+    assert ours <= 2 * theirs, (float(ours), float(theirs))
 
 
 def test_cache_views_are_read_in_place(monkeypatch):

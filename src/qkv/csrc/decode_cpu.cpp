@@ -126,6 +126,17 @@ struct MaskView {
   }
 };
 
+// bf16 K/V on a CPU with AVX512_BF16: dot products and P·V with vdpbf16ps (P rounded to
+// bf16, as PyTorch's bf16 kernels do); the accumulator rows then hold their columns in the
+// order vpunpck{l,h}wd leaves them (see pv_pairs) until the end of each segment.
+template <typename T>
+constexpr bool kPairs =
+#if defined(QKV_AVX512) && defined(__AVX512BF16__)
+    std::is_same_v<T, BFloat16>;
+#else
+    false;
+#endif
+
 // One call's sizes and pointers. Rows r = g·Tq + i of kv head n = b·h_kv + hk.
 template <typename T>
 struct Problem {
@@ -245,6 +256,75 @@ static inline __mmask16 mask_bits(const uint8_t* m, __mmask16 k) {
 }
 #endif  // QKV_AVX512
 
+#ifdef QKV_AVX512
+#ifdef __AVX512BF16__
+// acc += P V for one tile of 16 bf16 value rows (vp, row stride vs), P in bf16 (row r at
+// p + r·kBlock), with vdpbf16ps on key pairs: for each 32-column chunk the rows j, j+1 are
+// interleaved (vpunpcklwd/hwd: fp32 lane 4L+i then holds column 8L+i, resp. 8L+4+i, of the
+// chunk) and each query row adds p_j·v_j + p_{j+1}·v_{j+1} in one instruction. The chunk's
+// "lo" half goes to acc[c, c+16), "hi" to acc[c+16, c+32): unpermute_pairs restores the order.
+static inline void pv_pairs(const BFloat16* vp, int64_t vs, int64_t dv, const BFloat16* p,
+                            int64_t R, float* acc, int64_t dvp) {
+  auto pair = [&](int64_t r, int jp) {  // (p_2jp, p_2jp+1) of row r, broadcast
+    int32_t w;
+    std::memcpy(&w, p + r * kBlock + 2 * jp, sizeof(w));
+    return (__m512bh)_mm512_set1_epi32(w);
+  };
+  for (int64_t c = 0; c < dv; c += 32) {
+    const __mmask32 cm = dv - c >= 32 ? ~__mmask32(0) : __mmask32((1u << (dv - c)) - 1u);
+    __m512bh lo[8], hi[8];
+    for (int jp = 0; jp < 8; ++jp) {
+      const __m512i x = _mm512_maskz_loadu_epi16(cm, vp + (2 * jp) * vs + c);
+      const __m512i y = _mm512_maskz_loadu_epi16(cm, vp + (2 * jp + 1) * vs + c);
+      lo[jp] = (__m512bh)_mm512_unpacklo_epi16(x, y);
+      hi[jp] = (__m512bh)_mm512_unpackhi_epi16(x, y);
+    }
+    int64_t r = 0;
+    for (; r + 4 <= R; r += 4) {  // four rows: eight independent chains
+      float* o = acc + r * dvp + c;
+      __m512 a[8];
+      for (int i = 0; i < 4; ++i)
+        a[2 * i] = _mm512_loadu_ps(o + i * dvp), a[2 * i + 1] = _mm512_loadu_ps(o + i * dvp + 16);
+      for (int jp = 0; jp < 8; ++jp)
+        for (int i = 0; i < 4; ++i) {
+          const __m512bh w = pair(r + i, jp);
+          a[2 * i] = _mm512_dpbf16_ps(a[2 * i], lo[jp], w);
+          a[2 * i + 1] = _mm512_dpbf16_ps(a[2 * i + 1], hi[jp], w);
+        }
+      for (int i = 0; i < 4; ++i)
+        _mm512_storeu_ps(o + i * dvp, a[2 * i]), _mm512_storeu_ps(o + i * dvp + 16, a[2 * i + 1]);
+    }
+    for (; r < R; ++r) {  // one row: four chains
+      float* o = acc + r * dvp + c;
+      __m512 a0 = _mm512_loadu_ps(o), a1 = _mm512_loadu_ps(o + 16);
+      __m512 b0 = _mm512_setzero_ps(), b1 = b0;
+      for (int jp = 0; jp < 8; jp += 2) {
+        const __m512bh w0 = pair(r, jp), w1 = pair(r, jp + 1);
+        a0 = _mm512_dpbf16_ps(a0, lo[jp], w0), a1 = _mm512_dpbf16_ps(a1, hi[jp], w0);
+        b0 = _mm512_dpbf16_ps(b0, lo[jp + 1], w1), b1 = _mm512_dpbf16_ps(b1, hi[jp + 1], w1);
+      }
+      _mm512_storeu_ps(o, _mm512_add_ps(a0, b0)), _mm512_storeu_ps(o + 16, _mm512_add_ps(a1, b1));
+    }
+  }
+}
+#else
+static inline void pv_pairs(const BFloat16*, int64_t, int64_t, const BFloat16*, int64_t, float*,
+                            int64_t) {}  // never called: kPairs is false without AVX512_BF16
+#endif
+#endif  // QKV_AVX512
+
+// The column order of pv_pairs back to the natural one, in each 32-column chunk of acc's rows.
+static inline void unpermute_pairs(float* acc, int64_t R, int64_t dvp) {
+  float tmp[32];
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t c = 0; c < dvp; c += 32) {
+      float* a = acc + r * dvp + c;
+      for (int L = 0; L < 4; ++L)
+        for (int i = 0; i < 4; ++i) tmp[8 * L + i] = a[4 * L + i], tmp[8 * L + 4 + i] = a[16 + 4 * L + i];
+      std::memcpy(a, tmp, sizeof(tmp));
+    }
+}
+
 // -------------------------------------------------------------------------------------------
 // One segment: kv head n, keys [k0, k1). Leaves m (log2 units), l and the unnormalised acc
 // (R x dvp, zeroed by the caller) of every row.
@@ -255,11 +335,7 @@ static void run_segment(const Problem<T>& P, int64_t n, int64_t k0, int64_t k1, 
   const int64_t dqp = (d + 31) / 32 * 32;  // q row stride in the scratch
   // the query rows of this head, unscaled: fp32 (bf16 pairs for the bf16 dot products)
   const T* Q = P.q + n * R * d;
-#if defined(QKV_AVX512) && defined(__AVX512BF16__)
-  constexpr bool kBf16Dot = std::is_same_v<T, BFloat16>;
-#else
-  constexpr bool kBf16Dot = false;
-#endif
+  constexpr bool kBf16Dot = kPairs<T>;
   for (int64_t r = 0; r < R; ++r) {
     if constexpr (kBf16Dot) {
       BFloat16* qb = reinterpret_cast<BFloat16*>(sc.qf) + r * dqp;
@@ -362,7 +438,10 @@ static void run_segment(const Problem<T>& P, int64_t n, int64_t k0, int64_t k1, 
       for (int64_t j = 0; j < kBlock; ++j) bm = s[j] > bm ? s[j] : bm;
 #endif
       if (bm == kNegInf) {  // nothing visible in this block
-        std::memset(p, 0, kBlock * sizeof(float));
+        if constexpr (kBf16Dot)
+          std::memset(reinterpret_cast<BFloat16*>(sc.P) + r * kBlock, 0, kBlock * sizeof(T));
+        else
+          std::memset(p, 0, kBlock * sizeof(float));
         continue;
       }
       if (m[r] == kNegInf) {
@@ -382,8 +461,14 @@ static void run_segment(const Problem<T>& P, int64_t n, int64_t k0, int64_t k1, 
         const __m512 x = _mm512_loadu_ps(s + j);
         const __mmask16 vis = _mm512_cmp_ps_mask(x, ninf, _CMP_NEQ_OQ);
         const __m512 e = exp2_v<false>(_mm512_sub_ps(x, vmr), vis);
+        if constexpr (kBf16Dot) {  // P in bf16 for vdpbf16ps (l keeps the exact sum: the lse)
+          const __m256i eb = (__m256i)_mm512_cvtneps_pbh(e);
+          _mm256_storeu_si256(
+              reinterpret_cast<__m256i*>(reinterpret_cast<BFloat16*>(sc.P) + r * kBlock + j), eb);
+        } else {
+          _mm512_storeu_ps(p + j, e);
+        }
         vs = _mm512_add_ps(vs, e);
-        _mm512_storeu_ps(p + j, e);
       }
       l[r] += _mm512_reduce_add_ps(vs);
 #else
@@ -409,6 +494,11 @@ static void run_segment(const Problem<T>& P, int64_t n, int64_t k0, int64_t k1, 
       }
       const float* pt = sc.P + t0;  // P[r][t0 + j] at pt[r * kBlock + j]
 #ifdef QKV_AVX512
+      if constexpr (kBf16Dot) {
+        pv_pairs(reinterpret_cast<const BFloat16*>(vp), vs, dv,
+                 reinterpret_cast<const BFloat16*>(sc.P) + t0, R, acc, dvp);
+        continue;
+      }
       for (int64_t c = 0; c < dv; c += 16) {
         const __mmask16 cm = lanes(dv - c);
         __m512 vr[16];
@@ -458,6 +548,7 @@ static void run_segment(const Problem<T>& P, int64_t n, int64_t k0, int64_t k1, 
 #endif
     }
   }
+  if constexpr (kBf16Dot) unpermute_pairs(acc, R, dvp);
 }
 
 // A contiguous run of one head's keys handled by one thread.
@@ -470,7 +561,7 @@ struct Segment {
 template <typename T>
 static void decode_impl(const Problem<T>& P, T* out, float* lse, int64_t splits) {
   const int64_t N = P.N, R = P.R, dv = P.dv;
-  const int64_t dvp = (dv + 15) / 16 * 16;
+  const int64_t dvp = kPairs<T> ? (dv + 31) / 32 * 32 : (dv + 15) / 16 * 16;
   // keys any row may see: [lo(0), hi(Tq - 1)) (lo and hi grow with the row)
   const int64_t lo = P.st.lo(0), hi = P.st.hi(P.Tq - 1), L = std::max<int64_t>(hi - lo, 0);
   const int64_t W = N * L;  // (head, key) pairs
