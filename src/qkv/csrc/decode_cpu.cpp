@@ -212,13 +212,19 @@ static inline __m512 reduce16(const __m512* a) {
 }
 
 // q·k for 16 keys (rows kp, kp + ks, ...), q in fp32 (zero past d): one vector of scores
+// pf: the same rows of a later tile, prefetched into L2 line by line as these are read
+// (spread over the arithmetic rather than issued in a burst), or nullptr.
+static inline void pf_line(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
+
 template <typename T>
-static inline __m512 dots16(const float* q, const T* kp, int64_t ks, int64_t d) {
+static inline __m512 dots16(const float* q, const T* kp, int64_t ks, int64_t d, const T* pf) {
   __m512 a[16];
   for (int j = 0; j < 16; ++j) a[j] = _mm512_setzero_ps();
   int64_t c = 0;
   for (; c + 16 <= d; c += 16) {
     const __m512 qv = _mm512_loadu_ps(q + c);
+    if (pf && (c * int64_t(sizeof(T))) % 64 == 0)
+      for (int j = 0; j < 16; ++j) pf_line(pf + j * ks + c);
     for (int j = 0; j < 16; ++j) a[j] = _mm512_fmadd_ps(qv, load16(kp + j * ks + c), a[j]);
   }
   if (c < d) {
@@ -231,12 +237,15 @@ static inline __m512 dots16(const float* q, const T* kp, int64_t ks, int64_t d) 
 
 #ifdef __AVX512BF16__
 // bf16 keys: 32 products per instruction (vdpbf16ps, fp32 sums); q as bf16 pairs, zero past d
-static inline __m512 dots16_bf16(const BFloat16* q, const BFloat16* kp, int64_t ks, int64_t d) {
+static inline __m512 dots16_bf16(const BFloat16* q, const BFloat16* kp, int64_t ks, int64_t d,
+                                  const BFloat16* pf) {
   __m512 a[16];
   for (int j = 0; j < 16; ++j) a[j] = _mm512_setzero_ps();
   int64_t c = 0;
   for (; c + 32 <= d; c += 32) {
     const __m512bh qv = (__m512bh)_mm512_loadu_si512(q + c);
+    if (pf)
+      for (int j = 0; j < 16; ++j) pf_line(pf + j * ks + c);
     for (int j = 0; j < 16; ++j)
       a[j] = _mm512_dpbf16_ps(a[j], qv, (__m512bh)_mm512_loadu_si512(kp + j * ks + c));
   }
@@ -264,7 +273,7 @@ static inline __mmask16 mask_bits(const uint8_t* m, __mmask16 k) {
 // chunk) and each query row adds p_j·v_j + p_{j+1}·v_{j+1} in one instruction. The chunk's
 // "lo" half goes to acc[c, c+16), "hi" to acc[c+16, c+32): unpermute_pairs restores the order.
 static inline void pv_pairs(const BFloat16* vp, int64_t vs, int64_t dv, const BFloat16* p,
-                            int64_t R, float* acc, int64_t dvp) {
+                            int64_t R, float* acc, int64_t dvp, const BFloat16* pf) {
   auto pair = [&](int64_t r, int jp) {  // (p_2jp, p_2jp+1) of row r, broadcast
     int32_t w;
     std::memcpy(&w, p + r * kBlock + 2 * jp, sizeof(w));
@@ -273,6 +282,8 @@ static inline void pv_pairs(const BFloat16* vp, int64_t vs, int64_t dv, const BF
   for (int64_t c = 0; c < dv; c += 32) {
     const __mmask32 cm = dv - c >= 32 ? ~__mmask32(0) : __mmask32((1u << (dv - c)) - 1u);
     __m512bh lo[8], hi[8];
+    if (pf)
+      for (int j = 0; j < 16; ++j) pf_line(pf + j * vs + c);
     for (int jp = 0; jp < 8; ++jp) {
       const __m512i x = _mm512_maskz_loadu_epi16(cm, vp + (2 * jp) * vs + c);
       const __m512i y = _mm512_maskz_loadu_epi16(cm, vp + (2 * jp + 1) * vs + c);
@@ -309,7 +320,7 @@ static inline void pv_pairs(const BFloat16* vp, int64_t vs, int64_t dv, const BF
 }
 #else
 static inline void pv_pairs(const BFloat16*, int64_t, int64_t, const BFloat16*, int64_t, float*,
-                            int64_t) {}  // never called: kPairs is false without AVX512_BF16
+                            int64_t, const BFloat16*) {}  // never called: kPairs is false without AVX512_BF16
 #endif
 #endif  // QKV_AVX512
 
@@ -370,23 +381,13 @@ static void run_segment(const Problem<T>& P, int64_t n, int64_t k0, int64_t k1, 
         kp = buf, ks = d;
       }
 #ifdef QKV_AVX512
-      // Prefetch into L2 the keys two tiles ahead and the values of the next tile (their
-      // block is read after the scores). Measured on a loaded 2-core Zen 4, Tk = 16384,
-      // Tq = 1, 1 thread, CPU time: none 6-7 GB/s; into L1 (T0) 6-7; into L2 (T1/T2)
-      // 9-12 GB/s of K+V, fp32 and bf16; more distance (4-8 tiles) or a line in two: no gain.
-      {
-        const int64_t kbytes = d * int64_t(sizeof(T)), vbytes = dv * int64_t(sizeof(T));
-        const int64_t kn = std::min(kTile, k1 - (kt + 2 * kTile));
-        for (int64_t j = 0; j < kn; ++j) {
-          const char* row = reinterpret_cast<const char*>(P.krow(n, kt + 2 * kTile + j));
-          for (int64_t o = 0; o < kbytes; o += 64) _mm_prefetch(row + o, _MM_HINT_T1);
-        }
-        const int64_t vn = std::min(kTile, k1 - (kt + kTile));
-        for (int64_t j = 0; j < vn; ++j) {
-          const char* row = reinterpret_cast<const char*>(P.vrow(n, kt + kTile + j));
-          for (int64_t o = 0; o < vbytes; o += 64) _mm_prefetch(row + o, _MM_HINT_T1);
-        }
-      }
+      // The same tile two blocks ahead, prefetched into L2 while this one is read (the
+      // first query row's loop issues one prefetch per line it loads). Measured on a loaded
+      // 2-core Zen 4, Tk = 16384, Tq = 1, 1 thread, CPU time, GB/s of K+V (fp32 / bf16):
+      // no prefetch 6-7; bursts of a whole tile into L1 6-7, into L2 9-12; spread one block
+      // ahead 12.5-14; two blocks 13-15.6; four blocks 9-13.
+      const T* kpf = nt == kTile && ks == P.k2s && kt + 2 * kBlock + kTile <= k1
+                         ? P.krow(n, kt + 2 * kBlock) : nullptr;
 #endif
       for (int64_t r = 0; r < R; ++r) {
         const int64_t g = r / Tq, i = r % Tq;
@@ -404,9 +405,10 @@ static void run_segment(const Problem<T>& P, int64_t n, int64_t k0, int64_t k1, 
         __m512 x;
         if constexpr (kBf16Dot)
           x = dots16_bf16(reinterpret_cast<const BFloat16*>(sc.qf) + r * dqp,
-                          reinterpret_cast<const BFloat16*>(kp), ks, d);
+                          reinterpret_cast<const BFloat16*>(kp), ks, d,
+                          reinterpret_cast<const BFloat16*>(r == 0 ? kpf : nullptr));
         else
-          x = dots16(sc.qf + r * dqp, kp, ks, d);
+          x = dots16(sc.qf + r * dqp, kp, ks, d, r == 0 ? kpf : nullptr);
         x = _mm512_mask_mul_ps(_mm512_set1_ps(kNegInf), vis, x, _mm512_set1_ps(c2));
         _mm512_storeu_ps(s, x);
 #else
@@ -494,14 +496,20 @@ static void run_segment(const Problem<T>& P, int64_t n, int64_t k0, int64_t k1, 
       }
       const float* pt = sc.P + t0;  // P[r][t0 + j] at pt[r * kBlock + j]
 #ifdef QKV_AVX512
+      // the same value tile two blocks ahead, prefetched into L2 line by line (as the keys)
+      const T* vpf = nt == kTile && vs == P.v2s && kt + 2 * kBlock + kTile <= k1
+                         ? P.vrow(n, kt + 2 * kBlock) : nullptr;
       if constexpr (kBf16Dot) {
         pv_pairs(reinterpret_cast<const BFloat16*>(vp), vs, dv,
-                 reinterpret_cast<const BFloat16*>(sc.P) + t0, R, acc, dvp);
+                 reinterpret_cast<const BFloat16*>(sc.P) + t0, R, acc, dvp,
+                 reinterpret_cast<const BFloat16*>(vpf));
         continue;
       }
       for (int64_t c = 0; c < dv; c += 16) {
         const __mmask16 cm = lanes(dv - c);
         __m512 vr[16];
+        if (vpf && (c * int64_t(sizeof(T))) % 64 == 0)
+          for (int j = 0; j < 16; ++j) pf_line(vpf + j * vs + c);
         if (cm == 0xffff)
           for (int j = 0; j < 16; ++j) vr[j] = load16(vp + j * vs + c);
         else
