@@ -38,10 +38,11 @@ everything else (bias, shorter inference)           torch    flash's forward is 
 kernels built (:func:`qkv.kernels.decode.decode_rejects`), bool masks and causal/window
 allowed. Measured with ``python bench/decode_attention.py`` on a 2-core AMD EPYC (Zen 4,
 AVX-512 + AVX512_BF16), q ``(1, 32, Tq, 128)``, GQA cache ``(1, 8, Tk, 128)``, Tq in
-{1, 4, 16}, Tk from 512 to 65536, 1 thread: 1.2-25× the "torch" path (SDPA with
-``enable_gqa``); without GQA (h=4-8, d=16-64, Tk=16-1024) 1.0-7×, its Python dispatch
-included. (PyTorch's SDPA on the grouped-rows layout, which qkv's "torch" path does not use,
-is faster for fp32 caches held in L3 with Tq <= 4: 0.6-0.7×.) See docs/kernels.md.
+{1, 4, 16}, Tk from 512 to 65536, 1 thread: 0.96-33× the "torch" path (SDPA with
+``enable_gqa``; below 1× only at fp32 Tk=512 Tq=16); without GQA (h=4-8, d=16-64,
+Tk=16-1024) 1.0-7×, its Python dispatch included. (PyTorch's SDPA on the grouped-rows layout,
+which qkv's "torch" path does not use, is faster for some fp32 caches held in L3: 0.8-0.9× at
+Tk <= 1024, Tq >= 4.) See docs/kernels.md.
 
 Empty inputs (a zero batch dim, ``h``, ``Tq`` or ``Tk``) run the reference whatever the
 request: every backend's answer is the same zeros (see :mod:`qkv.functional`).
@@ -206,7 +207,7 @@ def _rule(case: Case, fused_why: str | None, decode_why: str | None) -> tuple[st
     if case.softcap is not None:
         return "flash", "softcap: flash supports it without materialising Tq×Tk"
     if decode:
-        return "decode", f"{few}, split across threads (1.0-25× the torch path)"
+        return "decode", f"{few}, split across threads (up to 33× the torch path)"
     if fused and case.grad and case.dtype == torch.bfloat16:
         return "flash", "gradients needed, bf16: flash's fused kernel is 1.5-2.5× torch SDPA"
     if fused and case.grad and s.Tk >= FUSED_GRAD_TK:
