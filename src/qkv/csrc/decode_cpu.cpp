@@ -257,6 +257,11 @@ static inline __m512 dots16_bf16(const BFloat16* q, const BFloat16* kp, int64_t 
   }
   return reduce16(a);
 }
+#else
+static inline __m512 dots16_bf16(const BFloat16*, const BFloat16*, int64_t, int64_t,
+                                  const BFloat16*) {  // never called: kPairs needs AVX512_BF16
+  return _mm512_setzero_ps();
+}
 #endif
 
 // lanes allowed by a mask row (True = may attend) among those in k
