@@ -10,12 +10,14 @@
 //     (flash-decoding): each thread keeps, per row, a running max m, sum l and unnormalised
 //     output acc for each piece ("segment") of a head it covers; one merge by log-sum-exp
 //     then combines the pieces of each head;
-//   * a key block is read twice from L1/L2 and once from memory: S = Q Kᵀ on tiles of 16
-//     keys (16 dot products per row, summed across lanes by one transpose-and-add tree),
-//     the online softmax over the block, then acc += P V with V's rows held in registers.
+//   * per block of 64 keys: S = Q Kᵀ on tiles of 16 keys (16 dot products per row, summed
+//     across lanes by one transpose-and-add tree), the online softmax over the block, then
+//     acc += P V with 16 value rows held in registers; the tile two blocks ahead is
+//     prefetched into L2 line by line as the current one is read, so that DRAM streams
+//     while the arithmetic runs.
 //
-// fp32 and bf16 K/V (fp32 accumulation; bf16 dot products with AVX512_BF16 where the CPU has
-// it). Causal and sliding-window structure (queries aligned bottom-right: query i sits at
+// fp32 and bf16 K/V (fp32 accumulation; with AVX512_BF16, vdpbf16ps for both products, P
+// rounded to bf16 for P·V as in PyTorch's bf16 kernels). Causal and sliding-window structure (queries aligned bottom-right: query i sits at
 // key position Tk - Tq + i), a bool mask (True = may attend) read in place as a broadcast
 // view, any scale. Rows that see no key give zeros and lse = -inf, as every qkv backend.
 // Layout:
