@@ -81,10 +81,11 @@ def test_reasons_name_only_what_the_call_has():
     q, k = torch.randn(1, 4, 1, 16), torch.randn(1, 4, 30, 16)
     for kw in ({"causal": True}, {}, {"mask": torch.ones(1, 30, dtype=torch.bool)}):
         d = explain_dispatch(q, k, k, **kw)
-        assert d.backend == "torch" and not any("bias" in r for r in d.reasons.values()), d
-        assert "Tq·Tk = 1·30" in d.reasons["flash"] or "PyTorch-ops" in d.reasons["flash"]
-    d = explain_dispatch(q, k, k, bias=torch.zeros(1, 4, 1, 30))  # biases run fused too
-    assert d.backend == "torch" and "Tq·Tk = 1·30" in d.reasons["flash"], d
+        assert not any("bias" in r for r in d.reasons.values()), d
+        # the decode kernel where it is built, else torch (fp32 inference, short)
+        assert d.backend == "decode" or "decode" in d.reasons and d.backend == "torch", d
+    d = explain_dispatch(q, k, k, bias=torch.zeros(1, 4, 1, 30))  # flash takes biases too
+    assert d.backend != "decode" and "bias" in d.reasons["decode"], d
 
 
 def test_invalid_backend_requests_raise():
@@ -98,7 +99,7 @@ def test_invalid_backend_requests_raise():
 
 
 def test_debug_log_line_per_call(caplog):
-    q = k = v = torch.randn(1, 2, 8, 4)
+    q = k = v = torch.randn(1, 2, 20, 4)  # Tq > 16: not a decoding call
     with caplog.at_level(logging.DEBUG, logger="qkv"):
         scaled_dot_product_attention(q, k, v, window=2)
         scaled_dot_product_attention(q, k, v)

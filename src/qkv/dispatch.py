@@ -6,6 +6,8 @@ Backends of :func:`qkv.functional.scaled_dot_product_attention`:
 - ``"torch"``: ``torch.nn.functional.scaled_dot_product_attention`` (PyTorch's fused CPU
   kernel), our options converted to its ``attn_mask``/``is_causal``/``enable_gqa``.
 - ``"flash"``: :func:`qkv.kernels.flash.flash_attention` (tiled, O(T) memory, block skipping).
+- ``"decode"``: :func:`qkv.kernels.decode.decode_attention` (a few queries over a long KV
+  cache: keys split across threads, K/V read once; CPU fp32/bf16 inference).
 - ``"auto"`` (default): the first valid backend of the rule table below.
 
 ``"auto"`` rules, measured on the 2-core Xeon (AVX-512 + AMX) this repository is developed on
@@ -23,6 +25,7 @@ case (first matching row wins)                      backend  why (measured)
 ``return_weights`` with ``weights_heads``           flash    those heads' weights from the saved lse
 ``dropout_p > 0``                                   torch    flash has no dropout (math if softcap)
 ``softcap``                                         flash    torch SDPA has no soft-capping
+decode-able, ``Tq <= 16``                            decode   see below
 fused, gradients needed, bf16                       flash    fwd+bwd 1.5-2.5× (T=16-4096)
 fused, gradients needed, fp32, ``Tk >= 1024``       flash    fwd+bwd 1.1-1.2× (0.5-1.0× below)
 fused, ``window``, ``Tk >= 2·window``               flash    1.5× (T=512) to 4.5× (T=2048), w=256
@@ -32,11 +35,22 @@ fused, ``Tq·Tk >= 1024²``                           flash    forward 1.0-1.2×
 everything else (shorter inference, fp64)           torch    flash's forward is 0.3-1.1× of it there
 ==================================================  =======  =======================================
 
+"decode-able": CPU fp32/bf16 inference (no gradients), no bias/soft-cap/dropout, the fused
+kernels built (:func:`qkv.kernels.decode.decode_rejects`), bool masks and causal/window
+allowed. Measured with ``python bench/decode_attention.py`` on a 2-core AMD EPYC (Zen 4,
+AVX-512 + AVX512_BF16), q ``(1, 32, Tq, 128)``, GQA cache ``(1, 8, Tk, 128)``, Tq in
+{1, 4, 16}, Tk from 512 to 65536, 1 thread: 0.96-33× the "torch" path (SDPA with
+``enable_gqa``; below 1× only at fp32 Tk=512 Tq=16); without GQA (h=4-8, d=16-64,
+Tk=16-1024) 1.0-7×, its Python dispatch included. (PyTorch's SDPA on the grouped-rows layout,
+which qkv's "torch" path does not use, is faster for some fp32 caches held in L3: 0.8-0.9× at
+Tk <= 1024, Tq >= 4.) See docs/kernels.md.
+
 Empty inputs (a zero batch dim, ``h``, ``Tq`` or ``Tk``) run the reference whatever the
 request: every backend's answer is the same zeros (see :mod:`qkv.functional`).
 
 "torch" is rejected for: ``softcap``; weights/lse requested (it returns neither); a bias that
-requires grad. "flash" is rejected for ``dropout_p > 0``. Fully masked rows: PyTorch 2.13's CPU
+requires grad. "flash" is rejected for ``dropout_p > 0``. "decode" is rejected for calls
+that are not decode-able (above). Fully masked rows: PyTorch 2.13's CPU
 kernels return zeros for them, as qkv requires (checked in tests/test_dispatch.py).
 
 Every call logs one debug line on ``logging.getLogger("qkv")``; :func:`explain_dispatch` says
@@ -67,6 +81,7 @@ from qkv._validate import (
     check_qkv,
 )
 from qkv.kernels import flash as _flash
+from qkv.kernels.decode import MAX_TQ, decode_rejects
 from qkv.kernels.flash import fused_kernel_rejects
 
 __all__ = [
@@ -76,11 +91,11 @@ __all__ = [
 
 logger = logging.getLogger("qkv")
 
-BACKENDS = ("math", "torch", "flash")
+BACKENDS = ("math", "torch", "flash", "decode")
 HUGE_LOGITS = 2.0**16  # beyond it, gradients from a recomputed softmax lose all accuracy
 # fastest first (as measured); "auto" takes the first valid one in this order unless a rule
 # of the table in the module docstring picks another.
-_SPEED_ORDER = ("torch", "flash", "math")
+_SPEED_ORDER = ("decode", "torch", "flash", "math")
 WINDOW_RATIO = 4  # fp32/fp64: flash beats torch+dense mask from Tk >= 4·window (1.4× at 1024/256)
 WINDOW_RATIO_LOW = 16  # bf16/fp16: from Tk >= 16·window (0.5× at 1024/256, 2.0× at 4096/256)
 # with flash's fused C++ kernel (see the table above)
@@ -107,6 +122,7 @@ class Case:
     device: str = "cpu"
     grad: bool = False  # autograd will need gradients of q, k or v
     logit_bound: float = 0.0  # an upper bound of |scores| (computed only when grad is needed)
+    scale: float | None = None
 
 
 @dataclass
@@ -162,6 +178,7 @@ def describe(
         device=q.device.type,
         grad=grad,
         logit_bound=bound,
+        scale=scale,
     )
 
 
@@ -253,15 +270,20 @@ def invalid(case: Case) -> dict[str, str]:
     return out
 
 
-def _rule(case: Case, fused_why: str | None) -> tuple[str, str]:
+def _rule(case: Case, fused_why: str | None, decode_why: str | None) -> tuple[str, str]:
     """The measured rule for ``"auto"``: (preferred backend, why).
 
-    ``fused_why``: why flash's fused kernel cannot run the case (``None``: it can).
+    ``fused_why``: why flash's fused kernel cannot run the case (``None``: it can);
+    ``decode_why``: likewise for the decode kernel.
     """
     s = case.shape
     fused = fused_why is None
+    decode = decode_why is None and s.Tq <= MAX_TQ
+    few = f"inference, Tq={s.Tq} <= {MAX_TQ} queries: the decode kernel reads K/V once"
     if case.return_weights and case.weights_heads is None:
         return "math", "all heads' weights requested: math materialises them anyway"
+    if case.return_weights and decode:
+        return "decode", f"{few}; the selected heads' weights come from its log-sum-exp"
     if case.return_weights:
         return "flash", "weights of selected heads are recomputed from flash's log-sum-exp"
     if case.dropout_p > 0:
@@ -272,6 +294,8 @@ def _rule(case: Case, fused_why: str | None) -> tuple[str, str]:
                         "there; math differentiates its own softmax")  # fmt: skip
     if case.softcap is not None:
         return "flash", "softcap: flash supports it without materialising Tq×Tk"
+    if decode:
+        return "decode", f"{few}, split across threads (up to 33× the torch path)"
     if fused and case.grad and case.dtype == torch.bfloat16:
         return "flash", "gradients needed, bf16: flash's fused kernel is 1.5-2.5× torch SDPA"
     if fused and case.grad and s.Tk >= FUSED_GRAD_TK:
@@ -302,11 +326,23 @@ def _fused_reason(case: Case) -> str | None:
     )  # fmt: skip
 
 
+def _decode_reason(case: Case) -> str | None:
+    """Why the decode kernel cannot run this case (``None``: it can)."""
+    return decode_rejects(
+        case.device, case.dtype, grad=case.grad, has_bias=case.has_bias, softcap=case.softcap,
+        dropout_p=case.dropout_p, scale=case.scale,
+    )  # fmt: skip
+
+
 def choose(case: Case, backend: str = "auto") -> Decision:
     """Pick the backend for ``case``; ``backend`` is ``"auto"`` or one of :data:`BACKENDS`."""
     if backend not in (*BACKENDS, "auto"):
         raise ValueError(f"backend must be 'auto' or one of {BACKENDS}, got {backend!r}")
     bad = invalid(case)
+    # only "auto" and "decode" look at the decode kernel (the first look may build it)
+    decode_why = _decode_reason(case) if backend in ("auto", "decode") else None
+    if decode_why is not None:
+        bad["decode"] = decode_why
     if backend != "auto" and backend in bad:
         raise ValueError(f"backend={backend!r} cannot run this call: {bad[backend]}")
     if case.shape.empty:  # the same zeros from every backend: the reference returns them
@@ -319,7 +355,7 @@ def choose(case: Case, backend: str = "auto") -> Decision:
     if backend != "auto":
         reasons = {n: "not requested" for n in BACKENDS if n != backend}
         return Decision(backend, backend, reasons, _flash_kernel(backend, fused_why))
-    preferred, why = _rule(case, fused_why)
+    preferred, why = _rule(case, fused_why, decode_why)
     if preferred in bad:  # e.g. dropout with softcap
         preferred, why = "math", "the only backend valid for this combination"
     reasons = dict(bad)
@@ -327,6 +363,9 @@ def choose(case: Case, backend: str = "auto") -> Decision:
         if name not in reasons and name != preferred:
             slow = "the reference: slowest, holds (Tq, Tk) per head"
             reasons[name] = slow if name == "math" else f"rule: {why}"
+    if "decode" not in bad and case.shape.Tq > MAX_TQ:  # said for this call, not a rule's
+        reasons["decode"] = (f"Tq={case.shape.Tq} > {MAX_TQ} queries: the decode kernel is "
+                             "for a few queries over a long cache; tiled kernels reuse K/V more")  # fmt: skip
     reasons.pop(preferred, None)
     return Decision(preferred, "auto", reasons, _flash_kernel(preferred, fused_why))
 

@@ -38,6 +38,7 @@ from torch import Tensor
 from qkv import dispatch, masks
 from qkv._validate import check_bias, check_mask, check_options, check_qkv
 from qkv.block_mask import BlockMask
+from qkv.kernels.decode import run_decode
 from qkv.kernels.flash import (
     _densify,
     check_block_mask,
@@ -207,7 +208,7 @@ def scaled_dot_product_attention(
         weights_heads: with ``return_weights``, only these query heads' weights
             ``(..., len(weights_heads), Tq, Tk)``, recomputed from the fast path's log-sum-exp
             (without gradient) so the rest of the call stays fast.
-        backend: ``"auto"`` (default), ``"math"``, ``"torch"`` or ``"flash"``; see
+        backend: ``"auto"`` (default), ``"math"``, ``"torch"``, ``"flash"`` or ``"decode"``; see
             :mod:`qkv.dispatch` for the rule table and :func:`explain_dispatch` for why.
         alibi_slopes: ``(h,)``, ALiBi (FlashAttention's keyword): adds
             ``-slope_h·|p(i) - j|`` (as :func:`qkv.masks.alibi_bias`) with no ``(Tq, Tk)``
@@ -279,7 +280,12 @@ def scaled_dot_product_attention(
             q, k, v, mask=mask, bias=bias, causal=causal, window=window, scale=scale,
             dropout_p=dropout_p,
         )  # fmt: skip
-    out, lse = flash_attention(q, k, v, **options, return_lse=True)
+    if decision.backend == "decode":
+        out, lse = run_decode(
+            q, k, v, case.shape, mask=mask, causal=causal, window=window, scale=scale
+        )
+    else:
+        out, lse = flash_attention(q, k, v, **options, return_lse=True)
     if not return_weights:
         return out
     return out, weights_from_lse(q, k, lse, heads=weights_heads, **options)

@@ -1,9 +1,12 @@
-"""qkv's fused CPU kernel (``qkv/csrc/flash_cpu.cpp``), compiled on first use.
+"""qkv's fused CPU kernels (``qkv/csrc/*.cpp``), compiled on first use.
 
-The C++ source is built once per machine with PyTorch's extension builder (gcc + ninja,
-~15 s; cached under ``~/.cache/torch_extensions``, or ``$TORCH_EXTENSIONS_DIR``) and registers
-``torch.ops.qkv_flash.fwd`` / ``.bwd``. Where it cannot be built (no compiler, another OS) the
-flash backend keeps working on its PyTorch-ops kernel, and :func:`native_status` says why.
+The C++ sources are built once per machine into one extension with PyTorch's extension
+builder (gcc + ninja, ~30 s; cached under ``~/.cache/torch_extensions``, or
+``$TORCH_EXTENSIONS_DIR``). ``flash_cpu.cpp`` registers ``torch.ops.qkv_flash.fwd`` / ``.bwd``
+(the flash backend), ``decode_cpu.cpp`` ``torch.ops.qkv_decode.fwd`` (the decode backend, a
+few queries over a long KV cache). Where they cannot be built (no compiler, another OS) the
+flash backend keeps working on its PyTorch-ops kernel, the decode backend is not offered,
+and :func:`native_status` says why.
 ``QKV_NATIVE=0`` turns the fused kernel off; ``QKV_NATIVE_PORTABLE=1`` builds it without
 ``-march=native`` (plain C++ loops instead of the AVX-512 ones; used by the tests to check
 that path on machines that have AVX-512).
@@ -29,11 +32,12 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["native_ops", "native_status"]
+__all__ = ["decode_ops", "native_ops", "native_status"]
 
 logger = logging.getLogger("qkv.kernels")
 
-SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "flash_cpu.cpp"
+CSRC = Path(__file__).resolve().parent.parent / "csrc"
+SOURCES = [CSRC / "flash_cpu.cpp", CSRC / "decode_cpu.cpp"]
 _status = "not loaded yet"
 
 
@@ -97,19 +101,25 @@ def native_ops() -> object | None:
         with _build_lock(name):
             cpp_extension.load(
                 name=name,
-                sources=[str(SOURCE)],
+                sources=[str(p) for p in SOURCES],
                 extra_cflags=_flags(),
                 is_python_module=False,
                 verbose=False,
             )
         ops = torch.ops.qkv_flash
         ops.fwd  # noqa: B018 (raises if the library did not register its ops)
+        torch.ops.qkv_decode.fwd  # noqa: B018
     except Exception as e:  # no compiler/ninja, unsupported platform, failed build
         _status = f"unavailable: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         logger.warning("qkv: fused CPU kernel %s; flash uses its PyTorch-ops kernel", _status)
         return None
-    _status = f"loaded ({' '.join(_flags())})"
+    _status = f"loaded ({' '.join(_flags())}; decode path {torch.ops.qkv_decode.isa()})"
     return ops
+
+
+def decode_ops() -> object | None:
+    """``torch.ops.qkv_decode`` (loads the extension if needed), else ``None``."""
+    return None if native_ops() is None else torch.ops.qkv_decode
 
 
 def native_status() -> str:

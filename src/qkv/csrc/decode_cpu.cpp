@@ -1,0 +1,747 @@
+// qkv's CPU decode-attention kernel ("flash-decoding"): a few queries over a long KV cache.
+//
+// Decoding attends Tq = 1..16 queries per head to Tk = thousands of cached keys. The work is
+// memory-bound (each key and value is used by only G·Tq query rows), so the kernel's job is
+// to read K and V exactly once, in their stored dtype, at the machine's read bandwidth:
+//
+//   * the G query heads of one kv head and their Tq queries form one small matrix of
+//     R = G·Tq rows that reads its kv head once (GQA without repeating K/V);
+//   * the keys of all kv heads, laid end to end, are cut into one contiguous span per thread
+//     (flash-decoding): each thread keeps, per row, a running max m, sum l and unnormalised
+//     output acc for each piece ("segment") of a head it covers; one merge by log-sum-exp
+//     then combines the pieces of each head;
+//   * per block of 64 keys: S = Q Kᵀ on tiles of 16 keys (16 dot products per row, summed
+//     across lanes by one transpose-and-add tree), the online softmax over the block, then
+//     acc += P V with 16 value rows held in registers; the tile two blocks ahead is
+//     prefetched into L2 line by line as the current one is read, so that DRAM streams
+//     while the arithmetic runs.
+//
+// fp32 and bf16 K/V (fp32 accumulation; with AVX512_BF16, vdpbf16ps for both products, P
+// rounded to bf16 for P·V as in PyTorch's bf16 kernels). Causal and sliding-window structure (queries aligned bottom-right: query i sits at
+// key position Tk - Tq + i), a bool mask (True = may attend) read in place as a broadcast
+// view, any scale. Rows that see no key give zeros and lse = -inf, as every qkv backend.
+// Layout:
+//   q (Nb, h, Tq, d) contiguous   k (Nb, h_kv, Tk, d), v (Nb, h_kv, Tk, dv): any strides
+//   but a unit one over the head dim (a slice of a preallocated cache is read in place)
+//   out (Nb, h, Tq, dv) in q's dtype, lse (Nb, h, Tq) fp32;  query head = kv head · G + g.
+// Built with -march=native: AVX-512 where the machine has it, plain C++ loops otherwise
+// (QKV_NATIVE_PORTABLE=1 builds those on any machine; the tests check both).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>  // at::get_num_threads
+#include <torch/library.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define QKV_AVX512 1  // the vector code needs F, BW (16-bit lanes, byte masks) and VL
+#include <immintrin.h>
+#endif
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+using at::BFloat16;
+using at::Tensor;
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr int64_t kTile = 16;   // keys per score tile: one vector of 16 scores per row
+constexpr int64_t kBlock = 64;  // keys per online-softmax step
+// The running max is raised only when a block's max exceeds it by more than this (log2
+// units): p then stays below 2^8, harmless in fp32 sums, and acc is rarely rescaled.
+constexpr float kLazy = 8.f;
+// Below this many (key, row) pairs per thread a call runs on one thread: forking costs more
+// than the keys (measured with bench/decode_attention.py, Tk = 512 with 1 and 2 threads).
+constexpr int64_t kMinPairsPerThread = 4096;
+
+static inline float to_float(float x) { return x; }
+static inline float to_float(BFloat16 x) { return static_cast<float>(x); }
+
+// fp32 -> bf16, round to nearest even (NaN stays NaN)
+static inline BFloat16 to_bf16(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof(u));
+  if (std::isnan(x)) return BFloat16(x);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  const uint16_t b = static_cast<uint16_t>(u >> 16);
+  BFloat16 out;
+  std::memcpy(&out, &b, sizeof(b));
+  return out;
+}
+template <typename T> static inline T from_float(float x);
+template <> inline float from_float<float>(float x) { return x; }
+template <> inline BFloat16 from_float<BFloat16>(float x) { return to_bf16(x); }
+
+// 2^t for t <= 0 (0 for t < -126, also t = -inf); the polynomial of flash_cpu.cpp's exp2_neg
+static inline float exp2_neg(float t) {
+  const float tc = t < -126.f ? -126.f : (t > 64.f ? 64.f : t);
+  const float n = (tc + 12582912.f) - 12582912.f;
+  const float f = tc - n;
+  float p = 0.0013264614390209317f;
+  p = p * f + 0.009671480394899845f;
+  p = p * f + 0.05550733581185341f;
+  p = p * f + 0.24022242426872253f;
+  p = p * f + 0.6931470036506653f;
+  p = p * f + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return t < -126.f ? 0.f : p * scale;
+}
+
+// Which keys query row i may see (aligned bottom-right: position Tk - Tq + i).
+struct Structure {
+  int64_t Tq, Tk;
+  bool causal;
+  int64_t window;  // <= 0: none
+  int64_t lo(int64_t i) const {
+    const int64_t pos = Tk - Tq + i;
+    return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+  }
+  int64_t hi(int64_t i) const {
+    const int64_t pos = Tk - Tq + i;
+    if (causal) return std::min<int64_t>(Tk, pos + 1);
+    if (window > 0) return std::min<int64_t>(Tk, pos + window);
+    return Tk;
+  }
+};
+
+// A bool mask (True = may attend) as a strided view (Nb, h_kv, G, Tq, Tk), unit key stride.
+struct MaskView {
+  const uint8_t* base = nullptr;
+  int64_t h_kv = 1, s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+  const uint8_t* row(int64_t n, int64_t g, int64_t i) const {
+    if (!base) return nullptr;
+    return base + (n / h_kv) * s0 + (n % h_kv) * s1 + g * s2 + i * s3;
+  }
+};
+
+// bf16 K/V on a CPU with AVX512_BF16: dot products and P·V with vdpbf16ps (P rounded to
+// bf16, as PyTorch's bf16 kernels do); the accumulator rows then hold their columns in the
+// order vpunpck{l,h}wd leaves them (see pv_pairs) until the end of each segment.
+template <typename T>
+constexpr bool kPairs =
+#if defined(QKV_AVX512) && defined(__AVX512BF16__)
+    std::is_same_v<T, BFloat16>;
+#else
+    false;
+#endif
+
+// One call's sizes and pointers. Rows r = g·Tq + i of kv head n = b·h_kv + hk.
+template <typename T>
+struct Problem {
+  int64_t N, h_kv, G, Tq, R, d, dv, Tk;
+  const T *q, *k, *v;
+  int64_t k0s, k1s, k2s, v0s, v1s, v2s;  // strides of k, v over (Nb, h_kv, Tk)
+  Structure st;
+  MaskView mk;
+  float c2;  // scale · log2(e): scores are kept in log2 units
+  const T* krow(int64_t n, int64_t t) const {
+    return k + (n / h_kv) * k0s + (n % h_kv) * k1s + t * k2s;
+  }
+  const T* vrow(int64_t n, int64_t t) const {
+    return v + (n / h_kv) * v0s + (n % h_kv) * v1s + t * v2s;
+  }
+};
+
+// Per-thread scratch (floats): the query rows, the scores S and weights P of one block, and a
+// tile of zero-padded K and V rows for the last, partial tile of a segment.
+struct Scratch {
+  float *qf, *S, *P;
+  void *ktile, *vtile;
+};
+
+// -------------------------------------------------------------------------------------------
+// Vector pieces (AVX-512)
+#ifdef QKV_AVX512
+template <bool kLow>
+static inline __m512 exp2_v(__m512 t, __mmask16 k) {  // as flash_cpu.cpp's exp2_v<false>
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(0.0013264614390209317f), f,
+                             _mm512_set1_ps(0.009671480394899845f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.05550733581185341f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24022242426872253f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931470036506653f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_maskz_scalef_ps(k, p, n);
+}
+
+static inline __mmask16 lanes(int64_t n) {  // the first n (0..16) lanes
+  return n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1u);
+}
+
+// 16 values of a row as fp32 (lanes off in k: 0)
+static inline __m512 load16(const float* p, __mmask16 k) { return _mm512_maskz_loadu_ps(k, p); }
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16(const BFloat16* p, __mmask16 k) {
+  const __m256i b = _mm256_maskz_loadu_epi16(k, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+}
+static inline __m512 load16(const BFloat16* p) {
+  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+}
+
+// lanes j of the result = sum of the 16 lanes of a[j]: a transpose-and-add tree (45 ops)
+static inline __m512 reduce16(const __m512* a) {
+  __m512 b[8], c[4], d[2];
+  for (int i = 0; i < 8; ++i)
+    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                         _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
+    c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  for (int i = 0; i < 2; ++i)
+    d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xdd));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], 0x88),
+                       _mm512_shuffle_f32x4(d[0], d[1], 0xdd));
+}
+
+// q·k for 16 keys (rows kp, kp + ks, ...), q in fp32 (zero past d): one vector of scores
+// pf: the same rows of a later tile, prefetched into L2 line by line as these are read
+// (spread over the arithmetic rather than issued in a burst), or nullptr.
+static inline void pf_line(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
+
+template <typename T>
+static inline __m512 dots16(const float* q, const T* kp, int64_t ks, int64_t d, const T* pf) {
+  __m512 a[16];
+  for (int j = 0; j < 16; ++j) a[j] = _mm512_setzero_ps();
+  int64_t c = 0;
+  for (; c + 16 <= d; c += 16) {
+    const __m512 qv = _mm512_loadu_ps(q + c);
+    if (pf && (c * int64_t(sizeof(T))) % 64 == 0)
+      for (int j = 0; j < 16; ++j) pf_line(pf + j * ks + c);
+    for (int j = 0; j < 16; ++j) a[j] = _mm512_fmadd_ps(qv, load16(kp + j * ks + c), a[j]);
+  }
+  if (c < d) {
+    const __mmask16 t = lanes(d - c);
+    const __m512 qv = _mm512_loadu_ps(q + c);
+    for (int j = 0; j < 16; ++j) a[j] = _mm512_fmadd_ps(qv, load16(kp + j * ks + c, t), a[j]);
+  }
+  return reduce16(a);
+}
+
+#ifdef __AVX512BF16__
+// bf16 keys: 32 products per instruction (vdpbf16ps, fp32 sums); q as bf16 pairs, zero past d
+static inline __m512 dots16_bf16(const BFloat16* q, const BFloat16* kp, int64_t ks, int64_t d,
+                                  const BFloat16* pf) {
+  __m512 a[16];
+  for (int j = 0; j < 16; ++j) a[j] = _mm512_setzero_ps();
+  int64_t c = 0;
+  for (; c + 32 <= d; c += 32) {
+    const __m512bh qv = (__m512bh)_mm512_loadu_si512(q + c);
+    if (pf)
+      for (int j = 0; j < 16; ++j) pf_line(pf + j * ks + c);
+    for (int j = 0; j < 16; ++j)
+      a[j] = _mm512_dpbf16_ps(a[j], qv, (__m512bh)_mm512_loadu_si512(kp + j * ks + c));
+  }
+  if (c < d) {
+    const __mmask32 t = d - c >= 32 ? ~__mmask32(0) : __mmask32((1u << (d - c)) - 1u);
+    const __m512bh qv = (__m512bh)_mm512_loadu_si512(q + c);
+    for (int j = 0; j < 16; ++j)
+      a[j] = _mm512_dpbf16_ps(a[j], qv, (__m512bh)_mm512_maskz_loadu_epi16(t, kp + j * ks + c));
+  }
+  return reduce16(a);
+}
+#else
+static inline __m512 dots16_bf16(const BFloat16*, const BFloat16*, int64_t, int64_t,
+                                  const BFloat16*) {  // never called: kPairs needs AVX512_BF16
+  return _mm512_setzero_ps();
+}
+#endif
+
+// lanes allowed by a mask row (True = may attend) among those in k
+static inline __mmask16 mask_bits(const uint8_t* m, __mmask16 k) {
+  return _mm_mask_cmpneq_epi8_mask(k, _mm_maskz_loadu_epi8(k, m), _mm_setzero_si128());
+}
+#endif  // QKV_AVX512
+
+#ifdef QKV_AVX512
+#ifdef __AVX512BF16__
+// acc += P V for one tile of 16 bf16 value rows (vp, row stride vs), P in bf16 (row r at
+// p + r·kBlock), with vdpbf16ps on key pairs: for each 32-column chunk the rows j, j+1 are
+// interleaved (vpunpcklwd/hwd: fp32 lane 4L+i then holds column 8L+i, resp. 8L+4+i, of the
+// chunk) and each query row adds p_j·v_j + p_{j+1}·v_{j+1} in one instruction. The chunk's
+// "lo" half goes to acc[c, c+16), "hi" to acc[c+16, c+32): unpermute_pairs restores the order.
+static inline void pv_pairs(const BFloat16* vp, int64_t vs, int64_t dv, const BFloat16* p,
+                            int64_t R, float* acc, int64_t dvp, const BFloat16* pf) {
+  auto pair = [&](int64_t r, int jp) {  // (p_2jp, p_2jp+1) of row r, broadcast
+    int32_t w;
+    std::memcpy(&w, p + r * kBlock + 2 * jp, sizeof(w));
+    return (__m512bh)_mm512_set1_epi32(w);
+  };
+  for (int64_t c = 0; c < dv; c += 32) {
+    const __mmask32 cm = dv - c >= 32 ? ~__mmask32(0) : __mmask32((1u << (dv - c)) - 1u);
+    __m512bh lo[8], hi[8];
+    if (pf)
+      for (int j = 0; j < 16; ++j) pf_line(pf + j * vs + c);
+    for (int jp = 0; jp < 8; ++jp) {
+      const __m512i x = _mm512_maskz_loadu_epi16(cm, vp + (2 * jp) * vs + c);
+      const __m512i y = _mm512_maskz_loadu_epi16(cm, vp + (2 * jp + 1) * vs + c);
+      lo[jp] = (__m512bh)_mm512_unpacklo_epi16(x, y);
+      hi[jp] = (__m512bh)_mm512_unpackhi_epi16(x, y);
+    }
+    int64_t r = 0;
+    for (; r + 4 <= R; r += 4) {  // four rows: eight independent chains
+      float* o = acc + r * dvp + c;
+      __m512 a[8];
+      for (int i = 0; i < 4; ++i)
+        a[2 * i] = _mm512_loadu_ps(o + i * dvp), a[2 * i + 1] = _mm512_loadu_ps(o + i * dvp + 16);
+      for (int jp = 0; jp < 8; ++jp)
+        for (int i = 0; i < 4; ++i) {
+          const __m512bh w = pair(r + i, jp);
+          a[2 * i] = _mm512_dpbf16_ps(a[2 * i], lo[jp], w);
+          a[2 * i + 1] = _mm512_dpbf16_ps(a[2 * i + 1], hi[jp], w);
+        }
+      for (int i = 0; i < 4; ++i)
+        _mm512_storeu_ps(o + i * dvp, a[2 * i]), _mm512_storeu_ps(o + i * dvp + 16, a[2 * i + 1]);
+    }
+    for (; r < R; ++r) {  // one row: four chains
+      float* o = acc + r * dvp + c;
+      __m512 a0 = _mm512_loadu_ps(o), a1 = _mm512_loadu_ps(o + 16);
+      __m512 b0 = _mm512_setzero_ps(), b1 = b0;
+      for (int jp = 0; jp < 8; jp += 2) {
+        const __m512bh w0 = pair(r, jp), w1 = pair(r, jp + 1);
+        a0 = _mm512_dpbf16_ps(a0, lo[jp], w0), a1 = _mm512_dpbf16_ps(a1, hi[jp], w0);
+        b0 = _mm512_dpbf16_ps(b0, lo[jp + 1], w1), b1 = _mm512_dpbf16_ps(b1, hi[jp + 1], w1);
+      }
+      _mm512_storeu_ps(o, _mm512_add_ps(a0, b0)), _mm512_storeu_ps(o + 16, _mm512_add_ps(a1, b1));
+    }
+  }
+}
+#else
+static inline void pv_pairs(const BFloat16*, int64_t, int64_t, const BFloat16*, int64_t, float*,
+                            int64_t, const BFloat16*) {}  // never called: kPairs is false without AVX512_BF16
+#endif
+#endif  // QKV_AVX512
+
+// The column order of pv_pairs back to the natural one, in each 32-column chunk of acc's rows.
+static inline void unpermute_pairs(float* acc, int64_t R, int64_t dvp) {
+  float tmp[32];
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t c = 0; c < dvp; c += 32) {
+      float* a = acc + r * dvp + c;
+      for (int L = 0; L < 4; ++L)
+        for (int i = 0; i < 4; ++i) tmp[8 * L + i] = a[4 * L + i], tmp[8 * L + 4 + i] = a[16 + 4 * L + i];
+      std::memcpy(a, tmp, sizeof(tmp));
+    }
+}
+
+// -------------------------------------------------------------------------------------------
+// One segment: kv head n, keys [k0, k1). Leaves m (log2 units), l and the unnormalised acc
+// (R x dvp, zeroed by the caller) of every row.
+template <typename T>
+static void run_segment(const Problem<T>& P, int64_t n, int64_t k0, int64_t k1, float* m,
+                        float* l, float* acc, int64_t dvp, const Scratch& sc) {
+  const int64_t R = P.R, Tq = P.Tq, d = P.d, dv = P.dv;
+  const int64_t dqp = (d + 31) / 32 * 32;  // q row stride in the scratch
+  // the query rows of this head, unscaled: fp32 (bf16 pairs for the bf16 dot products)
+  const T* Q = P.q + n * R * d;
+  constexpr bool kBf16Dot = kPairs<T>;
+  for (int64_t r = 0; r < R; ++r) {
+    if constexpr (kBf16Dot) {
+      BFloat16* qb = reinterpret_cast<BFloat16*>(sc.qf) + r * dqp;
+      std::memcpy(qb, Q + r * d, d * sizeof(T));
+      std::memset(qb + d, 0, (dqp - d) * sizeof(T));
+    } else {
+      float* qf = sc.qf + r * dqp;
+      for (int64_t c = 0; c < d; ++c) qf[c] = to_float(Q[r * d + c]);
+      for (int64_t c = d; c < dqp; ++c) qf[c] = 0.f;
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) m[r] = kNegInf, l[r] = 0.f;
+  const float c2 = P.c2;
+
+  for (int64_t kb = k0; kb < k1; kb += kBlock) {
+    const int64_t nk = std::min(kBlock, k1 - kb);
+    // ---- scores S (R x kBlock) in log2 units, -inf where not visible
+    for (int64_t t0 = 0; t0 < kBlock; t0 += kTile) {
+      const int64_t nt = std::clamp<int64_t>(nk - t0, 0, kTile);
+      if (nt == 0) {
+        for (int64_t r = 0; r < R; ++r)
+          for (int64_t j = 0; j < kTile; ++j) sc.S[r * kBlock + t0 + j] = kNegInf;
+        continue;
+      }
+      const int64_t kt = kb + t0;
+      const T* kp = P.krow(n, kt);
+      int64_t ks = P.k2s;
+      if (nt < kTile) {  // a partial tile: its rows copied, zero rows after them
+        T* buf = static_cast<T*>(sc.ktile);
+        std::memset(static_cast<void*>(buf), 0, kTile * d * sizeof(T));
+        for (int64_t j = 0; j < nt; ++j) std::memcpy(buf + j * d, P.krow(n, kt + j), d * sizeof(T));
+        kp = buf, ks = d;
+      }
+#ifdef QKV_AVX512
+      // The same tile two blocks ahead, prefetched into L2 while this one is read (the
+      // first query row's loop issues one prefetch per line it loads). Measured on a loaded
+      // 2-core Zen 4, Tk = 16384, Tq = 1, 1 thread, CPU time, GB/s of K+V (fp32 / bf16):
+      // no prefetch 6-7; bursts of a whole tile into L1 6-7, into L2 9-12; spread one block
+      // ahead 12.5-14; two blocks 13-15.6; four blocks 9-13.
+      const T* kpf = nt == kTile && ks == P.k2s && kt + 2 * kBlock + kTile <= k1
+                         ? P.krow(n, kt + 2 * kBlock) : nullptr;
+#endif
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t g = r / Tq, i = r % Tq;
+        const int64_t a = std::clamp<int64_t>(P.st.lo(i) - kt, 0, nt);
+        const int64_t b = std::clamp<int64_t>(P.st.hi(i) - kt, 0, nt);
+        float* s = sc.S + r * kBlock + t0;
+        const uint8_t* mr = P.mk.row(n, g, i);
+#ifdef QKV_AVX512
+        __mmask16 vis = __mmask16(lanes(b) & ~lanes(a));
+        if (mr && vis) vis = mask_bits(mr + kt, vis);
+        if (!vis) {
+          _mm512_storeu_ps(s, _mm512_set1_ps(kNegInf));
+          continue;
+        }
+        __m512 x;
+        if constexpr (kBf16Dot)
+          x = dots16_bf16(reinterpret_cast<const BFloat16*>(sc.qf) + r * dqp,
+                          reinterpret_cast<const BFloat16*>(kp), ks, d,
+                          reinterpret_cast<const BFloat16*>(r == 0 ? kpf : nullptr));
+        else
+          x = dots16(sc.qf + r * dqp, kp, ks, d, r == 0 ? kpf : nullptr);
+        x = _mm512_mask_mul_ps(_mm512_set1_ps(kNegInf), vis, x, _mm512_set1_ps(c2));
+        _mm512_storeu_ps(s, x);
+#else
+        const float* qf = sc.qf + r * dqp;
+        for (int64_t j = 0; j < kTile; ++j) {
+          const bool visible = j >= a && j < b && (!mr || mr[kt + j]);
+          if (!visible) {
+            s[j] = kNegInf;
+            continue;
+          }
+          const T* kr = kp + j * ks;
+          float dot = 0.f;
+          for (int64_t c = 0; c < d; ++c) dot += qf[c] * to_float(kr[c]);
+          s[j] = dot * c2;
+        }
+#endif
+      }
+    }
+    // ---- online softmax over the block: P = 2^(S - m), l += sum P, acc rescaled if m grows
+    for (int64_t r = 0; r < R; ++r) {
+      const float* s = sc.S + r * kBlock;
+      float* p = sc.P + r * kBlock;
+      float bm = kNegInf;
+#ifdef QKV_AVX512
+      __m512 vm = _mm512_loadu_ps(s);
+      for (int64_t j = 16; j < kBlock; j += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(s + j));
+      bm = _mm512_reduce_max_ps(vm);
+#else
+      for (int64_t j = 0; j < kBlock; ++j) bm = s[j] > bm ? s[j] : bm;
+#endif
+      if (bm == kNegInf) {  // nothing visible in this block
+        if constexpr (kBf16Dot)
+          std::memset(reinterpret_cast<BFloat16*>(sc.P) + r * kBlock, 0, kBlock * sizeof(T));
+        else
+          std::memset(p, 0, kBlock * sizeof(float));
+        continue;
+      }
+      if (m[r] == kNegInf) {
+        m[r] = bm;  // acc and l are still 0
+      } else if (bm > m[r] + kLazy) {
+        const float alpha = exp2_neg(m[r] - bm);
+        m[r] = bm;
+        l[r] *= alpha;
+        float* o = acc + r * dvp;
+        for (int64_t c = 0; c < dvp; ++c) o[c] *= alpha;
+      }
+      const float mr = m[r];
+#ifdef QKV_AVX512
+      __m512 vs = _mm512_setzero_ps();
+      const __m512 vmr = _mm512_set1_ps(mr), ninf = _mm512_set1_ps(kNegInf);
+      for (int64_t j = 0; j < kBlock; j += 16) {
+        const __m512 x = _mm512_loadu_ps(s + j);
+        const __mmask16 vis = _mm512_cmp_ps_mask(x, ninf, _CMP_NEQ_OQ);
+        const __m512 e = exp2_v<false>(_mm512_sub_ps(x, vmr), vis);
+        if constexpr (kBf16Dot) {  // P in bf16 for vdpbf16ps (l keeps the exact sum: the lse)
+          const __m256i eb = (__m256i)_mm512_cvtneps_pbh(e);
+          _mm256_storeu_si256(
+              reinterpret_cast<__m256i*>(reinterpret_cast<BFloat16*>(sc.P) + r * kBlock + j), eb);
+        } else {
+          _mm512_storeu_ps(p + j, e);
+        }
+        vs = _mm512_add_ps(vs, e);
+      }
+      l[r] += _mm512_reduce_add_ps(vs);
+#else
+      float sum = 0.f;
+      for (int64_t j = 0; j < kBlock; ++j) {
+        p[j] = s[j] == kNegInf ? 0.f : exp2_neg(s[j] - mr);
+        sum += p[j];
+      }
+      l[r] += sum;
+#endif
+    }
+    // ---- acc += P V over the block, one tile of 16 value rows at a time
+    for (int64_t t0 = 0; t0 < nk; t0 += kTile) {
+      const int64_t nt = std::min(kTile, nk - t0), kt = kb + t0;
+      const T* vp = P.vrow(n, kt);
+      int64_t vs = P.v2s;
+      if (nt < kTile) {
+        T* buf = static_cast<T*>(sc.vtile);
+        std::memset(static_cast<void*>(buf), 0, kTile * dv * sizeof(T));
+        for (int64_t j = 0; j < nt; ++j)
+          std::memcpy(buf + j * dv, P.vrow(n, kt + j), dv * sizeof(T));
+        vp = buf, vs = dv;
+      }
+      const float* pt = sc.P + t0;  // P[r][t0 + j] at pt[r * kBlock + j]
+#ifdef QKV_AVX512
+      // the same value tile two blocks ahead, prefetched into L2 line by line (as the keys)
+      const T* vpf = nt == kTile && vs == P.v2s && kt + 2 * kBlock + kTile <= k1
+                         ? P.vrow(n, kt + 2 * kBlock) : nullptr;
+      if constexpr (kBf16Dot) {
+        pv_pairs(reinterpret_cast<const BFloat16*>(vp), vs, dv,
+                 reinterpret_cast<const BFloat16*>(sc.P) + t0, R, acc, dvp,
+                 reinterpret_cast<const BFloat16*>(vpf));
+        continue;
+      }
+      for (int64_t c = 0; c < dv; c += 16) {
+        const __mmask16 cm = lanes(dv - c);
+        __m512 vr[16];
+        if (vpf && (c * int64_t(sizeof(T))) % 64 == 0)
+          for (int j = 0; j < 16; ++j) pf_line(vpf + j * vs + c);
+        if (cm == 0xffff)
+          for (int j = 0; j < 16; ++j) vr[j] = load16(vp + j * vs + c);
+        else
+          for (int j = 0; j < 16; ++j) vr[j] = load16(vp + j * vs + c, cm);
+        int64_t r = 0;
+        for (; r + 4 <= R; r += 4) {  // four rows: four independent chains
+          float* o = acc + r * dvp + c;
+          const float* pr = pt + r * kBlock;
+          __m512 a0 = _mm512_loadu_ps(o), a1 = _mm512_loadu_ps(o + dvp);
+          __m512 a2 = _mm512_loadu_ps(o + 2 * dvp), a3 = _mm512_loadu_ps(o + 3 * dvp);
+          for (int j = 0; j < 16; ++j) {
+            a0 = _mm512_fmadd_ps(vr[j], _mm512_set1_ps(pr[j]), a0);
+            a1 = _mm512_fmadd_ps(vr[j], _mm512_set1_ps(pr[kBlock + j]), a1);
+            a2 = _mm512_fmadd_ps(vr[j], _mm512_set1_ps(pr[2 * kBlock + j]), a2);
+            a3 = _mm512_fmadd_ps(vr[j], _mm512_set1_ps(pr[3 * kBlock + j]), a3);
+          }
+          _mm512_storeu_ps(o, a0), _mm512_storeu_ps(o + dvp, a1);
+          _mm512_storeu_ps(o + 2 * dvp, a2), _mm512_storeu_ps(o + 3 * dvp, a3);
+        }
+        for (; r < R; ++r) {  // one row: four chains over the keys
+          float* o = acc + r * dvp + c;
+          const float* pr = pt + r * kBlock;
+          __m512 a0 = _mm512_loadu_ps(o), a1 = _mm512_setzero_ps(), a2 = a1, a3 = a1;
+          for (int j = 0; j < 16; j += 4) {
+            a0 = _mm512_fmadd_ps(vr[j], _mm512_set1_ps(pr[j]), a0);
+            a1 = _mm512_fmadd_ps(vr[j + 1], _mm512_set1_ps(pr[j + 1]), a1);
+            a2 = _mm512_fmadd_ps(vr[j + 2], _mm512_set1_ps(pr[j + 2]), a2);
+            a3 = _mm512_fmadd_ps(vr[j + 3], _mm512_set1_ps(pr[j + 3]), a3);
+          }
+          _mm512_storeu_ps(o, _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+        }
+      }
+#else
+      for (int64_t j = 0; j < nt; ++j) {
+        const T* vr = vp + j * vs;
+        for (int64_t r = 0; r < R; ++r) {
+          const float w = pt[r * kBlock + j];
+          if (w == 0.f) continue;  // masked keys (0·inf in V would be NaN)
+          float* o = acc + r * dvp;
+#pragma omp simd
+          for (int64_t c = 0; c < dv; ++c) o[c] += w * to_float(vr[c]);
+        }
+      }
+#endif
+    }
+  }
+  if constexpr (kBf16Dot) unpermute_pairs(acc, R, dvp);
+}
+
+// A contiguous run of one head's keys handled by one thread.
+struct Segment {
+  int64_t n, k0, k1;
+};
+
+// splits > 0: cut the keys into exactly that many pieces (the tests' way to exercise the
+// merge on small inputs); else one piece per thread, fewer for small calls.
+template <typename T>
+static void decode_impl(const Problem<T>& P, T* out, float* lse, int64_t splits) {
+  const int64_t N = P.N, R = P.R, dv = P.dv;
+  const int64_t dvp = kPairs<T> ? (dv + 31) / 32 * 32 : (dv + 15) / 16 * 16;
+  // keys any row may see: [lo(0), hi(Tq - 1)) (lo and hi grow with the row)
+  const int64_t lo = P.st.lo(0), hi = P.st.hi(P.Tq - 1), L = std::max<int64_t>(hi - lo, 0);
+  const int64_t W = N * L;  // (head, key) pairs
+  int64_t nt = 1;
+#ifdef _OPENMP
+  if (!omp_in_parallel())
+    nt = std::clamp<int64_t>(W * R / kMinPairsPerThread, 1, at::get_num_threads());
+#endif
+  if (splits > 0) nt = splits;
+  // thread t takes pairs [W·t/nt, W·(t+1)/nt), cut at tile boundaries and at head ends
+  std::vector<Segment> segs;
+  std::vector<int64_t> first(nt + 1, 0);  // thread t's segments: [first[t], first[t+1])
+  auto cut = [&](int64_t t) {
+    const int64_t b = W * t / nt, h = L ? b / L : 0;
+    return h * L + (b - h * L) / kTile * kTile;
+  };
+  for (int64_t t = 0; t < nt; ++t) {
+    first[t] = static_cast<int64_t>(segs.size());
+    const int64_t e = t + 1 == nt ? W : cut(t + 1);
+    for (int64_t pos = cut(t); pos < e;) {
+      const int64_t h = pos / L, end = std::min(e, (h + 1) * L);
+      segs.push_back({h, lo + pos - h * L, lo + end - h * L});
+      pos = end;
+    }
+  }
+  first[nt] = static_cast<int64_t>(segs.size());
+  const int64_t S = static_cast<int64_t>(segs.size());
+  // every buffer allocated here, before the threads start (nothing throws inside)
+  const int64_t dqp = (P.d + 31) / 32 * 32;
+  const int64_t per_thread = R * dqp + 2 * R * kBlock + kTile * (P.d + dv) + 64;
+  const int64_t part = R * (2 + dvp);  // m, l, acc of one segment
+  static thread_local std::vector<float> buf;  // kept between calls: no page faults per call
+  const size_t need = static_cast<size_t>(nt * per_thread + S * part + 16);
+  if (buf.size() < need) buf.assign(need, 0.f);
+  float* base = buf.data();
+  auto partial = [&](int64_t s) { return base + nt * per_thread + s * part; };
+  // heads without any segment (L = 0: no row sees a key) come out as zeros, lse = -inf
+  std::vector<int64_t> head_first(N + 1, S);
+  for (int64_t s = S - 1; s >= 0; --s) head_first[segs[s].n] = s;
+  for (int64_t h = N - 1; h >= 0; --h) head_first[h] = std::min(head_first[h], head_first[h + 1]);
+
+  auto work = [&](int64_t t) {  // piece t
+    float* tb = base + t * per_thread;
+    Scratch sc{tb, tb + R * dqp, tb + R * dqp + R * kBlock, tb + R * dqp + 2 * R * kBlock,
+               tb + R * dqp + 2 * R * kBlock + (kTile * P.d + 15) / 16 * 16};
+    for (int64_t s = first[t]; s < first[t + 1]; ++s) {
+      float* pm = partial(s);
+      std::memset(pm + 2 * R, 0, R * dvp * sizeof(float));
+      run_segment<T>(P, segs[s].n, segs[s].k0, segs[s].k1, pm, pm + R, pm + 2 * R, dvp, sc);
+    }
+  };
+  // merge by log-sum-exp: M = max m_s, L = Σ l_s 2^(m_s - M), out = Σ acc_s 2^(m_s - M) / L
+  auto merge = [&](int64_t h) {
+    const int64_t s0 = head_first[h], s1 = head_first[h + 1];
+    for (int64_t r = 0; r < R; ++r) {
+      float M = kNegInf;
+      for (int64_t s = s0; s < s1; ++s)
+        if (partial(s)[R + r] > 0.f) M = std::max(M, partial(s)[r]);
+      T* o = out + (h * R + r) * dv;
+      if (M == kNegInf) {  // no visible key
+        for (int64_t c = 0; c < dv; ++c) o[c] = from_float<T>(0.f);
+        lse[h * R + r] = kNegInf;
+        continue;
+      }
+      float sum = 0.f;
+      for (int64_t s = s0; s < s1; ++s)
+        if (partial(s)[R + r] > 0.f) sum += partial(s)[R + r] * exp2_neg(partial(s)[r] - M);
+      const float inv = 1.f / sum;
+      float* tmp = partial(s0) + 2 * R + r * dvp;  // combined into the first segment's acc
+      if (s1 - s0 > 1 || partial(s0)[r] != M) {
+        const float w0 = partial(s0)[R + r] > 0.f ? exp2_neg(partial(s0)[r] - M) : 0.f;
+        for (int64_t c = 0; c < dv; ++c) tmp[c] *= w0;
+        for (int64_t s = s0 + 1; s < s1; ++s) {
+          if (!(partial(s)[R + r] > 0.f)) continue;
+          const float w = exp2_neg(partial(s)[r] - M);
+          const float* a = partial(s) + 2 * R + r * dvp;
+          for (int64_t c = 0; c < dv; ++c) tmp[c] += w * a[c];
+        }
+      }
+      for (int64_t c = 0; c < dv; ++c) o[c] = from_float<T>(tmp[c] * inv);
+      lse[h * R + r] = (M + std::log2(sum)) * kLn2;
+    }
+  };
+#ifdef _OPENMP
+  if (nt > 1 && !omp_in_parallel()) {
+#pragma omp parallel num_threads(nt)
+    {
+      // the team may be smaller than asked: each thread takes every team-th piece
+      const int64_t t = omp_get_thread_num(), team = omp_get_num_threads();
+      for (int64_t p = t; p < nt; p += team) work(p);
+#pragma omp barrier
+      for (int64_t h = t; h < N; h += team) merge(h);
+    }
+    return;
+  }
+#endif
+  for (int64_t t = 0; t < nt; ++t) work(t);
+  for (int64_t h = 0; h < N; ++h) merge(h);
+}
+
+std::tuple<Tensor, Tensor> decode_fwd(const Tensor& q, const Tensor& k, const Tensor& v,
+                                      const std::optional<Tensor>& mask, double scale,
+                                      bool causal, int64_t window, int64_t splits) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
+              "qkv decode: q, k, v must be 4-D (Nb, heads, T, d)");
+  TORCH_CHECK(q.is_contiguous(), "qkv decode: q must be contiguous");
+  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1,
+              "qkv decode: k and v need a unit stride over the head dim");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
+              "qkv decode: q, k, v must share a dtype");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
+              "qkv decode: float32 or bfloat16 only");
+  TORCH_CHECK(scale > 0 && std::isfinite(static_cast<float>(scale)),
+              "qkv decode: scale must be finite and > 0 in fp32");
+  const int64_t Nb = q.size(0), h = q.size(1), Tq = q.size(2), d = q.size(3);
+  const int64_t h_kv = k.size(1), Tk = k.size(2), dv = v.size(3);
+  TORCH_CHECK(k.size(0) == Nb && v.size(0) == Nb && v.size(1) == h_kv && v.size(2) == Tk &&
+                  k.size(3) == d && d > 0 && h_kv > 0 && h % h_kv == 0,
+              "qkv decode: shapes of q, k, v do not match");
+  Tensor out = at::empty({Nb, h, Tq, dv}, q.options());
+  Tensor lse = at::empty({Nb, h, Tq}, q.options().dtype(at::kFloat));
+  if (Nb * h * Tq == 0) return {out, lse};
+  MaskView mk;
+  if (mask.has_value() && mask->defined()) {
+    const Tensor& t = *mask;
+    TORCH_CHECK(t.scalar_type() == at::kBool && t.dim() == 5 && t.stride(4) == 1 &&
+                    t.size(0) == Nb && t.size(1) == h_kv && t.size(2) == h / h_kv &&
+                    t.size(3) == Tq && t.size(4) == Tk,
+                "qkv decode: mask must be a bool (Nb, h_kv, G, Tq, Tk) view, unit key stride");
+    mk.base = reinterpret_cast<const uint8_t*>(t.const_data_ptr<bool>());
+    mk.h_kv = h_kv, mk.s0 = t.stride(0), mk.s1 = t.stride(1), mk.s2 = t.stride(2);
+    mk.s3 = t.stride(3);
+  }
+  const Structure st{Tq, Tk, causal, window};
+  const float c2 = static_cast<float>(scale) * kLog2e;
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    const Problem<T> P{Nb * h_kv, h_kv, h / h_kv, Tq, (h / h_kv) * Tq, d, dv, Tk,
+                       q.const_data_ptr<T>(), k.const_data_ptr<T>(), v.const_data_ptr<T>(),
+                       k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
+                       v.stride(2), st, mk, c2};
+    decode_impl<T>(P, out.data_ptr<T>(), lse.data_ptr<float>(), splits);
+  };
+  if (q.scalar_type() == at::kFloat) run(float{});
+  else run(BFloat16{});
+  return {out, lse};
+}
+
+// Which instruction paths this build uses (for benchmarks and native_status).
+std::string decode_isa() {
+#if defined(QKV_AVX512) && defined(__AVX512BF16__)
+  return "avx512+avx512bf16";
+#elif defined(QKV_AVX512)
+  return "avx512";
+#else
+  return "portable";
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY(qkv_decode, m) {
+  m.def("fwd(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, bool causal, int window,"
+        " int splits=0) -> (Tensor, Tensor)");
+  m.def("isa() -> str", &decode_isa);
+}
+
+TORCH_LIBRARY_IMPL(qkv_decode, CPU, m) { m.impl("fwd", &decode_fwd); }

@@ -1,0 +1,170 @@
+"""Decode attention: a few queries (``Tq`` = 1..16) over a long KV cache, at memory speed.
+
+When a model generates, each step's queries attend over every cached key; the step reads K
+and V once and does little arithmetic per byte, so its limit is the machine's read
+bandwidth. :func:`decode_attention` runs the fused C++ kernel ``qkv/csrc/decode_cpu.cpp``
+(flash-decoding: the keys of all kv heads are split across the threads, each keeps a
+running max/sum/partial output per query row, and one log-sum-exp merge combines them):
+
+- K and V are read once, in their stored dtype (fp32 or bf16; sums in fp32);
+- grouped-query heads are never repeated: the ``G`` query heads of one kv head and their
+  ``Tq`` queries form one ``(G·Tq, d)`` matrix that reads its kv head once;
+- ``k``/``v`` may be any strided view whose last dim is contiguous, such as a slice
+  ``cache[:, :, :T]`` of a preallocated ``(B, h_kv, T_max, d)`` buffer: no copy is made;
+- ``causal``/``window`` (queries aligned bottom-right: query ``i`` sits at key position
+  ``Tk - Tq + i``), a bool ``mask`` (True = may attend; broadcast views read in place, e.g. a
+  key-padding mask ``(B, 1, 1, Tk)``), any ``scale``; the log-sum-exp comes back too.
+
+Inference only (no backward), CPU fp32/bf16, no bias/soft-cap/dropout:
+:func:`decode_rejects` says why a call cannot run here. ``backend="auto"`` of
+:func:`qkv.functional.scaled_dot_product_attention` picks this kernel for inference calls
+with ``Tq <= 16`` (see :mod:`qkv.dispatch`), ``backend="decode"`` asks for it.
+Speed: ``python bench/decode_attention.py`` (docs/kernels.md).
+
+>>> q = torch.randn(1, 8, 1, 64)  # (B, h, Tq, d): one new token
+>>> cache = torch.randn(2, 1, 2, 4096, 64)  # K and V buffers (B, h_kv, T_max, d)
+>>> k, v = cache[0, :, :, :1000], cache[1, :, :, :1000]  # the 1000 filled positions
+>>> decode_attention(q, k, v).shape
+torch.Size([1, 8, 1, 64])
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from qkv._validate import AttentionShape, check_mask, check_options, check_qkv
+from qkv.kernels._native import decode_ops, native_status
+from qkv.kernels.flash import _mask_view
+
+__all__ = ["MAX_TQ", "decode_attention", "decode_rejects", "run_decode"]
+
+MAX_TQ = 16  # "auto" picks the decode kernel up to this many queries (bench/decode_attention.py)
+_FP32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def decode_rejects(
+    device: torch.device | str,
+    dtype: torch.dtype,
+    *,
+    grad: bool = False,
+    has_bias: bool = False,
+    softcap: float | None = None,
+    dropout_p: float = 0.0,
+    scale: float | None = None,
+) -> str | None:
+    """Why the decode kernel cannot run a call (``None``: it can).
+
+    It covers CPU fp32/bf16 inference with causal/window structure and bool masks.
+    """
+    kind = device if isinstance(device, str) else device.type
+    if kind != "cpu":
+        return f"device {torch.device(device).type}: the decode kernel is CPU-only"
+    if dtype not in (torch.float32, torch.bfloat16):
+        return f"dtype {dtype}: the decode kernel takes float32/bfloat16"
+    if grad:
+        return "gradients needed: the decode kernel is inference-only (no backward)"
+    for name, present in (("bias", has_bias), ("softcap", softcap is not None)):
+        if present:
+            return f"{name} given: the decode kernel takes causal/window structure and bool masks"
+    if dropout_p > 0:
+        return f"dropout_p={dropout_p} > 0: the decode kernel has no dropout"
+    if scale is not None and not 0 < scale < _FP32_MAX:
+        return f"scale={scale} is not a positive fp32 number"
+    if decode_ops() is None:
+        return f"fused kernels {native_status()}"
+    return None
+
+
+def _mask_arg(mask: Tensor | None, shape: AttentionShape) -> Tensor | None:
+    """The mask as the kernel reads it: a bool view ``(Nb, h_kv, G, Tq, Tk)``, unit key stride."""
+    if mask is None:
+        return None
+    if mask.shape[-1] == 1 and shape.Tk > 1:  # broadcast over the keys: spelt out (small)
+        mask = mask.expand(*mask.shape[:-1], shape.Tk).contiguous()
+    return _mask_view(mask, shape)
+
+
+def decode_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask: Tensor | None = None,
+    causal: bool = False,
+    window: int | None = None,
+    scale: float | None = None,
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Attention of a few queries over a KV cache, on the decode kernel.
+
+    Args:
+        q: ``(..., h, Tq, d_k)``, fp32 or bf16 (any ``Tq`` works; it is fastest up to 16).
+        k: ``(..., h_kv, Tk, d_k)``, ``h % h_kv == 0``; any strides, last dim contiguous
+            (else it is copied once).
+        v: ``(..., h_kv, Tk, d_v)``, as ``k``.
+        mask: bool, **True = may attend**, ``(Tq, Tk)`` or ``(..., h|1, Tq|1, Tk|1)``.
+        causal, window, scale: as :func:`qkv.functional.scaled_dot_product_attention`
+            (query ``i`` sits at key position ``Tk - Tq + i``).
+        return_lse: also return the log-sum-exp ``(..., h, Tq)`` (fp32; ``-inf`` for a row
+            with no visible key).
+
+    Returns:
+        ``out (..., h, Tq, d_v)`` in q's dtype, or ``(out, lse)``. Rows with no visible
+        key are zeros.
+
+    Raises:
+        ValueError: the call is one the kernel does not run (:func:`decode_rejects`), or
+            its arguments are malformed.
+    """
+    shape = check_qkv(q, k, v)
+    check_options(window=window, scale=scale, softcap=None, dropout_p=0.0)
+    check_mask(mask, shape, q.device)
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    why = decode_rejects(q.device, q.dtype, grad=grad, scale=scale)
+    if why is not None:
+        raise ValueError(f"decode_attention cannot run this call: {why}")
+    out, lse = run_decode(q, k, v, shape, mask=mask, causal=causal, window=window, scale=scale)
+    return (out, lse) if return_lse else out
+
+
+def run_decode(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    shape: AttentionShape,
+    *,
+    mask: Tensor | None,
+    causal: bool,
+    window: int | None,
+    scale: float | None,
+    splits: int = 0,
+) -> tuple[Tensor, Tensor]:
+    """:func:`decode_attention` on arguments already checked (the dispatcher's entry).
+
+    ``splits > 0`` cuts the keys into that many pieces merged by log-sum-exp (default: one
+    per thread, fewer for small calls); the tests use it to check the merge on small inputs.
+    """
+    scale = 1.0 / math.sqrt(shape.d_k) if scale is None else float(scale)
+    out_shape = (*shape.batch, shape.h, shape.Tq)
+    if shape.empty:  # no score to compute: zeros, lse = -inf (as every backend)
+        out = q.new_zeros(*out_shape, shape.d_v)
+        return out, torch.full(out_shape, float("-inf"), device=q.device)
+    four = q.dim() == 4  # (B, h, T, d): passed as they are (the common case, per step)
+    q4 = q if four else q.reshape(-1, shape.h, shape.Tq, shape.d_k)  # (Nb, h, Tq, d_k)
+    k4 = k if four else k.reshape(-1, shape.h_kv, shape.Tk, shape.d_k)  # (Nb, h_kv, Tk, d_k)
+    v4 = v if four else v.reshape(-1, shape.h_kv, shape.Tk, shape.d_v)  # (Nb, h_kv, Tk, d_v)
+    if k4.stride(-1) != 1:
+        k4 = k4.contiguous()
+    if v4.stride(-1) != 1:
+        v4 = v4.contiguous()
+    window_arg = -1 if window is None else window
+    mask5 = _mask_arg(mask, shape)
+    out, lse = decode_ops().fwd(
+        q4.contiguous(), k4, v4, mask5, scale, bool(causal), window_arg, splits
+    )
+    if four:
+        return out, lse
+    return out.view(*out_shape, shape.d_v), lse.view(out_shape)

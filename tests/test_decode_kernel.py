@@ -1,0 +1,324 @@
+"""The decode kernel (qkv/csrc/decode_cpu.cpp) against the fp64 reference math, and its dispatch.
+
+Every case compares values and log-sum-exp with :func:`qkv.functional.attention_steps` run in
+float64 on the same (exactly representable) inputs. Tolerances follow the kernel's
+arithmetic: scores are fp32 sums of exact products, so a row's score error is at most
+``E = (d + 3)·eps32·scale·max_j Σ|q||k|``; that moves the softmax weights by at most ``2E``
+(1-norm) and the output by ``2E·max|v|``; on top come the fp32 sums over the keys (at most
+``Tk·eps32·max|v|``) and the rounding of the output to its dtype: bf16 outputs are within
+``2^-8·max|v|`` more (the weights are rounded to bf16 for the P·V products, as in PyTorch's
+bf16 kernels, and the output is rounded: each at most ``2^-9`` relative); and the error stays
+within 2× PyTorch's own bf16 SDPA error on the same call (FlashAttention's test rule).
+"""
+
+import math
+import os
+import subprocess
+import sys
+
+import hypothesis.strategies as st
+import pytest
+import torch
+import torch.nn.functional as TF
+from hypothesis import given, settings
+
+from qkv import masks
+from qkv._validate import check_qkv
+from qkv.functional import attention_steps, explain_dispatch, scaled_dot_product_attention
+from qkv.kernels import decode as decode_mod
+from qkv.kernels._native import decode_ops, native_status
+from qkv.kernels.decode import MAX_TQ, decode_attention, run_decode
+
+settings.register_profile("qkv", deadline=None, max_examples=60, derandomize=True)
+settings.load_profile("qkv")
+
+if decode_ops() is None:
+    if os.environ.get("CI"):  # CI has gcc: a kernel that fails to build is a failure there
+        pytest.fail(f"decode kernel: {native_status()}", pytrace=False)
+    pytest.skip(f"decode kernel: {native_status()}", allow_module_level=True)
+
+EPS32 = torch.finfo(torch.float32).eps
+
+
+def _tolerances(q, k, v, kw):
+    """(output tolerance (..., h, Tq, 1), lse tolerance (..., h, Tq)) as the docstring says."""
+    h, h_kv, d = q.shape[-3], k.shape[-3], q.shape[-1]
+    kk = k.double().abs().repeat_interleave(h // h_kv, dim=-3)
+    scale = kw.get("scale") or 1 / math.sqrt(d)
+    bound = scale * (q.double().abs() @ kk.transpose(-2, -1))  # (..., h, Tq, Tk)
+    E = bound.amax(dim=-1) * (d + 3) * EPS32  # (..., h, Tq)
+    v_max = float(v.double().abs().amax()) if v.numel() else 0.0
+    low = 2.0**-8 if q.dtype == torch.bfloat16 else 0.0
+    out_tol = ((2 * E).clamp(max=2.0) + k.shape[-2] * EPS32 + low) * v_max + 1e-30
+    lse_tol = E + 4 * EPS32 * (1 + bound.amax(dim=-1))
+    return out_tol.unsqueeze(-1), lse_tol
+
+
+def _check(q, k, v, out, lse, **kw):
+    ref = attention_steps(q.double(), k.double(), v.double(), **kw)
+    out_tol, lse_tol = _tolerances(q, k, v, kw)
+    assert out.dtype == q.dtype and out.shape == ref.output.shape
+    assert torch.isfinite(out).all()
+    err = (out.double() - ref.output).abs()
+    assert (err <= out_tol).all(), float((err - out_tol).max())
+    seen = torch.isfinite(ref.lse)
+    assert torch.equal(seen, torch.isfinite(lse)), "rows with no visible key differ"
+    assert (lse[~seen] == float("-inf")).all() and (out[~seen] == 0).all()
+    lse_err = (lse.double() - ref.lse).abs()[seen]
+    assert (lse_err <= lse_tol[seen]).all(), float((lse_err - lse_tol[seen]).max())
+
+
+def _cache_view(g, B, h_kv, Tk, d, dtype, layout):
+    """K or V of ``Tk`` positions as a non-contiguous view with a contiguous last dim."""
+    if layout == "slice":  # a preallocated (B, h_kv, T_max, d) buffer, filled up to Tk
+        buf = torch.randn(B, h_kv, Tk + 37, d, generator=g).to(dtype)
+        return buf[:, :, :Tk]
+    if layout == "offset":  # a ring-buffer-like window starting mid-buffer
+        buf = torch.randn(B, h_kv, Tk + 5, d, generator=g).to(dtype)
+        return buf[:, :, 5:]
+    if layout == "tokens-first":  # (B, T, h_kv, d) storage seen as (B, h_kv, T, d)
+        return torch.randn(B, Tk, h_kv, d, generator=g).to(dtype).transpose(1, 2)
+    return torch.randn(B, h_kv, Tk, d, generator=g).to(dtype)
+
+
+@st.composite
+def decode_case(draw):
+    B, h_kv, G = draw(st.integers(1, 2)), draw(st.integers(1, 3)), draw(st.integers(1, 4))
+    Tq = draw(st.integers(1, MAX_TQ))
+    Tk = draw(st.sampled_from([1, 2, 15, 17, 63, 65, 97, 131, 257, 301]) | st.integers(1, 400))
+    d = draw(st.sampled_from([1, 5, 16, 31, 33, 64, 80, 128]))
+    d_v = draw(st.sampled_from([0, 1, 7, 16, 24, 64, 128]))
+    dtype = draw(st.sampled_from([torch.float32, torch.bfloat16]))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    layout = draw(st.sampled_from(["contiguous", "slice", "offset", "tokens-first"]))
+    q = torch.randn(B, h_kv * G, Tq, d, generator=g).to(dtype)
+    k = _cache_view(g, B, h_kv, Tk, d, dtype, layout)
+    v = _cache_view(g, B, h_kv, Tk, d_v, dtype, layout)
+    kw = dict(
+        causal=draw(st.booleans()),
+        window=draw(st.none() | st.integers(1, 40)),
+        scale=draw(st.none() | st.sampled_from([0.01, 0.3, 2.0])),
+    )
+    h = h_kv * G
+    mask = {
+        "none": lambda: None,
+        "2d": lambda: torch.rand(Tq, Tk, generator=g) > 0.3,
+        "padding": lambda: masks.padding(torch.randint(0, Tk + 1, (B,), generator=g), Tk),
+        "full": lambda: torch.rand(B, h, Tq, Tk, generator=g) > 0.3,
+        "per-head": lambda: torch.rand(1, h, 1, Tk, generator=g) > 0.5,
+        "per-query": lambda: torch.rand(B, 1, Tq, 1, generator=g) > 0.3,  # broadcast over keys
+    }[draw(st.sampled_from(["none", "2d", "padding", "full", "per-head", "per-query"]))]()
+    if mask is not None:
+        kw["mask"] = mask
+    threads = draw(st.sampled_from([1, 2]))
+    splits = draw(st.sampled_from([0, 0, 2, 3, 5]))
+    return q, k, v, kw, threads, splits
+
+
+@pytest.fixture
+def restore_threads():
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+@settings(max_examples=150)
+@given(decode_case())
+def test_decode_matches_fp64_values_and_lse(case):
+    q, k, v, kw, threads, splits = case
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        shape = check_qkv(q, k, v)
+        out, lse = run_decode(q, k, v, shape, **{"mask": None, **kw}, splits=splits)
+    finally:
+        torch.set_num_threads(before)
+    _check(q, k, v, out, lse, **kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_cache_over_100k_keys(restore_threads, dtype):
+    """Tk = 100 003 (odd, no block multiple), GQA 4:1, a window and key padding, 2 threads."""
+    torch.set_num_threads(2)
+    g = torch.Generator().manual_seed(3)
+    Tk = 100_003
+    q = torch.randn(2, 4, 3, 32, generator=g).to(dtype)
+    k = _cache_view(g, 2, 1, Tk, 32, dtype, "slice")
+    v = _cache_view(g, 2, 1, Tk, 24, dtype, "slice")
+    pad = masks.padding(torch.tensor([Tk, Tk - 4000]), Tk)  # (B, 1, 1, Tk)
+    for kw in ({"causal": True}, {"causal": True, "window": 70_001, "mask": pad}):
+        out, lse = decode_attention(q, k, v, **kw, return_lse=True)
+        _check(q, k, v, out, lse, **kw)
+
+
+def test_rows_without_visible_keys_are_zero_with_lse_minus_inf():
+    """Causal with Tq > Tk (the first queries precede every key), and a fully masked row."""
+    q = torch.randn(1, 4, 6, 16)
+    k, v = torch.randn(1, 2, 4, 16), torch.randn(1, 2, 4, 8)
+    out, lse = decode_attention(q, k, v, causal=True, return_lse=True)
+    _check(q, k, v, out, lse, causal=True)
+    assert (out[:, :, :2] == 0).all() and (lse[:, :, :2] == float("-inf")).all()
+    mask = torch.ones(1, 4, 6, 4, dtype=torch.bool)
+    mask[0, 1, 3] = False
+    out, lse = decode_attention(q, k, v, mask=mask, return_lse=True)
+    assert (out[0, 1, 3] == 0).all() and lse[0, 1, 3] == float("-inf")
+    _check(q, k, v, out, lse, mask=mask)
+
+
+def test_bf16_error_is_within_torch_sdpa_own():
+    """Our bf16 error is within 2× PyTorch's bf16 SDPA error on the same decode call."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 8, 4, 64, generator=g).bfloat16()
+    k, v = (torch.randn(1, 2, 3001, 64, generator=g).bfloat16() for _ in range(2))
+    ref = attention_steps(q.double(), k.double(), v.double()).output
+    ours = (decode_attention(q, k, v).double() - ref).abs().max()
+    theirs = (TF.scaled_dot_product_attention(q, k, v, enable_gqa=True).double() - ref).abs().max()
+    assert ours <= 2 * theirs, (float(ours), float(theirs))
+
+
+def test_cache_views_are_read_in_place(monkeypatch):
+    """A slice of a preallocated cache reaches the kernel as the same memory, not a copy."""
+    buf_k, buf_v = torch.randn(2, 2, 500, 16), torch.randn(2, 2, 500, 16)
+    k, v = buf_k[:, :, :123], buf_v[:, :, :123]
+    seen = {}
+    real = decode_ops()
+
+    class Spy:
+        def fwd(self, q, k_, v_, *args):
+            seen["k"], seen["v"] = k_, v_
+            return real.fwd(q, k_, v_, *args)
+
+    monkeypatch.setattr(decode_mod, "decode_ops", lambda: Spy())
+    q = torch.randn(2, 4, 1, 16)
+    out = decode_attention(q, k, v)
+    assert seen["k"].data_ptr() == buf_k.data_ptr() and seen["k"].stride() == buf_k.stride()
+    assert seen["v"].data_ptr() == buf_v.data_ptr()
+    _check(q, k, v, out, decode_attention(q, k, v, return_lse=True)[1])
+
+
+def test_leading_batch_dims_and_unbatched_inputs():
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 3, 4, 2, 16, generator=g)  # (B1, B2, h, Tq, d)
+    k, v = torch.randn(2, 3, 2, 50, 16, generator=g), torch.randn(2, 3, 2, 50, 8, generator=g)
+    out, lse = decode_attention(q, k, v, causal=True, return_lse=True)
+    _check(q, k, v, out, lse, causal=True)
+    out, lse = decode_attention(q[0, 0], k[0, 0], v[0, 0], return_lse=True)  # (h, Tq, d)
+    _check(q[0, 0], k[0, 0], v[0, 0], out, lse)
+
+
+def test_bad_calls_are_one_clear_error():
+    q = k = v = torch.randn(1, 2, 3, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match="dtype torch.float64"):
+        decode_attention(q, k, v)
+    x = torch.randn(1, 2, 3, 8, requires_grad=True)
+    with pytest.raises(ValueError, match="gradients"):
+        decode_attention(x, x, x)
+    with pytest.raises(ValueError, match="window"):
+        decode_attention(x.detach(), x.detach(), x.detach(), window=0)
+    with pytest.raises(ValueError, match="backend='decode' cannot run.*bias"):
+        scaled_dot_product_attention(
+            x.detach(), x.detach(), x.detach(), bias=torch.zeros(3, 3), backend="decode"
+        )
+    with pytest.raises(ValueError, match="backend='decode' cannot run.*float16"):
+        y = torch.randn(1, 2, 3, 8, dtype=torch.float16)
+        scaled_dot_product_attention(y, y, y, backend="decode")
+
+
+# ---- dispatch
+
+
+def _decode_call(Tq=1, Tk=1000, dtype=torch.float32):
+    q = torch.randn(1, 8, Tq, 32).to(dtype)
+    k, v = (torch.randn(1, 2, Tk, 32).to(dtype) for _ in range(2))
+    return q, k, v
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("Tq", [1, 4, MAX_TQ])
+def test_auto_picks_decode_for_few_queries_and_says_why(Tq, dtype):
+    q, k, v = _decode_call(Tq, dtype=dtype)
+    for kw in ({}, {"causal": True}, {"mask": masks.padding(torch.tensor([900]), 1000)}):
+        d = explain_dispatch(q, k, v, **kw)
+        assert d.backend == "decode", str(d)
+        assert f"Tq={Tq} <= {MAX_TQ}" in d.reasons["torch"], str(d)
+        assert not any("bias" in r for r in d.reasons.values()), str(d)
+        out = scaled_dot_product_attention(q, k, v, **kw)
+        _check(q, k, v, out, decode_attention(q, k, v, **kw, return_lse=True)[1], **kw)
+
+
+def test_auto_leaves_decode_with_reasons_that_match_the_call():
+    q, k, v = _decode_call(Tq=MAX_TQ + 1)
+    d = explain_dispatch(q, k, v)
+    assert d.backend != "decode" and f"Tq={MAX_TQ + 1} > {MAX_TQ}" in d.reasons["decode"]
+    q, k, v = _decode_call()
+    d = explain_dispatch(q, k, v, bias=torch.zeros(1, 8, 1, 1000))
+    assert d.backend == "torch" and "bias given" in d.reasons["decode"], str(d)
+    d = explain_dispatch(q.requires_grad_(), k, v)
+    assert d.backend != "decode" and "gradients" in d.reasons["decode"], str(d)
+    with torch.no_grad():
+        assert explain_dispatch(q, k, v).backend == "decode"
+    d = explain_dispatch(q.detach().half(), k.half(), v.half())
+    assert d.backend != "decode" and "float16" in d.reasons["decode"], str(d)
+    assert "not 'decode': dtype torch.float16" in str(d)
+
+
+def test_selected_heads_weights_through_decode_match_math():
+    torch.manual_seed(0)
+    q, k, v = _decode_call(Tq=3, Tk=77)
+    d = explain_dispatch(q, k, v, causal=True, return_weights=True, weights_heads=[5, 2])
+    assert d.backend == "decode"
+    out, w = scaled_dot_product_attention(
+        q, k, v, causal=True, return_weights=True, weights_heads=[5, 2]
+    )
+    ref_out, ref_w = scaled_dot_product_attention(
+        q, k, v, causal=True, return_weights=True, backend="math"
+    )
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(w, ref_w[:, [5, 2]], atol=1e-5, rtol=1e-5)
+
+
+_PORTABLE_CHECK = """
+import torch
+from qkv.functional import attention_steps
+from qkv.kernels._native import native_status
+from qkv.kernels.decode import decode_attention
+assert "decode path portable" in native_status(), native_status()
+torch.manual_seed(0)
+for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+    q = torch.randn(2, 6, 5, 40).to(dtype)
+    k = torch.randn(2, 3, 300, 40).to(dtype)[:, :, :217]
+    v = torch.randn(2, 3, 217, 24).to(dtype)
+    for kw in ({}, {"causal": True, "window": 50}, {"mask": torch.rand(5, 217) > 0.3}):
+        out, lse = decode_attention(q, k, v, **kw, return_lse=True)
+        ref = attention_steps(q.double(), k.double(), v.double(), **kw)
+        assert (out.double() - ref.output).abs().max() < tol, (dtype, kw)
+        assert (lse.double() - ref.lse).abs().max() < 1e-4, (dtype, kw)
+print("ok")
+"""
+
+
+def test_portable_build_without_avx512_code():
+    """The plain-C++ fallback (what a CPU without AVX-512 runs) gives the same answers."""
+    env = dict(os.environ, QKV_NATIVE_PORTABLE="1")
+    res = subprocess.run(
+        [sys.executable, "-c", _PORTABLE_CHECK], env=env, capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_huge_logits_give_the_argmax_value(dtype):
+    """Scores of ~1e13 (scale 1e10): the softmax is one-hot, no inf/NaN on the way."""
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(1, 4, 2, 16, generator=g).to(dtype)
+    k, v = (torch.randn(1, 2, 333, 16, generator=g).to(dtype) for _ in range(2))
+    out, lse = run_decode(
+        q, k, v, check_qkv(q, k, v), mask=None, causal=False, window=None, scale=1e10, splits=3
+    )
+    scores = q.double() @ k.double().repeat_interleave(2, dim=1).transpose(-2, -1)
+    best = scores.argmax(-1)  # (1, 4, 2)
+    expected = v.repeat_interleave(2, dim=1).gather(2, best.unsqueeze(-1).expand(-1, -1, -1, 16))
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)
+    torch.testing.assert_close(lse.double(), 1e10 * scores.amax(-1), rtol=1e-6, atol=0)
