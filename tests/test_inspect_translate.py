@@ -63,7 +63,8 @@ def _torch_mha_weights(mha, x, context):
 
 def test_cached_greedy_maps_merge_to_teacher_forced_maps(tmp_path):
     path, model, tok = _saved(tmp_path)
-    hyp, steps = record_translation(model, tok, TEXT)
+    hyp, steps, beams = record_translation(model, tok, TEXT)
+    assert beams == []  # greedy: no beam hypotheses
     assert len(steps) == len(hyp) > 1
     assert all(m.step == s for s, m in enumerate(steps))
     # step 0: every encoder layer + the first decoder call; later steps: the decoder only
@@ -111,10 +112,19 @@ def test_loader_round_trip_and_beam(tmp_path):
     hyp = greedy_search(model, inputs[0])[0]
     assert len(steps) == int((hyp != 0).sum())
     # beam: the winning hypothesis is replayed; its tokens are beam_search's
-    b_hyp, b_steps = record_translation(model, tok, TEXT, beam=3)
+    b_hyp, b_steps, b_beams = record_translation(model, tok, TEXT, beam=3)
     want = [t for t in beam_search(model, inputs[0], beam_size=3)[0].tolist() if t != 0]
     assert b_hyp == want and len(b_steps) == len(want)
     assert merge_steps(b_steps).q_tokens[-1] == piece_labels(tok, want)
+    # every hypothesis beam search kept, best first: the first is the one chosen, and the
+    # scores are what beam search ranks by, recomputed here from the model's own log-probs
+    assert 1 <= len(b_beams) <= 3 and b_beams[0][0] == b_hyp
+    assert [s for _, s in b_beams] == sorted((s for _, s in b_beams), reverse=True)
+    for ids, score in b_beams:
+        tgt = torch.tensor([[model.cfg.bos_id, *ids[:-1]]])
+        logp = model(inputs[0], tgt).log_softmax(-1)[0]  # (T, V)
+        total = float(logp.gather(1, torch.tensor(ids)[:, None]).sum())
+        assert abs(score - total / len(ids)) < 1e-4  # length penalty 1.0
     # a training run directory (holding best/) opens too; a causal LM shows causal maps
     lm_path, lm, _ = _saved(tmp_path / "run" / "best", CausalLM)
     lm_loaded = load(str(lm_path))

@@ -127,6 +127,9 @@ def test_translation_steps_kinds_and_beam(client):
     assert tr["text"] and tr["beam"] == 2
     assert 1 <= len(tr["target_tokens"]) <= target_limit(len(tr["source_tokens"]))
     assert "greedy_text" in tr
+    beams = tr["beams"]  # the hypotheses beam search kept, best first, the chosen one first
+    assert 1 <= len(beams) <= 2 and beams[0]["chosen"] and beams[0]["text"] == tr["text"]
+    assert [b["score"] for b in beams] == sorted((b["score"] for b in beams), reverse=True)
     assert d["tokens"] == tr["source_tokens"] and d["tokens"][-1] == "</s>"
     kinds = {lay["name"]: lay["kind"] for lay in d["layers"]}
     assert kinds["encoder.layers.0.self_attn"] == "self"

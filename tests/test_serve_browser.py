@@ -208,6 +208,22 @@ def test_translation_steps_and_switching_heads_off(server, browser):
     page.close()
 
 
+def test_beam_search_shows_its_hypotheses(server, browser):
+    page, errors, dialogs, outside = _open(browser, f"{server}/?model=tiny-fr&translate=1"
+                                           "&text=the%20boy%20trains%20the%20puppy&view=trans")  # fmt: skip
+    assert page.query_selector("#beams") is None  # greedy: no beam table
+    page.select_option("#beam", "4")
+    _ready(page)
+    page.wait_for_selector("#beams")
+    rows = page.eval_on_selector_all("#beams tr.chosen", "rs => rs.length")
+    assert rows == 1 and "chosen" in page.text_content("#beams tr.chosen")
+    shown = page.text_content("#view-trans .intro").removeprefix("Translation:").strip()
+    assert shown in page.text_content("#beams tr.chosen")  # the chosen one is the translation
+    _shot(page, "beams")
+    assert dialogs == [] and errors == [] and outside == []
+    page.close()
+
+
 def test_hostile_text_fires_nothing(server, browser):
     page, errors, dialogs, _ = _open(browser, f"{server}/?model=random")
     page.fill("#text", XSS)

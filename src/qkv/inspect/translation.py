@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -47,6 +48,7 @@ __all__ = [
     "loaded_from_seq2seq",
     "piece_labels",
     "record_translation",
+    "Recorded",
 ]
 
 
@@ -73,10 +75,20 @@ def _replay(model, src: Tensor, hyp: list[int]) -> None:
         model.decode(torch.tensor([[tok]], device=src.device), memory, mask, cache=cache)
 
 
+class Recorded(NamedTuple):
+    """What :func:`record_translation` returns."""
+
+    hyp: list[int]  # output ids incl. </s>
+    steps: list[AttentionMaps]  # one per decoding step
+    beams: list[tuple[list[int], float]]  # beam search's final hypotheses, best first (ids, score)
+
+
 def record_translation(
-    model, tokenizer, text: str, *, beam: int = 1, max_new_tokens: int | None = None
-) -> tuple[list[int], list[AttentionMaps]]:
-    """Translate ``text``; ``(output ids incl. </s>, AttentionMaps per decoding step)``."""
+    model, tokenizer, text: str, *, beam: int = 1, length_penalty: float = 1.0,
+    max_new_tokens: int | None = None,
+) -> Recorded:  # fmt: skip
+    """Translate ``text``: the output ids (incl. ``</s>``), the maps of each decoding step and,
+    for beam search, every hypothesis it kept with its score."""
     from qkv.generate import beam_search, greedy_search
 
     if not isinstance(text, str) or not text.strip():
@@ -84,16 +96,18 @@ def record_translation(
     ids = tokenizer.encode(text)[: model.cfg.max_len // 2 - 1] + [tokenizer.eos_id]
     src = torch.tensor([ids])  # (1, S)
     model.eval()
+    beams: list[tuple[list[int], float]] = []
     with torch.no_grad():
         if beam <= 1:
             with recording(model) as rec:
-                out = greedy_search(model, src, max_new_tokens=max_new_tokens)
+                out = greedy_search(model, src, max_new_tokens=max_new_tokens)[0]
         else:
-            out = beam_search(model, src, beam_size=beam, max_new_tokens=max_new_tokens)
-        hyp = [int(t) for t in out[0].tolist()]
-        if tokenizer.eos_id in hyp:
-            hyp = hyp[: hyp.index(tokenizer.eos_id) + 1]
-        hyp = [t for t in hyp if t != model.cfg.pad_id]
+            outs, scores = beam_search(model, src, beam_size=beam, length_penalty=length_penalty,
+                                       max_new_tokens=max_new_tokens, n_best=beam)  # fmt: skip
+            beams = [(_trim(model, tokenizer, o), float(sc)) for o, sc in zip(outs[0], scores[0])
+                     if sc > float("-inf")]  # fmt: skip
+            out = outs[0, 0]
+        hyp = _trim(model, tokenizer, out)
         if beam > 1:
             with recording(model) as rec:
                 _replay(model, src, hyp)
@@ -101,7 +115,15 @@ def record_translation(
     inputs = piece_labels(tokenizer, [model.cfg.bos_id, *hyp[:-1]])
     produced = piece_labels(tokenizer, hyp)
     steps = label_cross_queries(rec.steps(tokens=inputs, source_tokens=src_tokens), produced)
-    return hyp, steps
+    return Recorded(hyp, steps, beams)
+
+
+def _trim(model, tokenizer, out: Tensor) -> list[int]:
+    """Ids up to and including ``</s>``, without padding."""
+    hyp = [int(t) for t in out.tolist()]
+    if tokenizer.eos_id in hyp:
+        hyp = hyp[: hyp.index(tokenizer.eos_id) + 1]
+    return [t for t in hyp if t != model.cfg.pad_id]
 
 
 def label_cross_queries(steps: list[AttentionMaps], produced: list[str]) -> list[AttentionMaps]:
@@ -139,7 +161,7 @@ def loaded_from_seq2seq(model, tok, name: str) -> Loaded:
         return piece_labels(tok, ids), (src, model.src_mask(src))
 
     def translate(text: str, beam: int = 1) -> list[AttentionMaps]:
-        return record_translation(model, tok, text, beam=beam)[1]
+        return record_translation(model, tok, text, beam=beam).steps
 
     return Loaded(EncoderOnly(model), encode, translate=translate, name=name, full_model=model,
                   tokenizer=tok)  # fmt: skip

@@ -376,11 +376,11 @@ def _native_ok(q: Tensor, k: Tensor, v: Tensor, mask, bias, softcap, scale: floa
         q.device, q.dtype, has_mask=mask is not None, has_bias=bias is not None,
         softcap=softcap, scale=scale,
     )  # fmt: skip
-    # a mask broadcast over the keys (last dim 1) is left to the PyTorch-ops kernel
+    # a mask broadcast over the keys (last dim 1 < Tk) is left to the PyTorch-ops kernel
     mask_ok = (
         mask is None
         or isinstance(mask, BlockMask)
-        or (mask.dtype == torch.bool and mask.shape[-1] == k.shape[-2] > 1)
+        or (mask.dtype == torch.bool and mask.shape[-1] == k.shape[-2])
     )
     return reason is None and not empty and mask_ok and k.dtype == v.dtype == q.dtype
 

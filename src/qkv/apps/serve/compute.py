@@ -270,12 +270,15 @@ def _decode(entry: Entry, text: str, beam: int) -> dict:
 
         tok = loaded.tokenizer
         S = len(tok.encode(text)[: model.cfg.max_len // 2 - 1]) + 1
-        hyp, steps = record_translation(model, tok, text, beam=beam, max_new_tokens=target_limit(S))
+        hyp, steps, beams = record_translation(model, tok, text, beam=beam,
+                                               max_new_tokens=target_limit(S))  # fmt: skip
         ids = tok.encode(text)[: model.cfg.max_len // 2 - 1] + [tok.eos_id]
         tgt_in = [model.cfg.bos_id, *hyp[:-1]]
         return {"src": ids, "tgt_in": tgt_in, "steps": steps, "text": tok.decode(hyp),
                 "source_tokens": piece_labels(tok, ids), "inputs": piece_labels(tok, tgt_in),
-                "produced": piece_labels(tok, hyp)}  # fmt: skip
+                "produced": piece_labels(tok, hyp),
+                "beams": [{"text": tok.decode(b), "score": _num(sc, 4), "chosen": b == hyp}
+                          for b, sc in beams]}  # fmt: skip
     from qkv.inspect.tiny import simple_tokenize, token_id  # the random tiny seq2seq
 
     src_tokens = ["<s>", *simple_tokenize(text), "</s>"]  # the caller cut it to its limit
@@ -327,7 +330,8 @@ def _translation(entry: Entry, req: AttentionRequest, text: str) -> dict:
         "step": {"layer": layer, **step},
         "translation": {"source_tokens": d["source_tokens"], "target_tokens": d["produced"],
                         "decoder_inputs": d["inputs"], "text": d["text"], "beam": beam,
-                        "steps": len(d["steps"])},
+                        "steps": len(d["steps"]), "beams": d.get("beams", []),
+                        "length_penalty": 1.0},
     }  # fmt: skip
     if beam > 1:
         with torch.no_grad(), heads_off(model, spec):

@@ -281,6 +281,20 @@
     root.append(grid);
   }
 
+  // the beam's final hypotheses, best first, scored as beam search ranks them
+  function beamTable(tr) {
+    const t = el("table", "beams"); t.id = "beams";
+    const cap = el("caption", "", `the ${tr.beams.length} hypotheses beam search kept (score: log-probability ÷ length^${tr.length_penalty})`);
+    t.append(cap);
+    const head = el("tr"); ["#", "score", "hypothesis"].forEach((h) => head.append(el("th", "", h))); t.append(head);
+    tr.beams.forEach((b, i) => {
+      const row = el("tr", b.chosen ? "chosen" : "");
+      row.append(el("td", "", String(i + 1)), el("td", "num", b.score.toFixed(3)), el("td", "", b.text + (b.chosen ? "  ← chosen" : "")));
+      t.append(row);
+    });
+    return t;
+  }
+
   function renderTrans(root) {
     const tr = S.data.translation;
     if (!tr) { root.append(el("p", "intro", "Tick “translate” with a translation model (random works too) to decode and see its steps.")); return; }
@@ -289,6 +303,7 @@
     const line = el("p", "intro"); line.append(el("strong", "", "Translation: "), document.createTextNode(tr.text));
     root.append(line);
     if (tr.beam > 1) root.append(el("p", "hint", `beam search (beam ${tr.beam}) chose this; greedy decoding gives: ${tr.greedy_text}`));
+    if (tr.beams && tr.beams.length > 1) root.append(beamTable(tr));
     const ctl = el("div", "row2");
     const slider = el("input"); slider.type = "range"; slider.min = 0; slider.max = n - 1; slider.value = S.step; slider.id = "step-slider";
     slider.addEventListener("input", () => { S.step = +slider.value; renderView(); });
