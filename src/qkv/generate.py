@@ -80,17 +80,22 @@ def beam_search(
     beam_size: int = 5,
     length_penalty: float = 1.0,
     max_new_tokens: int | None = None,
-) -> Tensor:
+    n_best: int = 1,
+) -> Tensor | tuple[Tensor, Tensor]:
     """Beam search; a finished hypothesis scores ``log p / len ** length_penalty``.
 
     A sentence stops when ``beam_size`` hypotheses have ended with ``</s>`` (an ``</s>``
     counts only among the ``beam_size`` best candidates of a step) or at its length limit
     (then, if none ended, the best open hypothesis is taken). Returns the best hypothesis per
-    sentence, ids ``(B, T)``.
+    sentence, ids ``(B, T)``; with ``n_best > 1``, the ``n_best`` best hypotheses that ended
+    (best first) and their scores: ``(ids (B, n_best, T), scores (B, n_best))``, padded with
+    ``pad_id`` and ``-inf`` where fewer ended.
     """
     _check_src(src)
     if beam_size < 1:
         raise ValueError(f"beam_size must be >= 1, got {beam_size}")
+    if not 1 <= n_best <= beam_size:
+        raise ValueError(f"n_best must be in [1, beam_size={beam_size}], got {n_best}")
     cfg, K, dev = model.cfg, beam_size, src.device
     limits = _limits(model, src, max_new_tokens)  # (B,)
     B = src.shape[0]
@@ -103,6 +108,7 @@ def beam_search(
     scores[:, 1:] = float("-inf")  # all beams start identical: keep one
     best = torch.full((B,), float("-inf"), device=dev)
     best_tokens: list[Tensor | None] = [None] * B
+    ended: list[list[tuple[float, Tensor]]] = [[] for _ in range(B)]  # (score, ids) per sentence
     n_final = torch.zeros(B, dtype=torch.long, device=dev)
     offsets = (torch.arange(B, device=dev) * K)[:, None]  # (B, 1)
     for t in range(int(limits.max())):
@@ -118,10 +124,11 @@ def beam_search(
             if n_final[b] >= K:
                 continue
             n_final[b] += 1
+            row = int(offsets[b, 0] + beam[b, j])
+            hyp = torch.cat([ys[row, 1:], tok[b, j : j + 1]])
+            ended[b].append((float(norm[b, j]), hyp))
             if norm[b, j] > best[b]:
-                best[b] = norm[b, j]
-                row = int(offsets[b, 0] + beam[b, j])
-                best_tokens[b] = torch.cat([ys[row, 1:], tok[b, j : j + 1]])
+                best[b], best_tokens[b] = norm[b, j], hyp
         for b in (t + 1 >= limits).nonzero().flatten().tolist():
             if best_tokens[b] is None:  # out of length, nothing finished: the best open beam
                 j = int(top[b].masked_fill(tok[b] == cfg.eos_id, float("-inf")).argmax())
@@ -142,11 +149,33 @@ def beam_search(
         if best_tokens[b] is None:  # nothing finished: the best open beam
             best_tokens[b] = ys[b * K + int(scores[b].argmax()), 1:]
         out.append(best_tokens[b])
+    if n_best > 1:
+        return _n_best(ended, out, n_best, cfg.pad_id)
     T = max(len(o) for o in out)
     result = torch.full((B, T), cfg.pad_id, dtype=torch.long, device=dev)
     for b, o in enumerate(out):
         result[b, : len(o)] = o
     return result
+
+
+def _n_best(
+    ended: list[list[tuple[float, Tensor]]], best: list[Tensor], n: int, pad_id: int
+) -> tuple[Tensor, Tensor]:
+    """The ``n`` best ended hypotheses per sentence, best first (the chosen one when none
+    ended): ``(ids (B, n, T), scores (B, n))``, padded with ``pad_id`` / ``-inf``."""
+    B = len(best)
+    picks = []
+    for b in range(B):
+        ranked = sorted(ended[b], key=lambda e: -e[0])[:n]  # stable: ties keep their order
+        picks.append(ranked or [(float("-inf"), best[b])])  # none ended: the open one, unscored
+    T = max(len(ids) for p in picks for _, ids in p)
+    ids = torch.full((B, n, T), pad_id, dtype=torch.long, device=best[0].device)
+    scores = torch.full((B, n), float("-inf"))
+    for b, p in enumerate(picks):
+        for i, (sc, hyp) in enumerate(p):
+            ids[b, i, : len(hyp)] = hyp
+            scores[b, i] = sc
+    return ids, scores
 
 
 @torch.no_grad()
