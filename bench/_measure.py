@@ -67,6 +67,22 @@ def time_call(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
     return min(times)
 
 
+def step(fn: Callable[[], torch.Tensor], inputs, backward: bool) -> Callable[[], object]:
+    """One timed step: ``fn()`` under no_grad, or ``fn()`` and its backward (grads of
+    ``inputs`` cleared after each run so they never accumulate)."""
+
+    def run():
+        if not backward:
+            with torch.no_grad():
+                return fn()
+        out = fn()
+        out.backward(torch.ones_like(out))
+        for t in inputs:
+            t.grad = None
+
+    return run
+
+
 def matmul_peak_gflops(
     dtype: torch.dtype,
     n: int = 2048,

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import torch  # noqa: E402
 import torch.nn.functional as TF  # noqa: E402
 
-from _measure import attention_flops, cpu_name, matmul_peak_gflops  # noqa: E402
+from _measure import attention_flops, cpu_name, matmul_peak_gflops, step  # noqa: E402
 from qkv.kernels._native import native_ops, native_status  # noqa: E402
 from qkv.kernels.flash import flash_attention  # noqa: E402
 
@@ -71,20 +71,9 @@ def calls(T: int, dtype: torch.dtype, causal: bool, backward: bool):
     for t in (q, k, v):
         t.requires_grad_(backward)
 
-    def wrap(fn):
-        def run():
-            if not backward:
-                with torch.no_grad():
-                    return fn()
-            out = fn()
-            out.backward(torch.ones_like(out))
-            for t in (q, k, v):
-                t.grad = None
-
-        return run
-
-    flash = wrap(lambda: flash_attention(q, k, v, causal=causal))
-    sdpa = wrap(lambda: TF.scaled_dot_product_attention(q, k, v, is_causal=causal))
+    flash = step(lambda: flash_attention(q, k, v, causal=causal), (q, k, v), backward)
+    sdpa = step(lambda: TF.scaled_dot_product_attention(q, k, v, is_causal=causal), (q, k, v),
+                backward)  # fmt: skip
     return flash, sdpa
 
 

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 import torch.nn.functional as TF  # noqa: E402
 
-from _measure import cpu_name, peak_memory_mib, threads_note  # noqa: E402
+from _measure import cpu_name, peak_memory_mib, step, threads_note  # noqa: E402
 from qkv import masks  # noqa: E402
 from qkv.block_mask import EMPTY, FULL, BlockMask  # noqa: E402
 from qkv.kernels._native import native_status  # noqa: E402
@@ -76,19 +76,6 @@ def _call(fn, *args, **kwargs):
     return lambda: fn(*args, **kwargs)
 
 
-def _runner(fn, inputs, backward: bool):
-    def run():
-        if not backward:
-            with torch.no_grad():
-                return fn()
-        out = fn()
-        out.backward(torch.ones_like(out))
-        for t in inputs:
-            t.grad = None
-
-    return run
-
-
 # --- part 1: fused variants vs SDPA with the float mask ------------------------------------
 
 
@@ -124,8 +111,8 @@ def fused_part(Ts: list[int], dtypes: list[str], reps: int) -> None:
                     flash_fn = _call(flash_attention, q, k, v, causal=True, **fkw)
                     sdpa_kw = dict(is_causal=True) if am is None else dict(attn_mask=am)
                     sdpa_fn = _call(TF.scaled_dot_product_attention, q, k, v, **sdpa_kw)
-                    flash = _runner(flash_fn, (q, k, v), backward)
-                    sdpa = _runner(sdpa_fn, (q, k, v), backward)
+                    flash = step(flash_fn, (q, k, v), backward)
+                    sdpa = step(sdpa_fn, (q, k, v), backward)
                     tf, ts = interleaved([flash, sdpa], reps)
                     mode = "fwd+bwd" if backward else "fwd"
                     print(f"{T:>6} {name:>5} {variant:>8} {mode:>8} {tf * 1e3:>9.1f} "
@@ -216,8 +203,8 @@ def block_part(T: int, reps: int, dtypes: list[str], flex: bool) -> None:
         for name, (bm, fbm, _fn) in built.items():
             dense_bm = _dense_blocks(bm)
             fns = [
-                _runner(_call(flash_attention, q, k, v, mask=bm), (), False),
-                _runner(_call(flash_attention, q, k, v, mask=dense_bm), (), False),
+                step(_call(flash_attention, q, k, v, mask=bm), (), False),
+                step(_call(flash_attention, q, k, v, mask=dense_bm), (), False),
             ]
             flex_note = ""
             if fbm is not None and not isinstance(flex_mods, str):
@@ -228,7 +215,7 @@ def block_part(T: int, reps: int, dtypes: list[str], flex: bool) -> None:
                     with torch.no_grad():
                         _, t_c = _timed(flex_fn)
                     flex_note = f"(first Flex call, compiling: {t_c:.1f} s)"
-                    fns.append(_runner(flex_fn, (), False))
+                    fns.append(step(flex_fn, (), False))
                 except Exception as e:  # noqa: BLE001
                     flex_mods = f"flex_attention failed: {type(e).__name__}: {e}"[:200]
                     flex_note = f"Flex skipped: {flex_mods}"

@@ -13,8 +13,6 @@ within 2× PyTorch's own bf16 SDPA error on the same call (FlashAttention's test
 
 import math
 import os
-import subprocess
-import sys
 
 import hypothesis.strategies as st
 import pytest
@@ -22,6 +20,7 @@ import torch
 import torch.nn.functional as TF
 from hypothesis import given, settings
 
+from portable import assert_portable_ok
 from qkv import masks
 from qkv._validate import check_qkv
 from qkv.functional import attention_steps, explain_dispatch, scaled_dot_product_attention
@@ -299,12 +298,7 @@ print("ok")
 
 def test_portable_build_without_avx512_code():
     """The plain-C++ fallback (what a CPU without AVX-512 runs) gives the same answers."""
-    env = dict(os.environ, QKV_NATIVE_PORTABLE="1")
-    res = subprocess.run(
-        [sys.executable, "-c", _PORTABLE_CHECK], env=env, capture_output=True, text=True,
-        timeout=600,
-    )  # fmt: skip
-    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]
+    assert_portable_ok(_PORTABLE_CHECK)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -15,6 +15,7 @@ import torch.nn.functional as TF
 from hypothesis import given, settings
 
 import qkv.kernels.flash as flash_mod
+from portable import assert_portable_ok
 from qkv import masks
 from qkv.functional import attention_steps, explain_dispatch
 from qkv.kernels._native import native_ops, native_status
@@ -253,15 +254,7 @@ print("ok")
 
 def test_portable_build_without_avx512_code():
     """The plain-C++ fallback of the kernel (what a CPU without AVX-512 runs) is right too."""
-    import subprocess
-    import sys
-
-    env = dict(os.environ, QKV_NATIVE_PORTABLE="1")
-    res = subprocess.run(
-        [sys.executable, "-c", _PORTABLE_CHECK], env=env, capture_output=True, text=True,
-        timeout=600,
-    )  # fmt: skip
-    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]
+    assert_portable_ok(_PORTABLE_CHECK)
 
 
 def test_stale_build_lock_is_removed(tmp_path, monkeypatch):

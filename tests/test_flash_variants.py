@@ -18,6 +18,7 @@ from hypothesis import given, settings
 
 import qkv.block_mask
 import qkv.kernels.flash as flash_mod
+from portable import assert_portable_ok
 from qkv import MultiHeadAttention, masks
 from qkv.functional import attention_steps, scaled_dot_product_attention
 from qkv.kernels._native import native_ops, native_status
@@ -388,15 +389,7 @@ print("ok")
 
 def test_portable_build_runs_the_variants():
     """The plain-C++ row code of the variants (CPUs without AVX-512) against fp64 math."""
-    import subprocess
-    import sys
-
-    env = dict(os.environ, QKV_NATIVE_PORTABLE="1")
-    res = subprocess.run(
-        [sys.executable, "-c", _PORTABLE_CHECK], env=env, capture_output=True, text=True,
-        timeout=600,
-    )  # fmt: skip
-    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]
+    assert_portable_ok(_PORTABLE_CHECK)
 
 
 def test_explain_dispatch_names_the_route_of_the_variants():
