@@ -497,23 +497,8 @@ def add_parser(sub) -> None:
     p.set_defaults(func=_main)
 
 
-def _main(args: argparse.Namespace) -> int:
-    if not args.resume:
-        args.epochs = 100 if args.epochs is None else args.epochs
-        args.checkpoint_minutes = (
-            5.0 if args.checkpoint_minutes is None else args.checkpoint_minutes
-        )
-    args.__dict__.pop("func", None)
-    args.__dict__.pop("command", None)
-    result = train(args)  # errors: one stderr line, exit 2 (qkv.apps.cli_args.run_command)
-    return 130 if result["stopped"] == "signal" else 0
-
-
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    """``qkv train`` arguments from a list (for scripts and tests)."""
-    parser = Parser(prog="qkv")
-    add_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["train", *argv])
+def _settle(args: argparse.Namespace) -> argparse.Namespace:
+    """Defaults that apply to a new run only (a resumed run keeps its saved ones)."""
     if not args.resume:
         args.epochs = 100 if args.epochs is None else args.epochs
         args.checkpoint_minutes = (
@@ -522,3 +507,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.__dict__.pop("func", None)
     args.__dict__.pop("command", None)
     return args
+
+
+def _main(args: argparse.Namespace) -> int:
+    result = train(_settle(args))  # errors: one stderr line, exit 2 (qkv.apps.cli_args.run_command)
+    return 130 if result["stopped"] == "signal" else 0
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """``qkv train`` arguments from a list (for scripts and tests)."""
+    parser = Parser(prog="qkv")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    return _settle(parser.parse_args(["train", *argv]))
