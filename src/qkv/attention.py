@@ -178,6 +178,8 @@ class MultiHeadAttention(nn.Module):
             k, v = self.project_kv(context, value)  # (B, h_kv, Tk, d_k)
             if cache is not None:
                 k, v = cache.set(k, v)
+        if k.dtype != q.dtype:  # a cache stored in another dtype (a bf16 cache, fp32 model)
+            k, v = k.to(q.dtype), v.to(q.dtype)
         if isinstance(self.position, ALiBi):
             alibi = self.position.bias(Tq, k.shape[2], device=x.device, dtype=x.dtype)
             attn_bias = alibi if attn_bias is None else attn_bias + alibi
