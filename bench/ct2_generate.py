@@ -16,18 +16,14 @@ torch's ISA path and the thread counts. Without ctranslate2 it prints why and ex
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-import _ct2  # noqa: E402
-from _measure import cpu_name  # noqa: E402
-
-from qkv.generate import beam_search, greedy_search  # noqa: E402
+import _ct2
+from _measure import cpu_name
+from qkv.generate import beam_search, greedy_search
 
 # (name, sentences, source tokens incl. </s>, output tokens, beam)
 ROWS = [
@@ -117,9 +113,11 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         _ct2.convert(model, tmp)
         engines = {
-            (kind, n): ctranslate2.Translator(tmp, device="cpu", compute_type=kind,
-                                              intra_threads=n, inter_threads=1)  # fmt: skip
-            for kind in ("float32", "int8") for n in args.threads
+            (kind, n): ctranslate2.Translator(
+                tmp, device="cpu", compute_type=kind, intra_threads=n, inter_threads=1
+            )  # fmt: skip
+            for kind in ("float32", "int8")
+            for n in args.threads
         }
     torch.set_num_threads(1)
     agree, total = check_agreement(model, engines[("float32", args.threads[0])], vocab)
@@ -152,7 +150,7 @@ def main() -> int:
             }
             torch.set_num_threads(threads)
             best = {k: float("inf") for k in calls}
-            for k, f in calls.items():  # warm-up
+            for f in calls.values():  # warm-up
                 f()
             for _ in range(args.rounds):
                 for k, f in calls.items():

@@ -18,7 +18,7 @@ import warnings
 import torch
 from torch import Tensor
 
-from qkv.models.incremental import IncrementalDecoder, unsupported
+from qkv.models.incremental import IncrementalDecoder
 
 __all__ = ["greedy_search", "beam_search", "translate"]
 
@@ -52,13 +52,13 @@ class _Steps:
     def __init__(self, model, src: Tensor, beams: int, max_steps: int, cache_dtype=None):
         self.model, self.beams = model, beams
         mask = model.src_mask(src)  # (B, 1, 1, S), True = may attend
-        memory = model.encode(src, mask)  # (B, S, d_model)
-        if unsupported(model) is None:
-            self.fast = IncrementalDecoder.for_model(model)
+        self.fast = IncrementalDecoder.for_model(model)
+        if self.fast is not None:
+            memory = self.fast.encode(src, mask)  # (B, S, d_model)
             self.state = self.fast.start(memory, mask, beams=beams, max_steps=max_steps,
                                          cache_dtype=cache_dtype)  # fmt: skip
         else:  # the general path: one row per hypothesis
-            self.fast = None
+            memory = model.encode(src, mask)  # (B, S, d_model)
             self.memory = memory.repeat_interleave(beams, dim=0)  # (B·beams, S, d_model)
             self.mask = mask.repeat_interleave(beams, dim=0)
             self.cache = model.new_cache()
@@ -180,11 +180,11 @@ def beam_search(
             logits = steps(ys[:, t])  # (B·K, V)
         else:
             logits = model.decode(ys[:, : t + 1], memory, mask)[:, -1]
-        logp = logits.float().log_softmax(-1)
+        logp = logits.float().log_softmax(-1)  # (B·K, V)
         if t < min_new_tokens:
             logp[:, cfg.eos_id] = float("-inf")
         V = logp.shape[-1]
-        cand = (scores.view(B * K, 1) + logp).view(B, K * V)
+        cand = logp.add_(scores.view(B * K, 1)).view(B, K * V)  # in place: no (B·K, V) copy
         top, idx = cand.topk(2 * K, dim=1)  # (B, 2K)
         beam, tok = idx // V, idx % V
         is_eos = (tok == cfg.eos_id) & first_k & (top > float("-inf"))

@@ -98,24 +98,36 @@ def _fuse(*linears: nn.Linear) -> tuple[Tensor, Tensor | None]:
     return w, b
 
 
-def unsupported(model: nn.Module) -> str | None:
-    """Why :class:`IncrementalDecoder` cannot run ``model`` (``None``: it can)."""
+def unsupported(model: nn.Module, attention: list[MultiHeadAttention] | None = None) -> str | None:
+    """Why :class:`IncrementalDecoder` cannot run ``model`` (``None``: it can).
+
+    ``attention``: the model's attention modules when already known (saves a walk).
+    """
     from qkv.models.seq2seq import Seq2SeqTransformer
 
     if not isinstance(model, Seq2SeqTransformer):
         return f"not a Seq2SeqTransformer ({type(model).__name__})"
     if model.training:
         return "model in training mode (dropout)"
-    for m in model.decoder.modules():
-        if isinstance(m, MultiHeadAttention):
-            if m.recorder is not None or m.head_mask is not None:
-                return "an inspection hook (recorder/head_mask) is set"
-            if m.position is not None and not isinstance(m.position, RotaryEmbedding):
-                return f"position {type(m.position).__name__} inside attention"
+    if attention is None:
+        attention = [m for m in model.modules() if isinstance(m, MultiHeadAttention)]
+    for m in attention:
+        if m.recorder is not None or m.head_mask is not None:
+            return "an inspection hook (recorder/head_mask) is set"
+        if m.position is not None and not isinstance(m.position, RotaryEmbedding):
+            return f"position {type(m.position).__name__} inside attention"
     w = model.decoder.out.weight
     if w.dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
         return f"weights of dtype {w.dtype}"
     return None
+
+
+def _weights_key(modules: list[nn.Module]) -> tuple:
+    """What changes when a weight is replaced or written in place."""
+    return tuple(
+        (id(p), p.data_ptr(), p._version) for m in modules for p in m._parameters.values()
+        if p is not None
+    )  # fmt: skip
 
 
 class DecodeState:
@@ -129,6 +141,7 @@ class DecodeState:
         self.beams = beams
         self.t = 0  # positions decoded so far
         self.bias: Tensor | None = None  # the mask as an additive float bias (torch path)
+        self.positions: Tensor | None = None  # (max_steps, d) added to the embeddings
 
     def reorder(self, rows: Tensor) -> None:
         """Follow the surviving beams: hypothesis ``i`` continues row ``rows[i]`` ``(N,)``."""
@@ -155,6 +168,23 @@ class _Layer:
         self.backends = (sa.backend, ca.backend)
 
 
+class _EncoderLayer:
+    """One encoder layer's weights, prepared (``W_q, W_k, W_v`` fused)."""
+
+    def __init__(self, layer: nn.Module, activation: str) -> None:
+        sa = layer.self_attn
+        self.qkv = SmallBatchLinear(*_fuse(sa.w_q, sa.w_k, sa.w_v))
+        self.o = SmallBatchLinear(sa.w_o.weight, sa.w_o.bias)
+        self.w1 = SmallBatchLinear(layer.ffn.w_1.weight, layer.ffn.w_1.bias, activation)
+        self.w2 = SmallBatchLinear(layer.ffn.w_2.weight, layer.ffn.w_2.bias)
+        self.norms = [
+            (r.norm.weight.detach(), r.norm.bias.detach(), r.norm.eps)
+            for r in (layer.res_attn, layer.res_ffn)
+        ]
+        self.rope = sa.position if isinstance(sa.position, RotaryEmbedding) else None
+        self.backend = sa.backend
+
+
 class IncrementalDecoder:
     """A :class:`~qkv.models.Seq2SeqTransformer`'s decoder prepared for token-by-token use.
 
@@ -167,14 +197,14 @@ class IncrementalDecoder:
 
     def __init__(self, model: nn.Module) -> None:
         why = unsupported(model)
-        if why is not None:
+        if why is not None:  # for_model() returns None instead
             raise ValueError(f"IncrementalDecoder cannot run this model: {why}")
         cfg, dec = model.cfg, model.decoder
         self.cfg = cfg
         self.d, self.h, self.h_kv, self.d_k = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.d_k
         self.pre_norm = cfg.norm_first
-        self.embedding = dec.embed.embedding.weight.detach()  # (V, d_model)
-        self.emb_scale = math.sqrt(cfg.d_model)
+        # the embedding times √d_model, once: the same products the Embedder takes per token
+        self.embedding = dec.embed.embedding.weight.detach() * math.sqrt(cfg.d_model)  # (V, d)
         self.position = dec.embed.position  # sinusoidal / learned module, or None (rope)
         self.layers = [_Layer(layer, cfg.activation) for layer in dec.layers]
         kv = [lin for layer in dec.layers for lin in (layer.cross_attn.w_k, layer.cross_attn.w_v)]
@@ -183,20 +213,57 @@ class IncrementalDecoder:
         if isinstance(dec.norm, nn.LayerNorm):
             self.final_norm = (dec.norm.weight.detach(), dec.norm.bias.detach(), dec.norm.eps)
         self.out = SmallBatchLinear(dec.out.weight, dec.out.bias)
+        enc = model.encoder
+        self.encoder = enc
+        self.enc_layers = [_EncoderLayer(layer, cfg.activation) for layer in enc.layers]
+        self.enc_norm = None
+        if isinstance(enc.norm, nn.LayerNorm):
+            self.enc_norm = (enc.norm.weight.detach(), enc.norm.bias.detach(), enc.norm.eps)
         self._choice: dict[tuple, str] = {}
 
     @classmethod
-    def for_model(cls, model: nn.Module) -> IncrementalDecoder:
-        """The prepared decoder of ``model``, kept on it while its weights stay the same."""
-        key = tuple((p.data_ptr(), p._version, p.dtype) for p in model.decoder.parameters())
+    def for_model(cls, model: nn.Module) -> IncrementalDecoder | None:
+        """The prepared decoder of ``model`` (kept on it while its weights stay the same), or
+        ``None`` where :func:`unsupported` says it cannot run the model."""
         held = model.__dict__.get("_qkv_incremental")
-        if held is not None and held[0] == key:
-            return held[1]
+        if held is not None:
+            modules, attention, key, made = held
+            if unsupported(model, attention) is None and _weights_key(modules) == key:
+                return made
+        modules = list(model.modules())
+        attention = [m for m in modules if isinstance(m, MultiHeadAttention)]
+        if unsupported(model, attention) is not None:
+            return None
         made = cls(model)
-        model.__dict__["_qkv_incremental"] = (key, made)
+        model.__dict__["_qkv_incremental"] = (modules, attention, _weights_key(modules), made)
         return made
 
     # --- per call -------------------------------------------------------------------------
+
+    def encode(self, src: Tensor, src_mask: Tensor) -> Tensor:
+        """``model.encode(src, src_mask)`` with the prepared weights: memory ``(B, S, d)``."""
+        B, S = src.shape
+        d, h, h_kv, d_k = self.d, self.h, self.h_kv, self.d_k
+        x = self.encoder.embed(src)  # (B, S, d)
+        x = x.reshape(B * S, d)
+        kv_w = h_kv * d_k
+        for L in self.enc_layers:
+            y = TF.layer_norm(x, (d,), *L.norms[0]) if self.pre_norm else x
+            qkv = L.qkv(y).view(B, S, -1)  # (B, S, (h + 2·h_kv)·d_k)
+            q = qkv[..., :d].view(B, S, h, d_k).transpose(1, 2)  # (B, h, S, d_k)
+            k = qkv[..., d : d + kv_w].view(B, S, h_kv, d_k).transpose(1, 2)  # (B, h_kv, S, d_k)
+            v = qkv[..., d + kv_w :].view(B, S, h_kv, d_k).transpose(1, 2)
+            if L.rope is not None:
+                q, k = L.rope(q, k)
+            a = self._attend("enc", L.backend, q, k, v, src_mask, None)  # (B, h, S, d_k)
+            y = L.o(a.transpose(1, 2).reshape(B * S, d))
+            x = x + y if self.pre_norm else TF.layer_norm(x + y, (d,), *L.norms[0])
+            y = TF.layer_norm(x, (d,), *L.norms[1]) if self.pre_norm else x
+            y = L.w2(L.w1(y))
+            x = x + y if self.pre_norm else TF.layer_norm(x + y, (d,), *L.norms[1])
+        if self.enc_norm is not None:
+            x = TF.layer_norm(x, (d,), *self.enc_norm)
+        return x.view(B, S, d)
 
     def start(
         self,
@@ -220,10 +287,18 @@ class IncrementalDecoder:
             kv = kv.permute(2, 3, 0, 4, 1, 5).contiguous()  # (L, 2, B, h_kv, S, d_k)
             cross = [(kv[i, 0], kv[i, 1]) for i in range(len(self.layers))]
         caches = [KVCache(capacity=max_steps, dtype=cache_dtype) for _ in range(len(self.layers))]
-        return DecodeState(caches, cross, memory_mask, beams)
+        state = DecodeState(caches, cross, memory_mask, beams)
+        if isinstance(self.position, SinusoidalPositionalEncoding):  # (max_steps, d), once
+            state.positions = self.position.table(max_steps, device=memory.device,
+                                                  dtype=memory.dtype)  # fmt: skip
+        elif isinstance(self.position, LearnedPositionalEmbedding):
+            if max_steps > self.position.max_len:
+                raise ValueError(f"max_steps={max_steps} > max_len={self.position.max_len}")
+            state.positions = self.position.embedding.weight.detach()[:max_steps]
+        return state
 
     def _attend(self, kind: str, backend: str, q: Tensor, k: Tensor, v: Tensor,
-                mask: Tensor | None, state: DecodeState) -> Tensor:  # fmt: skip
+                mask: Tensor | None, state: DecodeState | None) -> Tensor:  # fmt: skip
         """Attention as ``qkv.functional`` would run it, its path resolved once per kind and
         key-length range (``Tk`` rounded up to a power of two)."""
         Tk = k.shape[-2]
@@ -231,14 +306,19 @@ class IncrementalDecoder:
         choice = self._choice.get(key)
         if choice is None:
             case = dispatch.describe(q, k, v, mask=mask, causal=kind == "self")
+            # the decoder's self-attention is causal; with one query per step it sees all keys
             choice = self._choice[key] = dispatch.choose(case, backend).backend
         if k.dtype != q.dtype:  # a cache stored in another dtype
             k, v = k.to(q.dtype), v.to(q.dtype)
         if choice == "torch":  # what qkv's "torch" backend runs, without re-checking per step
-            if mask is not None and state.bias is None:
-                state.bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device)
-                state.bias.masked_fill_(~mask, float("-inf"))
-            bias = state.bias if mask is not None else None
+            bias = None
+            if mask is not None and state is None:
+                bias = mask
+            elif mask is not None:
+                if state.bias is None:
+                    state.bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device)
+                    state.bias.masked_fill_(~mask, float("-inf"))
+                bias = state.bias
             return TF.scaled_dot_product_attention(
                 q, k, v, attn_mask=bias, enable_gqa=q.shape[1] != k.shape[1]
             )
@@ -251,13 +331,11 @@ class IncrementalDecoder:
         N, t, d = tokens.shape[0], state.t, self.d
         K = state.beams
         B = N // K
-        x = TF.embedding(tokens, self.embedding) * self.emb_scale  # (N, d)
-        if isinstance(self.position, SinusoidalPositionalEncoding):
-            x = x + self.position.table(1, t, device=x.device, dtype=x.dtype)
-        elif isinstance(self.position, LearnedPositionalEmbedding):
-            if t >= self.position.max_len:
-                raise ValueError(f"target length {t + 1} > max_len={self.position.max_len}")
-            x = x + self.position.embedding.weight[t]
+        x = TF.embedding(tokens, self.embedding)  # (N, d), scaled by √d_model
+        if state.positions is not None:
+            if t >= state.positions.shape[0]:
+                raise ValueError(f"target length {t + 1} > max_steps={state.positions.shape[0]}")
+            x = x + state.positions[t]
         for i, L in enumerate(self.layers):
             # causal self-attention over the cache
             h = TF.layer_norm(x, (d,), *L.norms[0]) if self.pre_norm else x
