@@ -131,5 +131,6 @@ def convert(model, out_dir: str | Path) -> Path:
     spec = to_spec(model)
     spec.validate()
     spec.optimize(quantization=None)
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
     spec.save(str(out_dir))
     return Path(out_dir)
