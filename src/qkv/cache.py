@@ -131,13 +131,15 @@ class KVCache:
         elif self._k is None:
             self.capacity_hint = max(capacity, self.capacity_hint or 0)
 
-    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    def update(self, k: Tensor, v: Tensor, *, check: bool = True) -> tuple[Tensor, Tensor]:
         """Append ``k (B, h_kv, T_new, d_k)``, ``v (B, h_kv, T_new, d_v)``; return all cached.
 
         The new positions are written in place; the returned views share the buffers (they
-        stay valid until the next ``update``, ``reorder`` or ``reset``).
+        stay valid until the next ``update``, ``reorder`` or ``reset``). ``check=False``
+        skips validating shapes and dtypes: for a decode loop that validated its first step.
         """
-        self._check(k, v)
+        if check or self._k is None:
+            self._check(k, v)
         new_len = self._len + k.shape[2]
         if self.max_len is not None and new_len > self.max_len:
             raise ValueError(f"cache overflow: {new_len} positions > max_len={self.max_len}")

@@ -43,6 +43,11 @@ def _mkldnn_linear_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+_LINEAR_POINTWISE = (
+    torch.ops.mkldnn._linear_pointwise.default if _mkldnn_linear_available() else None
+)
+
+
 class SmallBatchLinear:
     """``act(x Wᵀ + b)`` for ``x (M, in)`` with few rows, in the layout fastest for ``M``.
 
@@ -66,13 +71,8 @@ class SmallBatchLinear:
         self.wt = self.weight.t().contiguous() if out_f >= 2 * in_f else None  # (in, out)
         self._packed: dict[int, Tensor] = {}
         self._mkldnn = _mkldnn_linear_available() and self.weight.dtype == torch.float32
-
-    def _act(self, y: Tensor) -> Tensor:
-        if self.activation == "relu":
-            return torch.relu_(y)
-        if self.activation == "gelu":
-            return TF.gelu(y)
-        return y
+        self._attr = activation if activation in ("relu", "gelu") else "none"
+        self._algo = "none" if activation == "gelu" else ""
 
     def __call__(self, x: Tensor) -> Tensor:
         M = x.shape[0]
@@ -81,15 +81,15 @@ class SmallBatchLinear:
                 y = x @ self.wt if self.bias is None else torch.addmm(self.bias, x, self.wt)
             else:
                 y = TF.linear(x, self.weight, self.bias)
-            return self._act(y)
+            if self.activation == "relu":
+                return y.relu_()
+            return TF.gelu(y) if self.activation == "gelu" else y
         packed = self._packed.get(M)
         if packed is None:
             if len(self._packed) >= _MAX_PACKINGS:
                 self._packed.pop(next(iter(self._packed)))
             packed = self._packed[M] = torch.ops.mkldnn._reorder_linear_weight(self.weight, M)
-        attr = self.activation if self.activation in ("relu", "gelu") else "none"
-        algo = "none" if attr == "gelu" else ""
-        return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, attr, [], algo)
+        return _LINEAR_POINTWISE(x, packed, self.bias, self._attr, [], self._algo)
 
 
 def _fuse(*linears: nn.Linear) -> tuple[Tensor, Tensor | None]:
@@ -142,6 +142,7 @@ class DecodeState:
         self.t = 0  # positions decoded so far
         self.bias: Tensor | None = None  # the mask as an additive float bias (torch path)
         self.positions: Tensor | None = None  # (max_steps, d) added to the embeddings
+        self.choices: dict[tuple[str, int], str] = {}  # attention path per (kind, Tk range)
 
     def reorder(self, rows: Tensor) -> None:
         """Follow the surviving beams: hypothesis ``i`` continues row ``rows[i]`` ``(N,)``."""
@@ -219,7 +220,6 @@ class IncrementalDecoder:
         self.enc_norm = None
         if isinstance(enc.norm, nn.LayerNorm):
             self.enc_norm = (enc.norm.weight.detach(), enc.norm.bias.detach(), enc.norm.eps)
-        self._choice: dict[tuple, str] = {}
 
     @classmethod
     def for_model(cls, model: nn.Module) -> IncrementalDecoder | None:
@@ -248,7 +248,7 @@ class IncrementalDecoder:
         x = x.reshape(B * S, d)
         kv_w = h_kv * d_k
         for L in self.enc_layers:
-            y = TF.layer_norm(x, (d,), *L.norms[0]) if self.pre_norm else x
+            y = torch.layer_norm(x, (d,), *L.norms[0]) if self.pre_norm else x
             qkv = L.qkv(y).view(B, S, -1)  # (B, S, (h + 2·h_kv)·d_k)
             q = qkv[..., :d].view(B, S, h, d_k).transpose(1, 2)  # (B, h, S, d_k)
             k = qkv[..., d : d + kv_w].view(B, S, h_kv, d_k).transpose(1, 2)  # (B, h_kv, S, d_k)
@@ -257,12 +257,12 @@ class IncrementalDecoder:
                 q, k = L.rope(q, k)
             a = self._attend("enc", L.backend, q, k, v, src_mask, None)  # (B, h, S, d_k)
             y = L.o(a.transpose(1, 2).reshape(B * S, d))
-            x = x + y if self.pre_norm else TF.layer_norm(x + y, (d,), *L.norms[0])
-            y = TF.layer_norm(x, (d,), *L.norms[1]) if self.pre_norm else x
+            x = x + y if self.pre_norm else torch.layer_norm(x + y, (d,), *L.norms[0])
+            y = torch.layer_norm(x, (d,), *L.norms[1]) if self.pre_norm else x
             y = L.w2(L.w1(y))
-            x = x + y if self.pre_norm else TF.layer_norm(x + y, (d,), *L.norms[1])
+            x = x + y if self.pre_norm else torch.layer_norm(x + y, (d,), *L.norms[1])
         if self.enc_norm is not None:
-            x = TF.layer_norm(x, (d,), *self.enc_norm)
+            x = torch.layer_norm(x, (d,), *self.enc_norm)
         return x.view(B, S, d)
 
     def start(
@@ -300,21 +300,18 @@ class IncrementalDecoder:
     def _attend(self, kind: str, backend: str, q: Tensor, k: Tensor, v: Tensor,
                 mask: Tensor | None, state: DecodeState | None) -> Tensor:  # fmt: skip
         """Attention as ``qkv.functional`` would run it, its path resolved once per kind and
-        key-length range (``Tk`` rounded up to a power of two)."""
-        Tk = k.shape[-2]
-        key = (kind, backend, Tk.bit_length(), q.shape[0], q.shape[-2], q.dtype)
-        choice = self._choice.get(key)
-        if choice is None:
-            case = dispatch.describe(q, k, v, mask=mask, causal=kind == "self")
-            # the decoder's self-attention is causal; with one query per step it sees all keys
-            choice = self._choice[key] = dispatch.choose(case, backend).backend
+        key-length range (``Tk`` up to the next power of two) of a call, not per step."""
         if k.dtype != q.dtype:  # a cache stored in another dtype
             k, v = k.to(q.dtype), v.to(q.dtype)
+        choices = state.choices if state is not None else {}
+        key = (kind, k.shape[-2].bit_length())
+        choice = choices.get(key)
+        if choice is None:  # shapes, dtype and backend are fixed for a state: only Tk grows
+            case = dispatch.describe(q, k, v, mask=mask, causal=kind == "self")
+            choice = choices[key] = dispatch.choose(case, backend).backend
         if choice == "torch":  # what qkv's "torch" backend runs, without re-checking per step
-            bias = None
-            if mask is not None and state is None:
-                bias = mask
-            elif mask is not None:
+            bias = mask
+            if mask is not None and state is not None:
                 if state.bias is None:
                     state.bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device)
                     state.bias.masked_fill_(~mask, float("-inf"))
@@ -338,7 +335,7 @@ class IncrementalDecoder:
             x = x + state.positions[t]
         for i, L in enumerate(self.layers):
             # causal self-attention over the cache
-            h = TF.layer_norm(x, (d,), *L.norms[0]) if self.pre_norm else x
+            h = torch.layer_norm(x, (d,), *L.norms[0]) if self.pre_norm else x
             qkv = L.qkv(h)  # (N, (h + 2·h_kv)·d_k)
             q = qkv[:, :d].view(N, self.h, 1, self.d_k)  # (N, h, 1, d_k)
             kv_w = self.h_kv * self.d_k
@@ -346,22 +343,22 @@ class IncrementalDecoder:
             v = qkv[:, d + kv_w :].view(N, self.h_kv, 1, self.d_k)
             if L.rope is not None:
                 q, k = L.rope.rotate(q, t), L.rope.rotate(k, t)
-            k_all, v_all = state.caches[i].update(k, v)  # (N, h_kv, t + 1, d_k), in place
+            k_all, v_all = state.caches[i].update(k, v, check=t == 0)  # (N, h_kv, t+1, d_k)
             a = self._attend("self", L.backends[0], q, k_all, v_all, None, state)
             y = L.o(a.reshape(N, d))  # (N, h, 1, d_k) → (N, d)
-            x = x + y if self.pre_norm else TF.layer_norm(x + y, (d,), *L.norms[0])
+            x = x + y if self.pre_norm else torch.layer_norm(x + y, (d,), *L.norms[0])
             # cross-attention: the K beams of a sentence are K query rows over its memory
-            h = TF.layer_norm(x, (d,), *L.norms[1]) if self.pre_norm else x
+            h = torch.layer_norm(x, (d,), *L.norms[1]) if self.pre_norm else x
             q = L.cq(h).view(B, K, self.h, self.d_k).transpose(1, 2)  # (B, h, K, d_k)
             ck, cv = state.cross[i]  # (B, h_kv, S, d_k)
             a = self._attend("cross", L.backends[1], q, ck, cv, state.cross_mask, state)
             y = L.co(a.transpose(1, 2).reshape(N, d))  # (B, h, K, d_k) → (N, d)
-            x = x + y if self.pre_norm else TF.layer_norm(x + y, (d,), *L.norms[1])
+            x = x + y if self.pre_norm else torch.layer_norm(x + y, (d,), *L.norms[1])
             # feed-forward
-            h = TF.layer_norm(x, (d,), *L.norms[2]) if self.pre_norm else x
+            h = torch.layer_norm(x, (d,), *L.norms[2]) if self.pre_norm else x
             y = L.w2(L.w1(h))
-            x = x + y if self.pre_norm else TF.layer_norm(x + y, (d,), *L.norms[2])
+            x = x + y if self.pre_norm else torch.layer_norm(x + y, (d,), *L.norms[2])
         if self.final_norm is not None:
-            x = TF.layer_norm(x, (d,), *self.final_norm)
+            x = torch.layer_norm(x, (d,), *self.final_norm)
         state.t = t + 1
         return self.out(x)  # (N, V)
