@@ -55,7 +55,8 @@ class _Steps:
         self.fast = IncrementalDecoder.for_model(model)
         if self.fast is not None:
             memory = self.fast.encode(src, mask)  # (B, S, d_model)
-            self.state = self.fast.start(memory, mask, beams=beams, max_steps=max_steps,
+            # every beam starts from the same <s>: the first step runs one row per sentence
+            self.state = self.fast.start(memory, mask, beams=1, max_steps=max_steps,
                                          cache_dtype=cache_dtype)  # fmt: skip
         else:  # the general path: one row per hypothesis
             memory = model.encode(src, mask)  # (B, S, d_model)
@@ -66,6 +67,11 @@ class _Steps:
     def __call__(self, tokens: Tensor) -> Tensor:
         """``tokens (N,)`` → logits ``(N, V)``."""
         if self.fast is not None:
+            K = self.beams
+            if K > 1 and self.state.t == 0:  # identical rows: decode one, then copy
+                logits = self.fast.step(self.state, tokens[::K])  # (B, V)
+                self.state.expand(K)
+                return logits.repeat_interleave(K, dim=0)  # (B·K, V)
             return self.fast.step(self.state, tokens)
         return self.model.decode(tokens[:, None], self.memory, self.mask, cache=self.cache)[:, -1]
 

@@ -149,6 +149,16 @@ class DecodeState:
         for c in self.caches:
             c.reorder(rows)
 
+    def expand(self, beams: int) -> None:
+        """From one row per sentence to ``beams`` identical rows each (after a first step
+        that all beams share)."""
+        if self.beams != 1:
+            raise ValueError(f"expand() needs one row per sentence, the state has {self.beams}")
+        B = self.cross[0][0].shape[0] if self.cross else self.caches[0].batch_size
+        self.reorder(torch.arange(B).repeat_interleave(beams))
+        self.beams = beams
+        self.choices.clear()  # the attention shapes changed
+
 
 class _Layer:
     """One decoder layer's weights, prepared."""
