@@ -241,3 +241,12 @@ def test_bf16_cache_stays_close_to_fp32():
     assert 0 < err < 2e-2
     out = greedy_search(model, SRC, max_new_tokens=5, cache_dtype=torch.bfloat16)
     assert out.shape[0] == 3 and out.dtype == torch.long
+
+
+def test_a_source_with_no_visible_token_decodes_like_the_reference():
+    model = model_(seed=12)
+    src = torch.tensor([[5, 6, 2], [0, 0, 0]])  # the second sentence is all padding
+    for K in (1, 2):
+        fast = beam_search(model, src, beam_size=K, max_new_tokens=5)
+        assert torch.equal(fast, beam_search(model, src, beam_size=K, max_new_tokens=5,
+                                             use_cache=False))  # fmt: skip

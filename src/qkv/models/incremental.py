@@ -322,9 +322,12 @@ class IncrementalDecoder:
         if choice == "torch":  # what qkv's "torch" backend runs, without re-checking per step
             bias = mask
             if mask is not None and state is not None:
-                if state.bias is None:
-                    state.bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device)
-                    state.bias.masked_fill_(~mask, float("-inf"))
+                if state.bias is None:  # an additive mask is faster for few rows; a source
+                    # with no visible token keeps the bool mask (zeros, as qkv gives, not NaN)
+                    state.bias = mask
+                    if bool(mask.any(-1).all()):
+                        state.bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device)
+                        state.bias.masked_fill_(~mask, float("-inf"))
                 bias = state.bias
             return TF.scaled_dot_product_attention(
                 q, k, v, attn_mask=bias, enable_gqa=q.shape[1] != k.shape[1]
