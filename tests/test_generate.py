@@ -250,3 +250,21 @@ def test_a_source_with_no_visible_token_decodes_like_the_reference():
         fast = beam_search(model, src, beam_size=K, max_new_tokens=5)
         assert torch.equal(fast, beam_search(model, src, beam_size=K, max_new_tokens=5,
                                              use_cache=False))  # fmt: skip
+
+
+def test_prepared_weights_stay_off_the_model():
+    import copy
+    import gc
+    import pickle
+    import weakref
+
+    model = model_(seed=13)
+    beam_search(model, SRC, beam_size=2, max_new_tokens=3)  # prepares (packed weights, M > 1)
+    clone = copy.deepcopy(model)  # nothing opaque on the model
+    assert torch.equal(beam_search(clone, SRC, beam_size=2, max_new_tokens=3),
+                       beam_search(model, SRC, beam_size=2, max_new_tokens=3))  # fmt: skip
+    pickle.dumps(model)
+    ref = weakref.ref(model)
+    del model, clone
+    gc.collect()
+    assert ref() is None  # the prepared copy does not keep the model alive

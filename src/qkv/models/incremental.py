@@ -22,6 +22,7 @@ memory ``(B, S, d_model)``; the source mask bool ``(B, 1, 1, S)``, True = may at
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 import torch.nn.functional as TF
@@ -120,6 +121,11 @@ def unsupported(model: nn.Module, attention: list[MultiHeadAttention] | None = N
     if w.dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
         return f"weights of dtype {w.dtype}"
     return None
+
+
+# model → its prepared decoder, kept beside the model (not on it: copying or pickling the model
+# must not meet oneDNN's opaque packed weights), dropped with the model
+_PREPARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _weights_key(modules: list[nn.Module]) -> tuple:
@@ -233,19 +239,26 @@ class IncrementalDecoder:
 
     @classmethod
     def for_model(cls, model: nn.Module) -> IncrementalDecoder | None:
-        """The prepared decoder of ``model`` (kept on it while its weights stay the same), or
+        """The prepared decoder of ``model`` (kept while its weights stay the same), or
         ``None`` where :func:`unsupported` says it cannot run the model."""
-        held = model.__dict__.get("_qkv_incremental")
+        held = _PREPARED.get(model)
         if held is not None:
-            modules, attention, key, made = held
-            if unsupported(model, attention) is None and _weights_key(modules) == key:
+            children, attention, key, made = held
+            if unsupported(model, attention) is None and _weights_key([model, *children]) == key:
                 return made
+        children = list(model.modules())[1:]  # not the model itself: the entry must not keep it
+        attention = [m for m in children if isinstance(m, MultiHeadAttention)]
+        if unsupported(model, attention) is not None:
+            return None
+        made = cls(model)
+        _PREPARED[model] = (children, attention, _weights_key([model, *children]), made)
+        return made
         modules = list(model.modules())
         attention = [m for m in modules if isinstance(m, MultiHeadAttention)]
         if unsupported(model, attention) is not None:
             return None
         made = cls(model)
-        model.__dict__["_qkv_incremental"] = (modules, attention, _weights_key(modules), made)
+        _PREPARED[model] = (modules, attention, _weights_key(modules), made)
         return made
 
     # --- per call -------------------------------------------------------------------------
