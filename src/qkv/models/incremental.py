@@ -71,7 +71,8 @@ class SmallBatchLinear:
         out_f, in_f = self.weight.shape
         self.wt = self.weight.t().contiguous() if out_f >= 2 * in_f else None  # (in, out)
         self._packed: dict[int, Tensor] = {}
-        self._mkldnn = _mkldnn_linear_available() and self.weight.dtype == torch.float32
+        self._mkldnn = (_mkldnn_linear_available() and self.weight.dtype == torch.float32
+                        and self.weight.device.type == "cpu")  # fmt: skip
         self._attr = activation if activation in ("relu", "gelu") else "none"
         self._algo = "none" if activation == "gelu" else ""
 
