@@ -36,8 +36,9 @@ from qkv.positional import LearnedPositionalEmbedding, RotaryEmbedding, Sinusoid
 
 __all__ = ["IncrementalDecoder", "DecodeState", "SmallBatchLinear", "unsupported"]
 
-# mkldnn's prepacked weights keep one packing per batch size; a few cover a generate call
-_MAX_PACKINGS = 4
+# oneDNN packs a weight for a batch size (any other works, a little slower): one packing per
+# power of two of the rows, the last few kept
+_MAX_PACKINGS = 6
 
 
 def _mkldnn_linear_available() -> bool:
@@ -58,8 +59,9 @@ class SmallBatchLinear:
 
     * ``M = 1``: a matrix-vector product; when ``out ≥ 2·in`` the weight is stored
       transposed ``(in, out)`` (a streaming read), else as given;
-    * ``M > 1``: oneDNN's prepacked weight for that ``M`` (``torch.ops.mkldnn``), the
-      activation fused; ``F.linear`` where oneDNN is missing.
+    * ``M > 1``: oneDNN's prepacked weight for ``M`` rounded up to a power of two
+      (``torch.ops.mkldnn``; a sentence length change does not repack), the activation
+      fused; ``F.linear`` where oneDNN is missing.
 
     Results equal ``F.linear`` up to float rounding (a different summation order).
     """
@@ -86,11 +88,12 @@ class SmallBatchLinear:
             if self.activation == "relu":
                 return y.relu_()
             return TF.gelu(y) if self.activation == "gelu" else y
-        packed = self._packed.get(M)
+        hint = 1 << (M - 1).bit_length()  # M rounded up to a power of two: few packings
+        packed = self._packed.get(hint)
         if packed is None:
             if len(self._packed) >= _MAX_PACKINGS:
                 self._packed.pop(next(iter(self._packed)))
-            packed = self._packed[M] = torch.ops.mkldnn._reorder_linear_weight(self.weight, M)
+            packed = self._packed[hint] = torch.ops.mkldnn._reorder_linear_weight(self.weight, hint)
         return _LINEAR_POINTWISE(x, packed, self.bias, self._attr, [], self._algo)
 
 
