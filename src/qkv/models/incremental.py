@@ -367,10 +367,13 @@ class IncrementalDecoder:
             # causal self-attention over the cache
             h = torch.layer_norm(x, (d,), *L.norms[0]) if self.pre_norm else x
             qkv = L.qkv(h)  # (N, (h + 2·h_kv)·d_k)
-            q = qkv[:, :d].view(N, self.h, 1, self.d_k)  # (N, h, 1, d_k)
-            kv_w = self.h_kv * self.d_k
-            k = qkv[:, d : d + kv_w].view(N, self.h_kv, 1, self.d_k)  # (N, h_kv, 1, d_k)
-            v = qkv[:, d + kv_w :].view(N, self.h_kv, 1, self.d_k)
+            if self.h == self.h_kv:  # one view, three selects: (N, 3, h, 1, d_k)
+                q, k, v = qkv.view(N, 3, self.h, 1, self.d_k).unbind(1)  # (N, h, 1, d_k) each
+            else:
+                q = qkv[:, :d].view(N, self.h, 1, self.d_k)  # (N, h, 1, d_k)
+                kv_w = self.h_kv * self.d_k
+                k = qkv[:, d : d + kv_w].view(N, self.h_kv, 1, self.d_k)  # (N, h_kv, 1, d_k)
+                v = qkv[:, d + kv_w :].view(N, self.h_kv, 1, self.d_k)
             if L.rope is not None:
                 q, k = L.rope.rotate(q, t), L.rope.rotate(k, t)
             k_all, v_all = state.caches[i].update(k, v, check=t == 0)  # (N, h_kv, t+1, d_k)
@@ -379,10 +382,15 @@ class IncrementalDecoder:
             x = x + y if self.pre_norm else torch.layer_norm(x + y, (d,), *L.norms[0])
             # cross-attention: the K beams of a sentence are K query rows over its memory
             h = torch.layer_norm(x, (d,), *L.norms[1]) if self.pre_norm else x
-            q = L.cq(h).view(B, K, self.h, self.d_k).transpose(1, 2)  # (B, h, K, d_k)
             ck, cv = state.cross[i]  # (B, h_kv, S, d_k)
-            a = self._attend("cross", L.backends[1], q, ck, cv, state.cross_mask, state)
-            y = L.co(a.transpose(1, 2).reshape(N, d))  # (B, h, K, d_k) → (N, d)
+            if K == 1:
+                q = L.cq(h).view(B, self.h, 1, self.d_k)  # (B, h, 1, d_k)
+                a = self._attend("cross", L.backends[1], q, ck, cv, state.cross_mask, state)
+                y = L.co(a.reshape(N, d))
+            else:
+                q = L.cq(h).view(B, K, self.h, self.d_k).transpose(1, 2)  # (B, h, K, d_k)
+                a = self._attend("cross", L.backends[1], q, ck, cv, state.cross_mask, state)
+                y = L.co(a.transpose(1, 2).reshape(N, d))  # (B, h, K, d_k) → (N, d)
             x = x + y if self.pre_norm else torch.layer_norm(x + y, (d,), *L.norms[1])
             # feed-forward
             h = torch.layer_norm(x, (d,), *L.norms[2]) if self.pre_norm else x
