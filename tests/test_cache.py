@@ -110,3 +110,19 @@ def test_bad_arguments():
         cache.update(*(t.double() for t in kv()))
     with pytest.raises(ValueError, match="1-D"):
         cache.reorder(torch.zeros(3, 1, dtype=torch.long))
+
+
+def test_causal_lm_preallocated_caches_decode_like_the_full_forward():
+    from qkv.models import CausalLM, TransformerConfig
+
+    torch.manual_seed(2)
+    cfg = TransformerConfig(src_vocab_size=30, tgt_vocab_size=30, d_model=32, n_heads=4,
+                            n_kv_heads=2, d_ff=64, positional="rope", dropout=0.0)  # fmt: skip
+    lm = CausalLM(cfg).eval()
+    ids = torch.tensor([[1, 4, 5, 6, 7, 8]])
+    full = lm(ids)  # (1, 6, V)
+    cache = lm.new_cache(capacity=6)
+    steps = torch.cat([lm(ids[:, :3], cache=cache)] + [lm(ids[:, t : t + 1], cache=cache)
+                                                       for t in range(3, 6)], 1)  # fmt: skip
+    torch.testing.assert_close(steps, full, atol=1e-5, rtol=1e-5)
+    assert all(c.capacity == 6 and len(c) == 6 for c in cache)  # allocated once, never grown
