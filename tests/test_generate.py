@@ -120,3 +120,151 @@ def test_translate_and_evaluate_cli(tmp_path, capsys, monkeypatch):
     assert main(["evaluate", "--model", str(tmp_path / "m"), *files, "--json"]) == 0
     out = capsys.readouterr().out
     assert "BLEU" in out and "chrF" in out and '"sentences": 2' in out
+
+
+# --- the incremental decoder (the fast path greedy/beam take) --------------------------------
+
+RAGGED = torch.tensor([[5, 6, 7, 8, 9, 2], [10, 11, 2, 0, 0, 0], [12, 13, 14, 2, 0, 0]])
+
+
+def general_path(model):
+    """Force ``model.decode`` with its DecoderCache: an inspection hook the fast path refuses."""
+    model.decoder.layers[0].self_attn.head_mask = torch.ones(model.cfg.n_heads)
+    return model
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(positional="sinusoidal"),
+        dict(positional="learned", norm_first=False),
+        dict(positional="rope", n_kv_heads=2),
+        dict(positional="sinusoidal", n_kv_heads=1, activation="gelu"),
+    ],
+)
+def test_incremental_decoder_equals_model_decode(kw):
+    from qkv.models.incremental import IncrementalDecoder
+
+    model = model_(seed=7, **kw)
+    dec = IncrementalDecoder.for_model(model)
+    assert dec is not None
+    K, T = 3, 6
+    src = RAGGED
+    g = torch.Generator().manual_seed(0)
+    tgt = torch.randint(3, 40, (src.shape[0] * K, T), generator=g)
+    tgt[:, 0] = 1
+    with torch.inference_mode():
+        mask = model.src_mask(src)
+        memory = model.encode(src, mask)
+        torch.testing.assert_close(dec.encode(src, mask), memory, atol=1e-5, rtol=1e-5)
+        want = model.decode(
+            tgt, memory.repeat_interleave(K, 0), mask.repeat_interleave(K, 0)
+        )  # (B·K, T, V), teacher forcing, no cache
+        state = dec.start(memory, mask, beams=K, max_steps=T)
+        got = torch.stack([dec.step(state, tgt[:, t]) for t in range(T)], 1)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("positional", ["sinusoidal", "learned", "rope"])
+def test_beam_with_cache_equals_without(positional):
+    model = model_(positional=positional, seed=8)
+    for K in (1, 3):
+        fast = beam_search(model, SRC, beam_size=K, max_new_tokens=9)
+        slow = beam_search(model, SRC, beam_size=K, max_new_tokens=9, use_cache=False)
+        assert torch.equal(fast, slow)
+
+
+def test_fast_path_equals_general_path_greedy_and_beam():
+    fast_model, slow_model = model_(seed=9), general_path(model_(seed=9))
+    from qkv.models.incremental import IncrementalDecoder
+
+    assert IncrementalDecoder.for_model(slow_model) is None  # the hook sends it the long way
+    for K in (1, 4):
+        fast = beam_search(fast_model, RAGGED, beam_size=K, max_new_tokens=12)
+        slow = beam_search(slow_model, RAGGED, beam_size=K, max_new_tokens=12)
+        assert torch.equal(fast, slow)
+    fast = greedy_search(fast_model, RAGGED, max_new_tokens=12)
+    assert torch.equal(fast, greedy_search(slow_model, RAGGED, max_new_tokens=12))
+
+
+def test_prepared_weights_follow_weight_changes():
+    from qkv.models.incremental import IncrementalDecoder
+
+    model = model_(seed=10)
+    first = IncrementalDecoder.for_model(model)
+    assert IncrementalDecoder.for_model(model) is first  # prepared once
+    before = greedy_search(model, SRC, max_new_tokens=6, ignore_eos=True)
+    with torch.no_grad():
+        model.decoder.layers[-1].ffn.w_2.weight.mul_(-3.0)  # in place: a new version
+    assert IncrementalDecoder.for_model(model) is not first
+    after = greedy_search(model, SRC, max_new_tokens=6, ignore_eos=True)
+    assert torch.equal(after, greedy_search(model, SRC, max_new_tokens=6, ignore_eos=True,
+                                            use_cache=False))  # fmt: skip
+    assert not torch.equal(before, after)
+
+
+def test_min_new_tokens_blocks_eos():
+    for seed in range(100):  # a random model that ends some sentence within 4 tokens
+        model = model_(seed=seed)
+        free = greedy_search(model, SRC, max_new_tokens=4)
+        if (free == 2).any():
+            break
+    assert (free == 2).any()
+    held = greedy_search(model, SRC, max_new_tokens=10, min_new_tokens=7)
+    assert held.shape[1] >= 7 and (held[:, :7] != 2).all()
+    ended = [row.index(2) + 1 for row in held.tolist() if 2 in row]
+    assert all(n >= 8 for n in ended)
+    beam = beam_search(model, SRC, beam_size=3, max_new_tokens=10, min_new_tokens=7)
+    assert beam.shape[1] >= 7 and (beam[:, :7] != 2).all()
+    fixed = beam_search(model, SRC, beam_size=3, max_new_tokens=7, min_new_tokens=7)
+    assert fixed.shape == (3, 7) and (fixed != 2).all()
+    with pytest.raises(ValueError, match="min_new_tokens"):
+        greedy_search(model, SRC, min_new_tokens=-1)
+
+
+def test_bf16_cache_stays_close_to_fp32():
+    from qkv.models.incremental import IncrementalDecoder
+
+    model = model_(seed=11)
+    dec = IncrementalDecoder.for_model(model)
+    tok = torch.tensor([1, 1, 1])
+    with torch.inference_mode():
+        mask = model.src_mask(SRC)
+        memory = dec.encode(SRC, mask)
+        states = [dec.start(memory, mask, max_steps=5, cache_dtype=dt)
+                  for dt in (None, torch.bfloat16)]  # fmt: skip
+        for t in range(5):
+            a, b = (dec.step(s, tok + t) for s in states)
+    assert states[1].caches[0].keys.dtype == torch.bfloat16
+    # keys/values rounded to bf16 (relative error 2^-8) move the logits by about that much
+    err = (a - b).abs().max() / a.abs().max()
+    assert 0 < err < 2e-2
+    out = greedy_search(model, SRC, max_new_tokens=5, cache_dtype=torch.bfloat16)
+    assert out.shape[0] == 3 and out.dtype == torch.long
+
+
+def test_a_source_with_no_visible_token_decodes_like_the_reference():
+    model = model_(seed=12)
+    src = torch.tensor([[5, 6, 2], [0, 0, 0]])  # the second sentence is all padding
+    for K in (1, 2):
+        fast = beam_search(model, src, beam_size=K, max_new_tokens=5)
+        assert torch.equal(fast, beam_search(model, src, beam_size=K, max_new_tokens=5,
+                                             use_cache=False))  # fmt: skip
+
+
+def test_prepared_weights_stay_off_the_model():
+    import copy
+    import gc
+    import pickle
+    import weakref
+
+    model = model_(seed=13)
+    beam_search(model, SRC, beam_size=2, max_new_tokens=3)  # prepares (packed weights, M > 1)
+    clone = copy.deepcopy(model)  # nothing opaque on the model
+    assert torch.equal(beam_search(clone, SRC, beam_size=2, max_new_tokens=3),
+                       beam_search(model, SRC, beam_size=2, max_new_tokens=3))  # fmt: skip
+    pickle.dumps(model)
+    ref = weakref.ref(model)
+    del model, clone
+    gc.collect()
+    assert ref() is None  # the prepared copy does not keep the model alive

@@ -179,6 +179,8 @@ class MultiHeadAttention(nn.Module):
             k, v = self.project_kv(context, value)  # (B, h_kv, Tk, d_k)
             if cache is not None:
                 k, v = cache.set(k, v)
+        if k.dtype != q.dtype:  # a cache stored in another dtype (a bf16 cache, fp32 model)
+            k, v = k.to(q.dtype), v.to(q.dtype)
         slopes = None
         if isinstance(self.position, ALiBi):  # per-head slopes: no (Tq, Tk) bias on flash
             slopes = masks.alibi_slopes(self.n_heads).to(x.device)  # (h,)

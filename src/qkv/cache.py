@@ -5,16 +5,41 @@ attend to everything cached (``causal=True`` aligns bottom-right, so query ``i``
 sits at position ``len(cache) - Tq + i``). Cross-attention: the encoder's keys and values are
 computed once, on the first step, and reused.
 
+Layout: one preallocated buffer per role, ``(B, h_kv, capacity, d)``. A step writes its
+positions in place and attention reads the views ``buffer[:, :, :len]`` (batch and head strides
+of the full buffer, contiguous rows): nothing is copied per step. When the buffer is full it
+grows geometrically (×2), so appending ``T`` positions costs ``O(T)`` copies in all;
+``capacity=`` (or :meth:`reserve`) sizes it once when the length is known (generation).
+
+Storage dtype: ``dtype=torch.bfloat16`` keeps a bf16 cache for an fp32 model (half the memory
+and half the bytes read per step); :meth:`update` then returns the bf16 views, and
+:class:`~qkv.MultiHeadAttention` widens them to the queries' dtype before attention.
+
+Beams: :meth:`reorder` gathers only the filled positions, into a second buffer that is
+allocated once and swapped with the first (``index_select(..., out=)``), so a beam step costs
+``B·h_kv·len·d`` copies, never the whole capacity, and no allocation.
+
 Shapes: keys and values are ``(B, h_kv, T, d_k)``.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
+
+__all__ = ["KVCache"]
+
+_MIN_CAPACITY = 16
 
 
 class KVCache:
     """Grows along time with amortised doubling; ``update`` returns views of what is filled.
+
+    Args:
+        max_len: most positions it may hold (``None`` = unbounded); more is a ``ValueError``.
+        capacity: positions to allocate on the first ``update`` (default: what that update
+            needs, at least 16); grows by doubling beyond it.
+        dtype: storage dtype of keys and values (default: that of the first ``update``).
 
     >>> cache = KVCache()
     >>> k, v = cache.update(torch.zeros(2, 4, 3, 8), torch.zeros(2, 4, 3, 8))
@@ -22,10 +47,25 @@ class KVCache:
     (torch.Size([2, 4, 3, 8]), 3)
     """
 
-    def __init__(self, max_len: int | None = None) -> None:
+    def __init__(
+        self,
+        max_len: int | None = None,
+        *,
+        capacity: int | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        if max_len is not None and (not isinstance(max_len, int) or max_len < 1):
+            raise ValueError(f"max_len must be a positive int or None, got {max_len!r}")
+        if capacity is not None and (not isinstance(capacity, int) or capacity < 1):
+            raise ValueError(f"capacity must be a positive int or None, got {capacity!r}")
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise TypeError(f"dtype must be a floating torch.dtype or None, got {dtype!r}")
         self.max_len = max_len
+        self.capacity_hint = capacity
+        self.dtype = dtype
         self._k: Tensor | None = None  # (B, h_kv, capacity, d_k)
         self._v: Tensor | None = None  # (B, h_kv, capacity, d_v)
+        self._spare: tuple[Tensor, Tensor] | None = None  # reorder's second buffers
         self._len = 0
 
     def __len__(self) -> int:
@@ -40,6 +80,11 @@ class KVCache:
         return None if self._k is None else self._k.shape[0]
 
     @property
+    def capacity(self) -> int:
+        """Positions the buffers hold before they grow (0 before the first update)."""
+        return 0 if self._k is None else self._k.shape[2]
+
+    @property
     def keys(self) -> Tensor | None:
         return None if self._k is None else self._k[:, :, : self._len]
 
@@ -48,7 +93,9 @@ class KVCache:
         return None if self._v is None else self._v[:, :, : self._len]
 
     def reset(self) -> None:
+        """Forget everything, buffers included (a new batch may have another size)."""
         self._k = self._v = None
+        self._spare = None
         self._len = 0
 
     def _check(self, k: Tensor, v: Tensor) -> None:
@@ -58,6 +105,8 @@ class KVCache:
                 f"k={tuple(k.shape)}, v={tuple(v.shape)}"
             )
         if self._k is None:
+            if not k.dtype.is_floating_point or v.dtype != k.dtype:
+                raise TypeError(f"k and v must share a floating dtype, got {k.dtype}, {v.dtype}")
             return
         want_k, want_v = self._k.shape, self._v.shape
         if k.shape[0] != want_k[0]:
@@ -70,34 +119,57 @@ class KVCache:
                 f"cache holds k (B, {want_k[1]}, T, {want_k[3]}) and v (B, {want_v[1]}, T, "
                 f"{want_v[3]}), got k={tuple(k.shape)}, v={tuple(v.shape)}"
             )
-        if k.dtype != self._k.dtype or k.device != self._k.device:
-            raise TypeError(
-                f"cache holds {self._k.dtype} on {self._k.device}, got {k.dtype} on {k.device}"
-            )
+        if k.device != self._k.device:
+            raise TypeError(f"cache lives on {self._k.device}, got k on {k.device}")
+        if self.dtype is None and k.dtype != self._k.dtype:
+            raise TypeError(f"cache holds {self._k.dtype}, got {k.dtype}")
 
-    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Append ``k (B, h_kv, T_new, d_k)``, ``v (B, h_kv, T_new, d_v)``; return all cached."""
-        self._check(k, v)
+    def reserve(self, capacity: int) -> None:
+        """Make room for ``capacity`` positions now (no effect if there already is)."""
+        if self._k is not None and capacity > self._k.shape[2]:
+            self._resize(capacity)
+        elif self._k is None:
+            self.capacity_hint = max(capacity, self.capacity_hint or 0)
+
+    def update(self, k: Tensor, v: Tensor, *, check: bool = True) -> tuple[Tensor, Tensor]:
+        """Append ``k (B, h_kv, T_new, d_k)``, ``v (B, h_kv, T_new, d_v)``; return all cached.
+
+        The new positions are written in place; the returned views share the buffers (they
+        stay valid until the next ``update``, ``reorder`` or ``reset``). ``check=False``
+        skips validating shapes and dtypes: for a decode loop that validated its first step.
+        """
+        if check or self._k is None:
+            self._check(k, v)
         new_len = self._len + k.shape[2]
         if self.max_len is not None and new_len > self.max_len:
             raise ValueError(f"cache overflow: {new_len} positions > max_len={self.max_len}")
-        if self._k is None or new_len > self._k.shape[2]:
-            capacity = max(new_len, 2 * (0 if self._k is None else self._k.shape[2]), 16)
-            if self.max_len is not None:
-                capacity = min(capacity, self.max_len)
-            self._k = self._grow(self._k, k, capacity)
-            self._v = self._grow(self._v, v, capacity)
-        self._k[:, :, self._len : new_len] = k
+        if self._k is None:
+            self._allocate(k, v, max(new_len, self.capacity_hint or _MIN_CAPACITY))
+        elif new_len > self._k.shape[2]:
+            self._resize(max(new_len, 2 * self._k.shape[2]))
+        self._k[:, :, self._len : new_len] = k  # cast to the storage dtype, in place
         self._v[:, :, self._len : new_len] = v
         self._len = new_len
-        return self.keys, self.values
+        return self._k[:, :, :new_len], self._v[:, :, :new_len]
 
-    def _grow(self, old: Tensor | None, like: Tensor, capacity: int) -> Tensor:
-        B, h, _, d = like.shape
-        new = like.new_empty(B, h, capacity, d)
-        if old is not None:
-            new[:, :, : self._len] = old[:, :, : self._len]
-        return new
+    def _allocate(self, k: Tensor, v: Tensor, capacity: int) -> None:
+        if self.max_len is not None:
+            capacity = min(capacity, self.max_len)
+        dtype = self.dtype or k.dtype
+        B, h, _, d_k = k.shape
+        self._k = torch.empty(B, h, capacity, d_k, dtype=dtype, device=k.device)
+        self._v = torch.empty(B, h, capacity, v.shape[3], dtype=dtype, device=k.device)
+
+    def _resize(self, capacity: int) -> None:
+        if self.max_len is not None:
+            capacity = min(capacity, self.max_len)
+        old_k, old_v = self._k, self._v
+        B, h, _, d_k = old_k.shape
+        self._k = old_k.new_empty(B, h, capacity, d_k)
+        self._v = old_v.new_empty(B, h, capacity, old_v.shape[3])
+        self._k[:, :, : self._len] = old_k[:, :, : self._len]
+        self._v[:, :, : self._len] = old_v[:, :, : self._len]
+        self._spare = None
 
     def set(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Replace the contents (cross-attention: the encoder's keys and values, once)."""
@@ -105,10 +177,31 @@ class KVCache:
         return self.update(k, v)
 
     def reorder(self, index: Tensor) -> None:
-        """Keep batch rows ``index`` (beam search: follow the surviving beams)."""
-        if self._k is not None:
+        """Keep batch rows ``index`` ``(B',)`` (beam search: follow the surviving beams).
+
+        Only the filled positions are gathered. With ``B' == B`` they go into a second buffer
+        kept for the purpose (swapped with the first), so no step allocates.
+        """
+        if self._k is None:
+            return
+        index = index.to(device=self._k.device, dtype=torch.long)
+        if index.dim() != 1:
+            raise ValueError(f"index must be 1-D (B',), got shape {tuple(index.shape)}")
+        n = self._len
+        grad = torch.is_grad_enabled() and (self._k.requires_grad or self._v.requires_grad)
+        if index.shape[0] != self._k.shape[0] or grad:  # new buffers (autograd: out= has none)
             self._k = self._k.index_select(0, index)
             self._v = self._v.index_select(0, index)
+            self._spare = None
+            return
+        if self._spare is None:
+            self._spare = (torch.empty_like(self._k), torch.empty_like(self._v))
+        k2, v2 = self._spare
+        if n:
+            torch.index_select(self._k[:, :, :n], 0, index, out=k2[:, :, :n])
+            torch.index_select(self._v[:, :, :n], 0, index, out=v2[:, :, :n])
+        self._spare = (self._k, self._v)
+        self._k, self._v = k2, v2
 
     def truncate(self, length: int) -> None:
         """Forget every position from ``length`` on (speculative decoding, retries)."""

@@ -1,9 +1,12 @@
 """Decoding for :class:`~qkv.models.Seq2SeqTransformer`: greedy and beam search, batched.
 
-Both encode the source once and decode incrementally with a
-:class:`~qkv.models.DecoderCache` (each step feeds one token per sentence; the cross-attention
-keys/values of the memory are projected on the first step only). ``use_cache=False`` recomputes
-the whole prefix every step: the slow reference that the cached path must equal.
+Both encode the source once and decode incrementally, one token per sentence (and beam) per
+step. A :class:`~qkv.models.Seq2SeqTransformer` in eval mode runs through
+:class:`~qkv.models.incremental.IncrementalDecoder` (fused projections, the memory's keys and
+values computed once per sentence, caches preallocated and written in place, beams
+reordered by index); any other model through ``model.decode(..., cache=model.new_cache())``.
+``use_cache=False`` recomputes the whole prefix every step: the slow reference that the cached
+paths must equal, token for token.
 
 Shapes: ``src (B, S)`` → generated ids ``(B, T)`` (after ``<s>``; ``</s>`` then ``<pad>``).
 """
@@ -14,6 +17,8 @@ import warnings
 
 import torch
 from torch import Tensor
+
+from qkv.models.incremental import IncrementalDecoder
 
 __all__ = ["greedy_search", "beam_search", "translate"]
 
@@ -35,44 +40,104 @@ def _check_src(src: Tensor) -> None:
         raise TypeError(f"src must be an integer tensor (B, S), got {shape}")
 
 
-@torch.no_grad()
+def _check_min(min_new_tokens: int) -> None:
+    if not isinstance(min_new_tokens, int) or min_new_tokens < 0:
+        raise ValueError(f"min_new_tokens must be an int >= 0, got {min_new_tokens!r}")
+
+
+class _Steps:
+    """Next-token logits ``(N, V)`` step by step, for ``N = B·beams`` hypotheses: the
+    incremental decoder where it runs the model, else ``model.decode`` with its cache."""
+
+    def __init__(self, model, src: Tensor, beams: int, max_steps: int, cache_dtype=None):
+        self.model, self.beams = model, beams
+        mask = model.src_mask(src)  # (B, 1, 1, S), True = may attend
+        self.fast = IncrementalDecoder.for_model(model)
+        if self.fast is not None:
+            memory = self.fast.encode(src, mask)  # (B, S, d_model)
+            # every beam starts from the same <s>: the first step runs one row per sentence
+            self.state = self.fast.start(memory, mask, beams=1, max_steps=max_steps,
+                                         cache_dtype=cache_dtype)  # fmt: skip
+        else:  # the general path: one row per hypothesis
+            memory = model.encode(src, mask)  # (B, S, d_model)
+            self.memory = memory.repeat_interleave(beams, dim=0)  # (B·beams, S, d_model)
+            self.mask = mask.repeat_interleave(beams, dim=0)
+            self.cache = model.new_cache()
+
+    def __call__(self, tokens: Tensor) -> Tensor:
+        """``tokens (N,)`` → logits ``(N, V)``."""
+        if self.fast is not None:
+            K = self.beams
+            if K > 1 and self.state.t == 0:  # identical rows: decode one, then copy
+                logits = self.fast.step(self.state, tokens[::K])  # (B, V)
+                self.state.expand(K)
+                return logits.repeat_interleave(K, dim=0)  # (B·K, V)
+            return self.fast.step(self.state, tokens)
+        return self.model.decode(tokens[:, None], self.memory, self.mask, cache=self.cache)[:, -1]
+
+    def reorder(self, rows: Tensor) -> None:
+        if self.fast is not None:
+            self.state.reorder(rows)
+        else:
+            self.cache.reorder(rows)
+
+
+@torch.inference_mode()
 def greedy_search(
     model,
     src: Tensor,
     *,
     max_new_tokens: int | None = None,
+    min_new_tokens: int = 0,
     use_cache: bool = True,
     ignore_eos: bool = False,
+    cache_dtype: torch.dtype | None = None,
 ) -> Tensor:
     """Most likely next token at every step. Returns ids ``(B, T)``, pad after ``</s>``.
 
-    ``ignore_eos`` keeps going for exactly ``max_new_tokens`` (benchmarks).
+    ``min_new_tokens``: ``</s>`` cannot be chosen before that many tokens (the next most
+    likely token is). ``ignore_eos`` keeps going for exactly ``max_new_tokens``, ``</s>`` or
+    not (benchmarks). ``cache_dtype``: storage dtype of the self-attention caches (e.g.
+    ``torch.bfloat16`` for an fp32 model; the default keeps the model's dtype).
 
     >>> out = greedy_search(model, torch.tensor([[5, 6, 2]]))  # doctest: +SKIP
     """
     _check_src(src)
+    _check_min(min_new_tokens)
     cfg = model.cfg
     limits = _limits(model, src, max_new_tokens)  # (B,)
-    mask = model.src_mask(src)  # (B, 1, 1, S), True = may attend
-    memory = model.encode(src, mask)  # (B, S, d_model)
-    B = src.shape[0]
-    ys = torch.full((B, 1), cfg.bos_id, dtype=torch.long, device=src.device)
-    done = torch.zeros(B, dtype=torch.bool, device=src.device)
-    cache = model.new_cache() if use_cache else None
-    for t in range(int(limits.max())):
-        inp = ys[:, -1:] if use_cache else ys
-        logits = model.decode(inp, memory, mask, cache=cache)[:, -1]  # (B, V)
-        nxt = logits.argmax(-1)
-        if not ignore_eos:
-            nxt = nxt.masked_fill(done, cfg.pad_id)
-            done |= (nxt == cfg.eos_id) | (t + 1 >= limits)
-        ys = torch.cat([ys, nxt[:, None]], dim=1)
-        if not ignore_eos and bool(done.all()):
+    T_max = int(limits.max())
+    B, dev = src.shape[0], src.device
+    ys = torch.full((B, T_max + 1), cfg.pad_id, dtype=torch.long, device=dev)
+    ys[:, 0] = cfg.bos_id
+    done = torch.zeros(B, dtype=torch.bool, device=dev)
+    if use_cache:
+        steps = _Steps(model, src, 1, T_max, cache_dtype)
+    else:
+        mask = model.src_mask(src)
+        memory = model.encode(src, mask)  # (B, S, d_model)
+    n = 0
+    for t in range(T_max):
+        if use_cache:
+            logits = steps(ys[:, t])  # (B, V)
+        else:
+            logits = model.decode(ys[:, : t + 1], memory, mask)[:, -1]
+        if t < min_new_tokens:
+            logits[:, cfg.eos_id] = float("-inf")
+        nxt = logits.argmax(-1)  # (B,)
+        n = t + 1
+        if ignore_eos:
+            ys[:, n] = nxt
+            continue
+        nxt = nxt.masked_fill(done, cfg.pad_id)
+        done |= (nxt == cfg.eos_id) | (n >= limits)
+        ys[:, n] = nxt
+        if bool(done.all()):
             break
-    return ys[:, 1:]
+    return ys[:, 1 : n + 1]
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def beam_search(
     model,
     src: Tensor,
@@ -80,30 +145,40 @@ def beam_search(
     beam_size: int = 5,
     length_penalty: float = 1.0,
     max_new_tokens: int | None = None,
+    min_new_tokens: int = 0,
+    use_cache: bool = True,
+    cache_dtype: torch.dtype | None = None,
     n_best: int = 1,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Beam search; a finished hypothesis scores ``log p / len ** length_penalty``.
 
     A sentence stops when ``beam_size`` hypotheses have ended with ``</s>`` (an ``</s>``
     counts only among the ``beam_size`` best candidates of a step) or at its length limit
-    (then, if none ended, the best open hypothesis is taken). Returns the best hypothesis per
-    sentence, ids ``(B, T)``; with ``n_best > 1``, the ``n_best`` best hypotheses that ended
-    (best first) and their scores: ``(ids (B, n_best, T), scores (B, n_best))``, padded with
-    ``pad_id`` and ``-inf`` where fewer ended.
+    (then, if none ended, the best open hypothesis is taken). ``min_new_tokens``: no
+    hypothesis ends before that many tokens. Sentences are searched together (one batch of
+    ``B·beam_size`` rows per step). Returns the best hypothesis per sentence, ids ``(B, T)``;
+    with ``n_best > 1``, the ``n_best`` best hypotheses that ended (best first) and their
+    scores: ``(ids (B, n_best, T), scores (B, n_best))``, padded with ``pad_id`` and ``-inf``
+    where fewer ended.
     """
     _check_src(src)
+    _check_min(min_new_tokens)
     if beam_size < 1:
         raise ValueError(f"beam_size must be >= 1, got {beam_size}")
     if not 1 <= n_best <= beam_size:
         raise ValueError(f"n_best must be in [1, beam_size={beam_size}], got {n_best}")
     cfg, K, dev = model.cfg, beam_size, src.device
     limits = _limits(model, src, max_new_tokens)  # (B,)
+    T_max = int(limits.max())
     B = src.shape[0]
-    src = src.repeat_interleave(K, dim=0)  # (B·K, S)
-    mask = model.src_mask(src)
-    memory = model.encode(src, mask)  # (B·K, S, d_model)
-    cache = model.new_cache()
-    ys = torch.full((B * K, 1), cfg.bos_id, dtype=torch.long, device=dev)
+    if use_cache:
+        steps = _Steps(model, src, K, T_max, cache_dtype)
+    else:
+        rsrc = src.repeat_interleave(K, dim=0)  # (B·K, S)
+        mask = model.src_mask(rsrc)
+        memory = model.encode(rsrc, mask)  # (B·K, S, d_model)
+    ys = torch.full((B * K, T_max + 1), cfg.pad_id, dtype=torch.long, device=dev)
+    ys[:, 0] = cfg.bos_id
     scores = torch.zeros(B, K, device=dev)
     scores[:, 1:] = float("-inf")  # all beams start identical: keep one
     best = torch.full((B,), float("-inf"), device=dev)
@@ -111,21 +186,28 @@ def beam_search(
     ended: list[list[tuple[float, Tensor]]] = [[] for _ in range(B)]  # (score, ids) per sentence
     n_final = torch.zeros(B, dtype=torch.long, device=dev)
     offsets = (torch.arange(B, device=dev) * K)[:, None]  # (B, 1)
-    for t in range(int(limits.max())):
-        logp = model.decode(ys[:, -1:], memory, mask, cache=cache)[:, -1].log_softmax(-1)
+    first_k = (torch.arange(2 * K, device=dev) < K)[None, :]  # (1, 2K)
+    n = 0
+    for t in range(T_max):
+        if use_cache:
+            logits = steps(ys[:, t])  # (B·K, V)
+        else:
+            logits = model.decode(ys[:, : t + 1], memory, mask)[:, -1]
+        logp = logits.float().log_softmax(-1)  # (B·K, V)
+        if t < min_new_tokens:
+            logp[:, cfg.eos_id] = float("-inf")
         V = logp.shape[-1]
-        cand = (scores.view(B * K, 1) + logp).view(B, K * V)
+        cand = logp.add_(scores.view(B * K, 1)).view(B, K * V)  # in place: no (B·K, V) copy
         top, idx = cand.topk(2 * K, dim=1)  # (B, 2K)
         beam, tok = idx // V, idx % V
-        is_eos = (tok == cfg.eos_id) & (torch.arange(2 * K, device=dev) < K)[None, :]
-        is_eos &= top > float("-inf")
+        is_eos = (tok == cfg.eos_id) & first_k & (top > float("-inf"))
         norm = top / float(t + 1) ** length_penalty
         for b, j in is_eos.nonzero().tolist():
             if n_final[b] >= K:
                 continue
             n_final[b] += 1
             row = int(offsets[b, 0] + beam[b, j])
-            hyp = torch.cat([ys[row, 1:], tok[b, j : j + 1]])
+            hyp = torch.cat([ys[row, 1 : t + 1], tok[b, j : j + 1]])  # a copy: ys is reused
             ended[b].append((float(norm[b, j]), hyp))
             if norm[b, j] > best[b]:
                 best[b], best_tokens[b] = norm[b, j], hyp
@@ -133,21 +215,24 @@ def beam_search(
             if best_tokens[b] is None:  # out of length, nothing finished: the best open beam
                 j = int(top[b].masked_fill(tok[b] == cfg.eos_id, float("-inf")).argmax())
                 best_tokens[b] = torch.cat(
-                    [ys[int(offsets[b, 0] + beam[b, j]), 1:], tok[b, j : j + 1]]
+                    [ys[int(offsets[b, 0] + beam[b, j]), 1 : t + 1], tok[b, j : j + 1]]
                 )
             n_final[b] = K
+        n = t + 1
         if bool((n_final >= K).all()):
             break
         top = top.masked_fill(tok == cfg.eos_id, float("-inf"))
         keep_scores, keep = top.topk(K, dim=1)  # (B, K) best non-</s> continuations
         rows = (offsets + beam.gather(1, keep)).view(-1)  # (B·K,)
         scores = keep_scores.masked_fill((n_final >= K)[:, None], float("-inf"))
-        ys = torch.cat([ys[rows], tok.gather(1, keep).view(-1, 1)], dim=1)
-        cache.reorder(rows)
+        ys[:, : t + 1] = ys[rows, : t + 1]
+        ys[:, t + 1] = tok.gather(1, keep).view(-1)
+        if use_cache:
+            steps.reorder(rows)
     out = []
     for b in range(B):
         if best_tokens[b] is None:  # nothing finished: the best open beam
-            best_tokens[b] = ys[b * K + int(scores[b].argmax()), 1:]
+            best_tokens[b] = ys[b * K + int(scores[b].argmax()), 1 : n + 1]
         out.append(best_tokens[b])
     if n_best > 1:
         return _n_best(ended, out, n_best, cfg.pad_id)
@@ -178,7 +263,7 @@ def _n_best(
     return ids, scores
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def translate(
     model,
     tokenizer,

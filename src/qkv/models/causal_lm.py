@@ -6,6 +6,7 @@ Uses ``tgt_vocab_size`` and ``n_decoder_layers`` of the config; each block is an
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 
 from qkv.cache import KVCache
@@ -39,8 +40,12 @@ class CausalLM(nn.Module):
         if cfg.tie_embeddings:
             self.out.weight = self.embed.embedding.weight
 
-    def new_cache(self) -> list[KVCache]:
-        return [KVCache() for _ in self.layers]
+    def new_cache(
+        self, capacity: int | None = None, dtype: torch.dtype | None = None
+    ) -> list[KVCache]:
+        """One :class:`KVCache` per layer; ``capacity`` preallocates that many positions (the
+        prompt plus the tokens to generate), ``dtype`` stores keys/values in another dtype."""
+        return [KVCache(capacity=capacity, dtype=dtype) for _ in self.layers]
 
     def forward(self, ids: Tensor, *, cache: list[KVCache] | None = None) -> Tensor:
         """``ids (B, T)`` (only the new tokens when ``cache`` is given) → ``(B, T, vocab)``."""

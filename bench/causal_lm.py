@@ -1,0 +1,149 @@
+"""End to end: a decoder-only LM generating after long prompts, against its memory-bound limit.
+
+    PYTHONPATH=src python bench/causal_lm.py                  # prompts 1k, 8k, 32k (slow)
+    PYTHONPATH=src python bench/causal_lm.py --quick          # prompts 1k, 8k; 32 new tokens
+    PYTHONPATH=src python bench/causal_lm.py --prompts 4096 --threads 1 --cache-dtype bf16
+
+The model: :class:`qkv.models.CausalLM`, 12 layers, d_model 768, 12 query heads over 4
+key/value heads (GQA), RoPE, d_ff 3072, vocab 32000, random weights (speed only). For each
+prompt length: prefill (in chunks of ``--chunk`` tokens, over the KV cache), then
+``--new`` greedy tokens one at a time. Each runs twice: attention through qkv
+(``backend="auto"``) and through torch SDPA (``backend="torch"``, PyTorch's fused kernel with
+``enable_gqa``), the rest of the model identical.
+
+Printed per row: prefill seconds; decode tokens/s; the share of decode time spent inside
+attention (``qkv.functional.scaled_dot_product_attention`` timed around each call); and the
+decode speed as a fraction of its memory-bound limit: every step must read all the weights
+plus the whole KV cache once, so the limit is ``(weight bytes + mean KV bytes per step) ÷
+read bandwidth``, with the read bandwidth measured in this run (a sum over 1 GiB written
+first: reading fresh ``torch.empty`` memory hits the kernel's shared zero page and reports
+about twice the truth).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from contextlib import contextmanager
+
+import torch
+
+import qkv.functional as qf
+from _measure import cpu_name
+from qkv.models import CausalLM, TransformerConfig
+
+
+def read_bandwidth(gib: float = 1.0, repeats: int = 3) -> float:
+    """Bytes/s of a streaming read (a sum) over ``gib`` GiB written first."""
+    x = torch.ones(int(gib * 2**30) // 4)  # written: every page is real memory
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return x.numel() * 4 / best
+
+
+class AttentionTimer:
+    """Wall time spent inside ``qkv.functional.scaled_dot_product_attention``."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._orig = qf.scaled_dot_product_attention
+
+    @contextmanager
+    def active(self):
+        orig = self._orig
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            out = orig(*args, **kwargs)
+            self.seconds += time.perf_counter() - t0
+            return out
+
+        qf.scaled_dot_product_attention = timed
+        try:
+            yield self
+        finally:
+            qf.scaled_dot_product_attention = orig
+
+
+def build(vocab: int, layers: int) -> CausalLM:
+    torch.manual_seed(0)
+    cfg = TransformerConfig(src_vocab_size=vocab, tgt_vocab_size=vocab, d_model=768,
+                            n_heads=12, n_kv_heads=4, d_ff=3072, n_decoder_layers=layers,
+                            n_encoder_layers=0, positional="rope", dropout=0.0,
+                            max_len=1 << 20)  # fmt: skip
+    return CausalLM(cfg).eval()
+
+
+def set_backend(lm: CausalLM, backend: str) -> None:
+    for layer in lm.layers:
+        layer.self_attn.backend = backend
+
+
+@torch.inference_mode()
+def run(lm: CausalLM, prompt: torch.Tensor, new: int, chunk: int, cache_dtype):
+    """(prefill seconds, decode seconds, attention seconds in decode, mean KV bytes/step)."""
+    T = prompt.shape[1]
+    cache = lm.new_cache(capacity=T + new, dtype=cache_dtype)
+    t0 = time.perf_counter()
+    for s in range(0, T, chunk):
+        logits = lm(prompt[:, s : s + chunk], cache=cache)[:, -1]
+    prefill = time.perf_counter() - t0
+    tok = logits.argmax(-1, keepdim=True)  # (1, 1)
+    timer = AttentionTimer()
+    kv_bytes = 0
+    with timer.active():
+        t0 = time.perf_counter()
+        for _ in range(new):
+            kv_bytes += sum(c.keys.nbytes + c.values.nbytes for c in cache)
+            tok = lm(tok, cache=cache)[:, -1].argmax(-1, keepdim=True)
+        decode = time.perf_counter() - t0
+    return prefill, decode, timer.seconds, kv_bytes / new
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--prompts", type=int, nargs="+", default=None)
+    p.add_argument("--new", type=int, default=None, help="tokens generated (default 128)")
+    p.add_argument("--quick", action="store_true", help="prompts 1k and 8k, 32 new tokens")
+    p.add_argument("--threads", type=int, nargs="+", default=[2])
+    p.add_argument("--chunk", type=int, default=2048, help="prefill chunk (tokens)")
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--cache-dtype", choices=["fp32", "bf16"], default="fp32")
+    args = p.parse_args()
+    prompts = args.prompts or ([1024, 8192] if args.quick else [1024, 8192, 32768])
+    new = args.new or (32 if args.quick else 128)
+    cache_dtype = torch.bfloat16 if args.cache_dtype == "bf16" else None
+    lm = build(args.vocab, args.layers)
+    weight_bytes = sum(p.numel() * p.element_size() for p in lm.parameters())  # tied: once
+    print(f"{cpu_name()} | torch {torch.__version__} ISA {torch.backends.cpu.get_cpu_capability()}"
+          f" | CausalLM {args.layers} layers, d_model 768, 12/4 heads (GQA), RoPE, "
+          f"{weight_bytes / 1e6:.0f} MB of weights | KV cache {args.cache_dtype} | "
+          f"{new} new tokens")  # fmt: skip
+    print(f"{'threads':>7} {'prompt':>6} {'attention':>10} {'prefill s':>9} {'tok/s':>7} "
+          f"{'attn %':>6} {'limit tok/s':>11} {'of limit':>8}")  # fmt: skip
+    run(lm, torch.randint(3, args.vocab, (1, 64)), 2, args.chunk, cache_dtype)  # warm-up
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        bw = read_bandwidth()
+        print(f"read bandwidth, {threads} thread(s): {bw / 1e9:.1f} GB/s")
+        for T in prompts:
+            prompt = torch.randint(
+                3, args.vocab, (1, T), generator=torch.Generator().manual_seed(T)
+            )
+            for label, backend in (("qkv auto", "auto"), ("torch SDPA", "torch")):
+                set_backend(lm, backend)
+                t_start = time.perf_counter()
+                prefill, decode, attn, kv = run(lm, prompt, new, args.chunk, cache_dtype)
+                limit = bw / (weight_bytes + kv)  # tokens/s if every byte is read once
+                speed = new / decode
+                print(f"{threads:>7} {T:>6} {label:>10} {prefill:>9.2f} {speed:>7.2f} "
+                      f"{100 * attn / decode:>5.0f}% {limit:>11.2f} {speed / limit:>7.0%}"
+                      f"   ({time.perf_counter() - t_start:.0f} s)", flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

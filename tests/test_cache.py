@@ -1,0 +1,128 @@
+"""KVCache: preallocated buffers read as views, growth, storage dtype, beam reorder."""
+
+import pytest
+import torch
+
+from qkv import KVCache, MultiHeadAttention
+from qkv import functional as F
+
+torch.set_num_threads(1)
+
+
+def kv(B=3, h=2, T=1, d=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, h, T, d, generator=g), torch.randn(B, h, T, d, generator=g)
+
+
+def test_views_share_one_preallocated_buffer():
+    cache = KVCache(capacity=10)
+    ks, vs, ptrs = [], [], set()
+    for t in range(10):
+        k, v = kv(seed=t)
+        ks.append(k)
+        vs.append(v)
+        keys, values = cache.update(k, v)
+        ptrs.add((keys.data_ptr(), values.data_ptr()))
+    assert len(ptrs) == 1  # every step wrote into the same buffers: no copy, no growth
+    assert cache.capacity == 10 and keys.shape == (3, 2, 10, 8)
+    torch.testing.assert_close(keys, torch.cat(ks, 2), rtol=0, atol=0)
+    torch.testing.assert_close(values, torch.cat(vs, 2), rtol=0, atol=0)
+
+
+def test_growth_doubles_and_keeps_contents():
+    cache = KVCache()
+    chunks = [kv(T=t, seed=t) for t in (5, 12, 1, 20)]
+    caps = []
+    for k, v in chunks:
+        cache.update(k, v)
+        caps.append(cache.capacity)
+    assert caps == [16, 32, 32, 64]  # max(needed, 2·capacity)
+    torch.testing.assert_close(cache.keys, torch.cat([k for k, _ in chunks], 2), rtol=0, atol=0)
+    torch.testing.assert_close(cache.values, torch.cat([v for _, v in chunks], 2), rtol=0, atol=0)
+
+
+def test_max_len_caps_capacity_and_overflow_is_an_error():
+    cache = KVCache(max_len=6)
+    cache.update(*kv(T=4))
+    assert cache.capacity == 6
+    with pytest.raises(ValueError, match="max_len=6"):
+        cache.update(*kv(T=3))
+
+
+def test_storage_dtype_rounds_once_and_attention_matches_rounded_reference():
+    torch.manual_seed(1)
+    mha = MultiHeadAttention(32, 4, n_kv_heads=2).eval()
+    x = torch.randn(2, 7, 32)
+    cache = KVCache(dtype=torch.bfloat16)
+    steps = torch.cat([mha(x[:, t : t + 1], causal=True, cache=cache) for t in range(7)], 1)
+    assert cache.keys.dtype == torch.bfloat16
+    # the reference: the same projections, keys/values rounded to bf16, fp32 math
+    q = mha.split_heads(mha.w_q(x), 4)
+    k, v = mha.project_kv(x)
+    torch.testing.assert_close(cache.keys, k.to(torch.bfloat16), rtol=0, atol=0)
+    ref = F.attention_steps(
+        q.double(), k.to(torch.bfloat16).double(), v.to(torch.bfloat16).double(), causal=True
+    ).output
+    want = mha.w_o(mha.merge_heads(ref.float()))
+    torch.testing.assert_close(steps, want, atol=1e-5, rtol=1e-5)
+
+
+def test_reorder_gathers_filled_rows_into_the_second_buffer():
+    cache = KVCache(capacity=8)
+    chunks = [kv(B=4, seed=t) for t in range(3)]
+    for k, v in chunks:
+        cache.update(k, v)
+    full_k = torch.cat([k for k, _ in chunks], 2)
+    index = torch.tensor([2, 2, 0, 3])
+    first = cache.keys.data_ptr()
+    cache.reorder(index)
+    second = cache.keys.data_ptr()
+    torch.testing.assert_close(cache.keys, full_k[index], rtol=0, atol=0)
+    cache.reorder(torch.tensor([1, 0, 3, 2]))
+    assert cache.keys.data_ptr() == first != second  # two buffers, swapped: no allocation
+    torch.testing.assert_close(cache.keys, full_k[index][[1, 0, 3, 2]], rtol=0, atol=0)
+    k, v = kv(B=4, seed=9)  # appending after a reorder continues the reordered rows
+    cache.update(k, v)
+    torch.testing.assert_close(cache.keys[:, :, 3:], k, rtol=0, atol=0)
+    cache.reorder(torch.tensor([3, 1]))  # fewer rows: a smaller cache
+    assert cache.batch_size == 2 and len(cache) == 4
+
+
+def test_reorder_keeps_gradients():
+    k = torch.randn(3, 2, 4, 8, requires_grad=True)
+    cache = KVCache()
+    cache.update(k, k * 2)
+    cache.reorder(torch.tensor([2, 0, 1]))
+    cache.keys.sum().backward()
+    torch.testing.assert_close(k.grad, torch.ones_like(k))
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="capacity"):
+        KVCache(capacity=0)
+    with pytest.raises(TypeError, match="dtype"):
+        KVCache(dtype=torch.int8)
+    cache = KVCache()
+    cache.update(*kv())
+    with pytest.raises(ValueError, match="batch size 3"):
+        cache.update(*kv(B=2))
+    with pytest.raises(TypeError, match="float32"):
+        cache.update(*(t.double() for t in kv()))
+    with pytest.raises(ValueError, match="1-D"):
+        cache.reorder(torch.zeros(3, 1, dtype=torch.long))
+
+
+def test_causal_lm_preallocated_caches_decode_like_the_full_forward():
+    from qkv.models import CausalLM, TransformerConfig
+
+    torch.manual_seed(2)
+    cfg = TransformerConfig(src_vocab_size=30, tgt_vocab_size=30, d_model=32, n_heads=4,
+                            n_kv_heads=2, d_ff=64, positional="rope", dropout=0.0)  # fmt: skip
+    lm = CausalLM(cfg).eval()
+    ids = torch.tensor([[1, 4, 5, 6, 7, 8]])
+    full = lm(ids)  # (1, 6, V)
+    cache = lm.new_cache(capacity=6)
+    steps = torch.cat([lm(ids[:, :3], cache=cache)] + [lm(ids[:, t : t + 1], cache=cache)
+                                                       for t in range(3, 6)], 1)  # fmt: skip
+    torch.testing.assert_close(steps, full, atol=1e-5, rtol=1e-5)
+    assert all(c.capacity == 6 and len(c) == 6 for c in cache)  # allocated once, never grown
