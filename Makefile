@@ -27,6 +27,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q -n 2
 
 bench: $(STAMP)
+	$(PY) -m pip install -q -e '.[bench]'  # the peers: ONNX Runtime, OpenVINO, CTranslate2
 	$(PY) bench/attention.py
 
 clean:
