@@ -21,7 +21,8 @@ NOTES_FR = re.compile(r"Le garçon (entraîne|dresse) le chiot\.")
 
 def test_a_simple_sentence_both_ways():
     assert load("en-fr")("Two dogs play in the snow.") == "Deux chiens jouent dans la neige."
-    assert load("fr-en")("Deux chiens jouent dans la neige.") == "Two dogs play in the snow."
+    back = load("fr-en")("Deux chiens jouent dans la neige.")  # French has one present tense
+    assert re.fullmatch(r"Two dogs (play|are playing) in the snow\.", back), back
 
 
 def test_both_directions_ship_with_a_card_and_fit_the_budget():
