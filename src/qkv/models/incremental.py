@@ -275,7 +275,7 @@ class IncrementalDecoder:
         x = x.reshape(B * S, d)
         kv_w = h_kv * d_k
         for L in self.enc_layers:
-            y = torch.layer_norm(x, (d,), *L.norms[0]) if self.pre_norm else x
+            y = self._sub_in(x, L.norms[0])
             qkv = L.qkv(y).view(B, S, -1)  # (B, S, (h + 2·h_kv)·d_k)
             q = qkv[..., :d].view(B, S, h, d_k).transpose(1, 2)  # (B, h, S, d_k)
             k = qkv[..., d : d + kv_w].view(B, S, h_kv, d_k).transpose(1, 2)  # (B, h_kv, S, d_k)
@@ -284,10 +284,10 @@ class IncrementalDecoder:
                 q, k = L.rope(q, k)
             a = self._attend("enc", L.backend, q, k, v, src_mask, None)  # (B, h, S, d_k)
             y = L.o(a.transpose(1, 2).reshape(B * S, d))
-            x = x + y if self.pre_norm else torch.layer_norm(x + y, (d,), *L.norms[0])
-            y = torch.layer_norm(x, (d,), *L.norms[1]) if self.pre_norm else x
+            x = self._sub_out(x, y, L.norms[0])
+            y = self._sub_in(x, L.norms[1])
             y = L.w2(L.w1(y))
-            x = x + y if self.pre_norm else torch.layer_norm(x + y, (d,), *L.norms[1])
+            x = self._sub_out(x, y, L.norms[1])
         if self.enc_norm is not None:
             x = torch.layer_norm(x, (d,), *self.enc_norm)
         return x.view(B, S, d)
@@ -323,6 +323,14 @@ class IncrementalDecoder:
                 raise ValueError(f"max_steps={max_steps} > max_len={self.position.max_len}")
             state.positions = self.position.embedding.weight.detach()[:max_steps]
         return state
+
+    def _sub_in(self, x: Tensor, norm: tuple[Tensor, Tensor, float]) -> Tensor:
+        """A sublayer's input: normalised first in pre-LN, as is in post-LN."""
+        return torch.layer_norm(x, x.shape[-1:], *norm) if self.pre_norm else x
+
+    def _sub_out(self, x: Tensor, y: Tensor, norm: tuple[Tensor, Tensor, float]) -> Tensor:
+        """The residual after a sublayer: ``x + y`` in pre-LN, normalised after in post-LN."""
+        return x + y if self.pre_norm else torch.layer_norm(x + y, x.shape[-1:], *norm)
 
     def _attend(self, kind: str, backend: str, q: Tensor, k: Tensor, v: Tensor,
                 mask: Tensor | None, state: DecodeState | None) -> Tensor:  # fmt: skip
@@ -365,7 +373,7 @@ class IncrementalDecoder:
             x = x + state.positions[t]
         for i, L in enumerate(self.layers):
             # causal self-attention over the cache
-            h = torch.layer_norm(x, (d,), *L.norms[0]) if self.pre_norm else x
+            h = self._sub_in(x, L.norms[0])
             qkv = L.qkv(h)  # (N, (h + 2·h_kv)·d_k)
             if self.h == self.h_kv:  # one view, three selects: (N, 3, h, 1, d_k)
                 q, k, v = qkv.view(N, 3, self.h, 1, self.d_k).unbind(1)  # (N, h, 1, d_k) each
@@ -379,9 +387,9 @@ class IncrementalDecoder:
             k_all, v_all = state.caches[i].update(k, v, check=t == 0)  # (N, h_kv, t+1, d_k)
             a = self._attend("self", L.backends[0], q, k_all, v_all, None, state)
             y = L.o(a.reshape(N, d))  # (N, h, 1, d_k) → (N, d)
-            x = x + y if self.pre_norm else torch.layer_norm(x + y, (d,), *L.norms[0])
+            x = self._sub_out(x, y, L.norms[0])
             # cross-attention: the K beams of a sentence are K query rows over its memory
-            h = torch.layer_norm(x, (d,), *L.norms[1]) if self.pre_norm else x
+            h = self._sub_in(x, L.norms[1])
             ck, cv = state.cross[i]  # (B, h_kv, S, d_k)
             if K == 1:
                 q = L.cq(h).view(B, self.h, 1, self.d_k)  # (B, h, 1, d_k)
@@ -391,11 +399,11 @@ class IncrementalDecoder:
                 q = L.cq(h).view(B, K, self.h, self.d_k).transpose(1, 2)  # (B, h, K, d_k)
                 a = self._attend("cross", L.backends[1], q, ck, cv, state.cross_mask, state)
                 y = L.co(a.transpose(1, 2).reshape(N, d))  # (B, h, K, d_k) → (N, d)
-            x = x + y if self.pre_norm else torch.layer_norm(x + y, (d,), *L.norms[1])
+            x = self._sub_out(x, y, L.norms[1])
             # feed-forward
-            h = torch.layer_norm(x, (d,), *L.norms[2]) if self.pre_norm else x
+            h = self._sub_in(x, L.norms[2])
             y = L.w2(L.w1(h))
-            x = x + y if self.pre_norm else torch.layer_norm(x + y, (d,), *L.norms[2])
+            x = self._sub_out(x, y, L.norms[2])
         if self.final_norm is not None:
             x = torch.layer_norm(x, (d,), *self.final_norm)
         state.t = t + 1
