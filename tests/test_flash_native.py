@@ -15,7 +15,7 @@ import torch.nn.functional as TF
 from hypothesis import given, settings
 
 import qkv.kernels.flash as flash_mod
-from portable import assert_portable_ok
+from native import assert_portable_ok, require_built
 from qkv import masks
 from qkv.functional import attention_steps, explain_dispatch
 from qkv.kernels._native import native_ops, native_status
@@ -25,10 +25,7 @@ from strategies import draw_mask_and_bias
 settings.register_profile("qkv", deadline=None, max_examples=60, derandomize=True)
 settings.load_profile("qkv")
 
-if native_ops() is None:
-    if os.environ.get("CI"):  # CI has gcc: a kernel that fails to build is a failure there
-        pytest.fail(f"fused CPU kernel: {native_status()}", pytrace=False)
-    pytest.skip(f"fused CPU kernel: {native_status()}", allow_module_level=True)
+require_built(native_ops() is not None, "fused CPU kernel", native_status())
 
 
 @pytest.fixture

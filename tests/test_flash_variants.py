@@ -8,7 +8,6 @@ SDPA error given the same float mask; T5 buckets are checked against transformer
 """
 
 import doctest
-import os
 
 import hypothesis.strategies as st
 import pytest
@@ -18,7 +17,7 @@ from hypothesis import given, settings
 
 import qkv.block_mask
 import qkv.kernels.flash as flash_mod
-from portable import assert_portable_ok
+from native import assert_portable_ok, require_built
 from qkv import MultiHeadAttention, masks
 from qkv.functional import attention_steps, scaled_dot_product_attention
 from qkv.kernels._native import native_ops, native_status
@@ -27,10 +26,7 @@ from qkv.kernels.flash import flash_attention
 settings.register_profile("qkv", deadline=None, max_examples=60, derandomize=True)
 settings.load_profile("qkv")
 
-if native_ops() is None:
-    if os.environ.get("CI"):
-        pytest.fail(f"fused CPU kernel: {native_status()}", pytrace=False)
-    pytest.skip(f"fused CPU kernel: {native_status()}", allow_module_level=True)
+require_built(native_ops() is not None, "fused CPU kernel", native_status())
 
 
 def _dense_alibi(slopes, Tq, Tk):

@@ -108,7 +108,7 @@ def _table(title: str, columns: tuple[str, ...], layers: list[str]) -> Table:
     return t
 
 
-def maps_layers(scan: list) -> list[str]:
+def _scan_layers(scan: list) -> list[str]:
     """The layer names of an ablation scan's rows."""
     return [str(layer) for r in scan for layer in r.heads]
 
@@ -149,7 +149,7 @@ def run_bleu_ablation(args: argparse.Namespace) -> int:
     t = _table(
         f"one head off at a time: change in {what} (base {scan[0].baseline:.2f})",
         ("layer", "head", "BLEU", "Δ"),
-        maps_layers(scan),
+        _scan_layers(scan),
     )
     for r in scan[: args.top]:
         ((layer, hs),) = r.heads.items()
@@ -198,7 +198,7 @@ def run_heads(args: argparse.Namespace) -> int:
             t = _table(
                 f"one head off at a time: change in {what} (base {scan[0].baseline:.4f})",
                 ("layer", "head", "Δ"),
-                maps_layers(scan),
+                _scan_layers(scan),
             )
             for r in scan[: args.top]:
                 ((layer, hs),) = r.heads.items()
