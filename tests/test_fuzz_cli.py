@@ -59,6 +59,8 @@ BAD = [
     (["train", "--checkpoint-minutes", "-1"], "--checkpoint-minutes"),
     (["train", "--out", "afile"], "not a directory"),
     (["train", "--bogus"], "unrecognized"),
+    (["train", "--out", "r", "--src", "fr", "--tgt", "en", "--augment", "present"], "English"),
+    (["train", "--augment", "past"], "--augment"),
     (["translate", "--model", "m", "--beam", "0"], "--beam"),
     (["translate", "--model", "m", "--lenpen", "nan"], "--lenpen"),
     (["translate", "--model", "m", "--lenpen", "inf"], "--lenpen"),

@@ -37,6 +37,7 @@ from qkv.apps.cli_args import (
     threads,
 )
 from qkv.data import Tokenizer, collate, encode_pairs, epoch_order, make_batches, multi30k
+from qkv.data.augment import present_tense_pairs
 from qkv.data.corpus import read_parallel
 from qkv.distributed.ddp import World, all_reduce_sum, init_distributed
 from qkv.models import Seq2SeqTransformer, TransformerConfig, save_pretrained
@@ -47,7 +48,9 @@ __all__ = ["train", "train_step", "lr_at", "evaluate_loss", "add_parser", "parse
 
 STATE_FILE = "trainer.pt"
 # arguments a resumed run may change; everything else comes from the checkpoint
-RESUMABLE = ("max_minutes", "max_steps", "epochs", "checkpoint_minutes", "threads", "no_progress")
+# (and --augment: switching augmentation on later fine-tunes a run on the larger data)
+RESUMABLE = ("max_minutes", "max_steps", "epochs", "checkpoint_minutes", "threads", "no_progress",
+             "augment")  # fmt: skip
 
 
 def lr_at(step: int, lr: float, warmup: int) -> float:
@@ -129,7 +132,10 @@ def load_pairs(args, split: str) -> list[tuple[str, str]]:
     else:
         pairs = multi30k(split, args.src, args.tgt, args.data)
     limit = args.train_limit if split == "train" else args.val_limit
-    return pairs[:limit] if limit else pairs
+    pairs = pairs[:limit] if limit else pairs
+    if split == "train" and getattr(args, "augment", "none") == "present":
+        pairs = pairs + present_tense_pairs(pairs)
+    return pairs
 
 
 def build_config(args, vocab_size: int) -> TransformerConfig:
@@ -232,6 +238,8 @@ def train(args: argparse.Namespace) -> dict:
         args = argparse.Namespace(**saved)
     if not args.out:
         raise ValueError("--out DIR is required (or --resume DIR)")
+    if getattr(args, "augment", "none") == "present" and args.src != "en":
+        raise ValueError(f"--augment present rewrites English sources; --src is {args.src!r}")
     out = Path(args.out)
     torch.set_num_threads(args.threads or torch.get_num_threads())
     torch.manual_seed(args.seed)
@@ -428,6 +436,9 @@ def add_parser(sub) -> None:
     d.add_argument("--train-limit", type=positive_int,
                    help="use only the first N training pairs (default: all)")  # fmt: skip
     d.add_argument("--val-limit", type=positive_int, help="use only the first N validation pairs")
+    d.add_argument("--augment", choices=["none", "present"], default=None,
+                   help="present: add English sources rewritten from 'is/are Ving' to the simple "
+                   "present (targets kept); English sources only (default: none)")  # fmt: skip
     d.add_argument("--vocab-size", type=int_range(260, 1_000_000), default=8000,
                    help="joint BPE vocabulary")  # fmt: skip
     m = p.add_argument_group("model")
@@ -501,6 +512,7 @@ def _settle(args: argparse.Namespace) -> argparse.Namespace:
     """Defaults that apply to a new run only (a resumed run keeps its saved ones)."""
     if not args.resume:
         args.epochs = 100 if args.epochs is None else args.epochs
+        args.augment = args.augment or "none"
         args.checkpoint_minutes = (
             5.0 if args.checkpoint_minutes is None else args.checkpoint_minutes
         )
