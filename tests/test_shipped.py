@@ -42,8 +42,8 @@ def test_both_directions_ship_with_a_card_and_fit_the_budget():
 
 @pytest.mark.xfail(
     strict=True,
-    reason="the shipped en-fr model (23 epochs) writes 'Le garçon fait le chiot.': "
-    "'trains' is a rare verb in Multi30k's training set",
+    reason="the shipped en-fr model (28 epochs) writes 'Le garçon trains le chiot.' (greedy) and "
+    "'Le garçon glisse le chiot.' (beam 5): 'trains' is a verb twice in Multi30k's training set",
 )
 @pytest.mark.parametrize("beam", [1, 5])
 def test_the_notes_sentence(beam):
