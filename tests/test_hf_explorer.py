@@ -9,6 +9,7 @@ attention with ``output_attentions=True``.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -239,8 +240,9 @@ def test_serve_decoder_maps(client, dirs):
     r = post(client, text=TEXT, model="llama")
     assert r.status_code == 200, r.text
     d = r.json()
-    assert d["step"] is None and "step-by-step" in d["step_unavailable"]
+    assert d["step_unavailable"] is None
     assert d["tokens"] == ["<s>", *TEXT.split(), "</s>"]
+    _check_step(d)
     loaded = load(str(dirs["llama"]))
     _, (ids, mask) = loaded.encode(TEXT)
     with torch.no_grad():
@@ -251,10 +253,33 @@ def test_serve_decoder_maps(client, dirs):
     assert len(d["stats"]) == 8
 
 
+def _check_step(d):
+    """The step-by-step replay: every stage, its weights = the captured map of that head, and
+    the replay gives back the module's output (``check``)."""
+    st = d["step"]
+    keys = [m["key"] for m in st["matrices"]]
+    assert keys[:1] == ["x"] and {"q", "k", "v", "scores", "scaled", "mask", "masked",
+                                  "weights", "output", "concat", "wo"} <= set(keys)  # fmt: skip
+    assert st["check"] is not None and st["check"] < 1e-4
+    layer = next(x for x in d["layers"] if x["name"] == st["layer"])
+    weights = next(m for m in st["matrices"] if m["key"] == "weights")
+    head = layer["heads"].index(st["head"]) if "heads" in layer else st["head"]
+    assert weights["values"] == layer["weights"][head]
+    assert weights["rows"] == layer["q_tokens"] and weights["cols"] == layer["k_tokens"]
+
+
 def test_serve_translation_has_cross_attention(client):
     r = post(client, text=TEXT, model="marian", translate=True)
     assert r.status_code == 200, r.text
     d = r.json()
+    assert d["step_unavailable"] is None
+    _check_step(d)
+    for layer in ("model.decoder.layers.1.encoder_attn", "model.decoder.layers.0.self_attn"):
+        d2 = post(client, text=TEXT, model="marian", translate=True, layer=layer, head=2).json()
+        assert d2["step"]["layer"] == layer and d2["step"]["head"] == 2
+        _check_step(d2)
+        keys = [m["key"] for m in d2["step"]["matrices"]]
+        assert ("context" in keys) == layer.endswith("encoder_attn")
     kinds = [x["kind"] for x in d["layers"]]
     assert kinds.count("cross") == 2 and kinds.count("self") == 2
     tr = d["translation"]
@@ -320,8 +345,8 @@ def test_serve_refuses_what_hf_models_cannot_do(client):
 
 
 def test_page_in_a_browser(dirs):
-    """The served page on a transformers model: the weights stand in for the step-by-step
-    view, and the head switches re-run the model (Debian's chromium via Playwright)."""
+    """The served page on a transformers model: the step-by-step view replays the head's call,
+    and the head switches re-run the model (Debian's chromium via Playwright)."""
     import socket
     import threading
     import time
@@ -353,8 +378,14 @@ def test_page_in_a_browser(dirs):
                 page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
                 page.goto(f"http://127.0.0.1:{port}/?model=llama&text=the+boy+trains&view=step")
                 page.wait_for_selector("body[data-ready='1']")
-                assert "not available for this model" in page.inner_text("#view-step")
-                assert page.locator("#view-step canvas").count() >= 1  # the head's weights
+                keys = page.eval_on_selector_all("#view-step .card",
+                                                 "cs => cs.map(c => c.dataset.key)")  # fmt: skip
+                assert keys == ["x", "q", "k", "v", "scores", "scaled", "mask", "masked",
+                                "weights", "output", "concat", "wo"]  # fmt: skip
+                assert "not available" not in page.inner_text("#view-step")
+                shots = Path(__file__).parent / "artifacts"
+                shots.mkdir(exist_ok=True)
+                page.screenshot(path=str(shots / "serve_hf_step.png"), full_page=True)
                 page.click(".tab[data-view='work']")
                 page.locator("input.switch").first.uncheck()
                 page.click("#ablate-run")

@@ -51,6 +51,7 @@ from torch import Tensor, nn
 
 from qkv.functional import attention_steps, scaled_dot_product_attention
 from qkv.hf import capture as _capture
+from qkv.hf import steps as _steps
 from qkv.hf.ablate import zero_heads
 from qkv.kernels.flash import flash_attention
 from qkv.kernels.weights import weights_from_lse
@@ -210,6 +211,7 @@ def _attention(
         if heads is not None:
             recorder.record(module, picked, heads, causal=bool(is_causal))
         return out.transpose(1, 2).contiguous(), weights
+    _steps.note(module, query, key, value, options)  # for qkv.hf.steps.record_call
     weights = None
     if full:
         out, weights = scaled_dot_product_attention(query, key, value, **options,

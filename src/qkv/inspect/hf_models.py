@@ -94,7 +94,7 @@ def translate_hf(
     """Greedy ``generate`` of a seq2seq model with every step's attention captured.
 
     Returns ``{"maps": AttentionMaps (steps merged), "source_tokens", "inputs" (decoder
-    inputs), "produced" (tokens written), "text"}``.
+    inputs), "produced" (tokens written), "text", "input_ids" (the decoder inputs' ids)}``.
     """
     from qkv.hf import capture_attention
 
@@ -120,7 +120,7 @@ def translate_hf(
                                 for j in range(off, off + n)]  # fmt: skip
     text_out = tok.decode(out[1:], skip_special_tokens=True)
     return {"maps": maps, "source_tokens": source_tokens, "inputs": inputs,
-            "produced": produced, "text": text_out}  # fmt: skip
+            "produced": produced, "text": text_out, "input_ids": out[:-1]}  # fmt: skip
 
 
 def load_hf_dir(path: Path) -> Loaded | None:

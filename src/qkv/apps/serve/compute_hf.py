@@ -5,15 +5,29 @@ their output zeroed before the output projection) and, for a seq2seq model, the 
 translation with its cross-attention are computed as for qkv's own models, from the model's
 exact per-head weights (:func:`qkv.hf.capture_attention`).
 
-The step-by-step view recomputes Q, K and V inside qkv's own attention modules and is not
-offered: ``step`` is ``null`` and ``step_unavailable`` gives the reason (the page shows the
-head's weights instead). Beam search is not offered either (``beam`` > 1 is a 400): the
+The step-by-step view replays the chosen module's call from the query, key and value it
+handed to the attention function (:mod:`qkv.hf.steps`): Q, K, V, QKᵀ, scaled, mask,
+softmax, output, the heads concatenated and the module's own output projection when it has
+one; ``check`` is the replay's distance from the module's real output. For a translation the
+call is the teacher-forced replay of the greedy output. A call transformers computed itself
+(see :mod:`qkv.hf.attention`) has no step view: ``step`` is ``null`` and
+``step_unavailable`` says why. Beam search is not offered (``beam`` > 1 is a 400): the
 captured maps follow one row.
 """
 
 from __future__ import annotations
 
-from qkv.apps.serve.compute import _num, _pick_layer, _probe, _stats, cut_to_limit, maps_json
+import torch
+
+from qkv.apps.serve.compute import (
+    _matrix,
+    _num,
+    _pick_layer,
+    _probe,
+    _stats,
+    cut_to_limit,
+    maps_json,
+)
 from qkv.apps.serve.limits import (
     AttentionRequest,
     BadRequest,
@@ -23,13 +37,47 @@ from qkv.apps.serve.limits import (
 )
 from qkv.apps.serve.models import Entry
 from qkv.hf import heads_off
+from qkv.hf.steps import record_call, walk
 from qkv.inspect.hf_models import head_counts, translate_hf
 
 __all__ = ["STEP_UNAVAILABLE", "hf_attention"]
 
-STEP_UNAVAILABLE = ("The step-by-step view recomputes Q, K and V inside qkv's own attention "
-                    "modules; this transformers model shows its exact attention weights "
-                    "instead.")  # fmt: skip
+STEP_UNAVAILABLE = ("transformers computed this call itself (qkv's adapter does not take "
+                    "it), so there is no step-by-step replay; the head's exact weights are "
+                    "shown instead.")  # fmt: skip
+
+
+STEP_NOTE = ("Q, K and V as the model hands them to its attention function: after its own "
+             "projections, and rotary positions where it uses them")
+
+
+def hf_step(calls, layer: str, kind: str, head: int, q_tokens: list[str], k_tokens: list[str],
+            spec: dict[str, list[int]]) -> dict | None:  # fmt: skip
+    """The step-by-step JSON of the first recorded call (as ``compute.step_detail``), or None.
+    Called inside ``heads_off(spec)``, so the replay zeroes the same heads as the model."""
+    if not calls:
+        return None
+    w = walk(calls[0], head)
+    call = calls[0]
+    mask = w["mask"] if w["mask"] is not None else torch.ones_like(w["scores"], dtype=torch.bool)
+    mats = [
+        *([_matrix("x", w["hidden"], q_tokens)] if w["hidden"] is not None else []),
+        *([_matrix("context", w["context"], k_tokens)] if w["context"] is not None else []),
+        _matrix("q", w["q"], q_tokens), _matrix("k", w["k"], k_tokens),
+        _matrix("v", w["v"], k_tokens),
+        _matrix("scores", w["scores"], q_tokens, k_tokens),
+        _matrix("scaled", w["scaled"], q_tokens, k_tokens),
+        _matrix("mask", mask.double(), q_tokens, k_tokens),
+        _matrix("masked", w["masked"], q_tokens, k_tokens),
+        _matrix("weights", w["weights"], q_tokens, k_tokens),
+        _matrix("output", w["output"], q_tokens), _matrix("concat", w["concat"], q_tokens),
+        *([_matrix("wo", w["wo"], q_tokens)] if w["wo"] is not None else []),
+    ]  # fmt: skip
+    h, d = call.query.shape[1], call.query.shape[-1]
+    return {"layer": layer, "kind": kind, "head": head, "n_heads": h, "d_k": d,
+            "d_model": int(w["hidden"].shape[-1]) if w["hidden"] is not None else h * d,
+            "scale": _num(w["scale"], 6), "matrices": mats, "check": w["check"],
+            "head_off": head in spec.get(layer, []), "note": STEP_NOTE}  # fmt: skip
 
 
 def _check_head(req: AttentionRequest, names: list[str], counts: dict[str, int]) -> str:
@@ -57,6 +105,7 @@ def hf_attention(entry: Entry, req: AttentionRequest, text: str) -> dict:
     hf = loaded.hf
     counts = head_counts(loaded)
     enc = {n: h for n, h in counts.items() if "encoder" in n.split(".")}
+    enc_names = set(enc)
     if req.translate:
         if hf.kind != "encoder-decoder":
             raise BadRequest(f"model {entry.name!r} ({hf.kind}) does not translate; "
@@ -72,6 +121,16 @@ def hf_attention(entry: Entry, req: AttentionRequest, text: str) -> dict:
         spec = _ablation_spec(req, counts)
         with heads_off(hf.model, spec):
             d = translate_hf(loaded, text, max_new_tokens=target_limit(len(tokens)))
+            _, (ids, mask) = loaded.encode(text)
+            with record_call(hf.model, layer) as calls:  # teacher-forced replay of the output
+                hf.model(input_ids=ids, attention_mask=mask,
+                         decoder_input_ids=torch.tensor([d["input_ids"]]))  # fmt: skip
+            kind = _kind(loaded, layer)
+            enc = layer in enc_names
+            q_tok = d["source_tokens"] if enc else d["produced"] if kind == "cross" else d["inputs"]
+            k_tok = d["source_tokens"] if (enc or kind == "cross") else d["inputs"]
+            step = hf_step(calls, layer, "self" if enc else kind, req.head, q_tok, k_tok,
+                           spec)  # fmt: skip
         maps = d["maps"]
         extra = {"translation": {"source_tokens": d["source_tokens"],
                                  "target_tokens": d["produced"], "decoder_inputs": d["inputs"],
@@ -88,8 +147,11 @@ def hf_attention(entry: Entry, req: AttentionRequest, text: str) -> dict:
         layer = _check_head(req, list(shown), shown)
         spec = _ablation_spec(req, shown)
         with heads_off(hf.model, spec):
-            maps = loaded.maps(*inputs, tokens=tokens)
+            with record_call(hf.model, layer) as calls:
+                maps = loaded.maps(*inputs, tokens=tokens)
             hidden = loaded.hidden(*inputs) if spec else None  # (1, T, d)
+            kind = "self" if hf.kind == "encoder-decoder" else _kind(loaded, layer)
+            step = hf_step(calls, layer, kind, req.head, tokens, tokens, spec)
         extra = {}
         if spec:
             base = loaded.hidden(*inputs)  # (1, T, d)
@@ -101,7 +163,8 @@ def hf_attention(entry: Entry, req: AttentionRequest, text: str) -> dict:
     return {
         "limit": limit, "text": text, "tokens": tokens, "truncated": cut,
         "layers": maps_json(maps), "stats": _stats(maps), "probe": _probe(maps, req),
-        "step": None, "step_unavailable": f"{layer}, head {req.head}: {STEP_UNAVAILABLE}",
+        "step": step,
+        "step_unavailable": None if step else f"{layer}, head {req.head}: {STEP_UNAVAILABLE}",
         **extra,
     }  # fmt: skip
 

@@ -163,7 +163,7 @@
       }
       root.append(el("p", "intro", "Loading this layer and head…")); return;
     }
-    const intro = el("p", "intro", `${st.layer} (${st.kind}), head ${st.head} of ${st.n_heads}: d_model = ${st.d_model}, d_k = ${st.d_k}, scale 1/√d_k = ${st.scale}` + (st.head_off ? " — this head is switched off" : ""));
+    const intro = el("p", "intro", `${st.layer} (${st.kind}), head ${st.head} of ${st.n_heads}: d_model = ${st.d_model}, d_k = ${st.d_k}, ` + (Math.abs(st.scale - 1 / Math.sqrt(st.d_k)) < 1e-5 ? "scale 1/√d_k" : "scale") + ` = ${st.scale}` + (st.head_off ? " — this head is switched off" : "") + (st.note ? ` (${st.note})` : ""));
     root.append(intro);
     const cards = el("div", "cards");
     const w = Math.max(280, Math.floor((viewWidth() - 24) / Math.max(1, Math.floor(viewWidth() / 300))) - 18);
