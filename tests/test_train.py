@@ -268,3 +268,14 @@ def test_help_shows_every_default(capsys):
     for shown in ("--d-model D_MODEL width (default: 256)", "--src SRC source language (default: en)",
                   "--max-tokens MAX_TOKENS tokens per batch (per rank) (default: 3072)"):  # fmt: skip
         assert shown in text, shown
+
+
+def test_summary_example_is_in_the_source_language():
+    from qkv.apps.train import summary
+
+    result = {"epoch": 3, "pos": 0, "step": 30, "stopped": "max_minutes",
+              "best": {"bleu": 12.04, "epoch": 2, "val_loss": 2.0}}  # fmt: skip
+    text = summary(result, Path("runs/fr"), 90.0, 10, "fr")
+    assert 'qkv translate --model runs/fr "Le garçon entraîne le chiot."' in text
+    assert "best validation BLEU 12.0 (greedy) at epoch 2" in text
+    assert "continue: qkv train --resume runs/fr" in text

@@ -182,7 +182,12 @@ def average_epochs(model: nn.Module, files: list[Path]) -> nn.Module:
     return avg
 
 
-def summary(result: dict, out: Path, seconds: float, per_epoch: int) -> str:
+# the notes' sentence in each Multi30k language: the summary's example command
+EXAMPLE = {"en": "The boy trains the puppy.", "fr": "Le garçon entraîne le chiot.",
+           "de": "Der Junge trainiert den Welpen."}  # fmt: skip
+
+
+def summary(result: dict, out: Path, seconds: float, per_epoch: int, src: str = "en") -> str:
     """What a person wants to read when training ends."""
     why = {"max_minutes": "the time budget ended", "max_steps": "--max-steps reached",
            "epochs": "all epochs done", "signal": "interrupted", "peer": "a peer stopped"}  # fmt: skip
@@ -201,7 +206,8 @@ def summary(result: dict, out: Path, seconds: float, per_epoch: int) -> str:
     lines.append(f"  model: {out / 'best'}")
     if result["stopped"] in ("max_minutes", "max_steps", "signal"):
         lines.append(f"  continue: qkv train --resume {out} --max-minutes N")
-    lines.append(f'  translate: qkv translate --model {out} "The boy trains the puppy."')
+    example = EXAMPLE.get(src, EXAMPLE["en"])
+    lines.append(f'  translate: qkv translate --model {out} "{example}"')
     return "\n".join(lines)
 
 
@@ -414,7 +420,8 @@ def train(args: argparse.Namespace) -> dict:
     world.barrier()
     result = {**record, "step": step, "epoch": epoch, "pos": pos, "stopped": reason, "best": best}
     if world.is_main:
-        print(summary(result, out, elapsed_before + time.monotonic() - t0, per_epoch), flush=True)
+        seconds = elapsed_before + time.monotonic() - t0
+        print(summary(result, out, seconds, per_epoch, args.src), flush=True)
         signal.signal(signal.SIGINT, previous[0])
         signal.signal(signal.SIGTERM, previous[1])
     return result
