@@ -145,31 +145,52 @@ static void block_s32(const Problem& P, int64_t m0, int64_t n0, int32_t* out) {
   const int8_t* wt = P.w + (n0 / 16) * P.Kp * 16;  // the first of 4 tiles of 16 channels
   const int64_t tile = P.Kp * 16;                  // bytes per tile
 #ifdef QKV_VNNI
-  __m512i acc[R][4];
-  for (int r = 0; r < R; ++r)
-    for (int t = 0; t < 4; ++t) acc[r][t] = _mm512_setzero_si512();
-  const uint8_t* qr[R];
-  for (int r = 0; r < R; ++r) qr[r] = P.q + (m0 + r) * P.Kp;
+  // accumulators as named variables (an array of vectors makes GCC copy them every step)
+  __m512i c00 = _mm512_setzero_si512(), c01 = c00, c02 = c00, c03 = c00;
+  __m512i c10 = c00, c11 = c00, c12 = c00, c13 = c00, c20 = c00, c21 = c00, c22 = c00,
+          c23 = c00, c30 = c00, c31 = c00, c32 = c00, c33 = c00;
+  const uint8_t* q0 = P.q + m0 * P.Kp;
+  const uint8_t* q1 = q0 + (R > 1 ? P.Kp : 0);
+  const uint8_t* q2 = q0 + (R > 2 ? 2 * P.Kp : 0);
+  const uint8_t* q3 = q0 + (R > 3 ? 3 * P.Kp : 0);
+  auto bcast = [](const uint8_t* p) {
+    int32_t four;
+    std::memcpy(&four, p, 4);
+    return _mm512_set1_epi32(four);
+  };
   for (int64_t g = 0; g < groups; ++g) {
     const int8_t* wg = wt + g * 64;
-    const __m512i w0 = _mm512_loadu_si512(wg), w1 = _mm512_loadu_si512(wg + tile),
-                  w2 = _mm512_loadu_si512(wg + 2 * tile), w3 = _mm512_loadu_si512(wg + 3 * tile);
-    for (int r = 0; r < R; ++r) {
-      int32_t four;
-      std::memcpy(&four, qr[r] + 4 * g, 4);
-      const __m512i a = _mm512_set1_epi32(four);
-      acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], a, w0);
-      acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], a, w1);
-      acc[r][2] = _mm512_dpbusd_epi32(acc[r][2], a, w2);
-      acc[r][3] = _mm512_dpbusd_epi32(acc[r][3], a, w3);
+    __m512i w0 = _mm512_loadu_si512(wg), w1 = _mm512_loadu_si512(wg + tile),
+            w2 = _mm512_loadu_si512(wg + 2 * tile), w3 = _mm512_loadu_si512(wg + 3 * tile);
+    // in registers, loaded once: without this GCC folds each load into every row's vpdpbusd
+    asm("" : "+v"(w0), "+v"(w1), "+v"(w2), "+v"(w3));
+    __m512i a = bcast(q0 + 4 * g);
+    c00 = _mm512_dpbusd_epi32(c00, a, w0), c01 = _mm512_dpbusd_epi32(c01, a, w1);
+    c02 = _mm512_dpbusd_epi32(c02, a, w2), c03 = _mm512_dpbusd_epi32(c03, a, w3);
+    if constexpr (R > 1) {
+      a = bcast(q1 + 4 * g);
+      c10 = _mm512_dpbusd_epi32(c10, a, w0), c11 = _mm512_dpbusd_epi32(c11, a, w1);
+      c12 = _mm512_dpbusd_epi32(c12, a, w2), c13 = _mm512_dpbusd_epi32(c13, a, w3);
+    }
+    if constexpr (R > 2) {
+      a = bcast(q2 + 4 * g);
+      c20 = _mm512_dpbusd_epi32(c20, a, w0), c21 = _mm512_dpbusd_epi32(c21, a, w1);
+      c22 = _mm512_dpbusd_epi32(c22, a, w2), c23 = _mm512_dpbusd_epi32(c23, a, w3);
+    }
+    if constexpr (R > 3) {
+      a = bcast(q3 + 4 * g);
+      c30 = _mm512_dpbusd_epi32(c30, a, w0), c31 = _mm512_dpbusd_epi32(c31, a, w1);
+      c32 = _mm512_dpbusd_epi32(c32, a, w2), c33 = _mm512_dpbusd_epi32(c33, a, w3);
     }
   }
+  const __m512i c[4][4] = {{c00, c01, c02, c03}, {c10, c11, c12, c13},
+                           {c20, c21, c22, c23}, {c30, c31, c32, c33}};
   for (int r = 0; r < R; ++r) {
     const __m512i z = _mm512_set1_epi32(P.zero[m0 + r]);
     for (int t = 0; t < 4; ++t) {
       const __m512i s = _mm512_loadu_si512(P.wsum + n0 + 16 * t);
       _mm512_storeu_si512(out + r * 64 + 16 * t,
-                          _mm512_sub_epi32(acc[r][t], _mm512_mullo_epi32(z, s)));
+                          _mm512_sub_epi32(c[r][t], _mm512_mullo_epi32(z, s)));
     }
   }
 #else
@@ -199,23 +220,27 @@ static void block_dispatch(const Problem& P, int64_t m0, int64_t rows, int64_t n
 }
 
 // Runs fn(m0, rows, n0, acc) over every (row block, group of 64 channels), in parallel when
-// the work pays for it: tasks are (row chunk, channel group), channel-major so that a
-// thread's tasks share weights; acc is the task's (kRows, 64) int32 scratch.
+// the work pays for it. Tasks are (row chunk, channel group), chunk-major: a chunk's
+// quantized rows (at most kChunkBytes) stay in L1 while the groups' weights stream past
+// them, each group's weights reused by every row block of the chunk. acc is the task's
+// (kRows, 64) int32 scratch.
+constexpr int64_t kChunkBytes = 8192;
 template <typename Fn>
 static void for_blocks(const Problem& P, Fn fn) {
   const int64_t groups = (P.N + kGroup - 1) / kGroup;
-  // rows per task: all of them, unless the channel groups are too few to feed the threads
   const int64_t threads = at::get_num_threads();
-  int64_t chunk = P.M;
-  if (groups < 2 * threads && P.M > 4 * kRows)
-    chunk = std::max<int64_t>(kRows, (P.M * groups / (2 * threads) + kRows - 1) / kRows * kRows);
+  int64_t chunk = std::max<int64_t>(kRows, kChunkBytes / std::max<int64_t>(P.Kp, 1) / kRows * kRows);
+  chunk = std::min(chunk, P.M);
+  // too few tasks to feed the threads (few channels, many rows): smaller chunks
+  while (chunk > kRows && ((P.M + chunk - 1) / chunk) * groups < 2 * threads)
+    chunk = std::max<int64_t>(kRows, (chunk / 2 + kRows - 1) / kRows * kRows);
   const int64_t chunks = (P.M + chunk - 1) / chunk;
   const int64_t macs = std::max<int64_t>(1, chunk * kGroup * P.Kp);
   const int64_t grain = std::max<int64_t>(1, kMinMacsPerTask / macs);
   at::parallel_for(0, groups * chunks, grain, [&](int64_t begin, int64_t end) {
     alignas(64) int32_t acc[kRows * kGroup];
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t gi = task / chunks, ci = task % chunks;
+      const int64_t ci = task / groups, gi = task % groups;
       const int64_t m_end = std::min(P.M, (ci + 1) * chunk);
       for (int64_t m0 = ci * chunk; m0 < m_end; m0 += kRows) {
         const int64_t rows = std::min(kRows, m_end - m0);
