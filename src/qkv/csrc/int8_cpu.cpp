@@ -45,8 +45,9 @@ using at::Tensor;
 constexpr int64_t kGroup = 64;  // output channels per micro-kernel call (4 VNNI lanes × 16)
 constexpr int64_t kRows = 4;    // rows per micro-kernel call
 constexpr int64_t kMaxK = 65536;
-// below this many multiply-adds per task a call does not fork (bench/int8_linear.py)
-constexpr int64_t kMinMacsPerTask = 1 << 17;
+// below this many multiply-adds per thread a call does not fork: ~5 us of work, about what
+// waking the OpenMP team costs (bench/int8_linear.py --threads 2)
+constexpr int64_t kMinMacsPerTask = 1 << 20;
 
 // ---- per-row quantization of x -----------------------------------------------------------
 
