@@ -184,6 +184,20 @@ def test_relu_and_gelu_fused_like_float():
     y = int8_linear(x, pw, lin.bias.detach())
     assert torch.equal(int8_linear(x, pw, lin.bias.detach(), "relu"), y.relu())
     assert torch.allclose(int8_linear(x, pw, lin.bias.detach(), "gelu"), nn.functional.gelu(y))
+    m = Int8Linear.from_linear(lin, activation="gelu")  # (B, T, K) in, (B, T, N) out
+    assert torch.allclose(m(x.view(2, 3, 48)), nn.functional.gelu(y).view(2, 3, 33))
+
+
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")
+def test_empty_shapes():
+    """No rows, no outputs, or no inputs (then y = b), as nn.Linear."""
+    for M, K, N in [(0, 8, 5), (4, 8, 0), (3, 0, 6)]:
+        lin = nn.Linear(K, N)
+        x = torch.randn(M, K)
+        y = Int8Linear.from_linear(lin)(x)
+        assert y.shape == (M, N)
+        with torch.no_grad():
+            assert torch.equal(y, lin(x)) or M * N == 0
 
 
 def test_int8_linear_module_and_state_dict():

@@ -187,35 +187,62 @@ def int8_linear(
     if not isinstance(weight, PackedWeight):
         raise TypeError(f"weight must be a PackedWeight (quantize_weight), got "
                         f"{type(weight).__name__}")  # fmt: skip
-    N, K = weight.out_features, weight.in_features
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"activation must be one of {_ACTIVATIONS}, got {activation!r}")
+    N = weight.out_features
+    if bias is not None:
+        if not isinstance(bias, Tensor) or bias.shape != (N,) or not bias.is_floating_point():
+            got = tuple(bias.shape) if isinstance(bias, Tensor) else type(bias).__name__
+            raise ValueError(f"bias must be a float tensor ({N},), got {got}")
+        if bias.requires_grad and torch.is_grad_enabled():
+            raise RuntimeError(_NO_GRAD)
+        bias = bias.detach().float()
+    return _apply(x, weight, bias, activation)
+
+
+_NO_GRAD = ("int8 linear layers are inference only (no gradient): call them under "
+            "torch.no_grad() or torch.inference_mode()")  # fmt: skip
+_op_cache: list = []
+
+
+def _op():
+    """``torch.ops.qkv_int8.linear``, or ``None`` where the kernel is not built (looked up
+    once: the lookup costs more than a small product)."""
+    if not _op_cache:
+        ops = int8_ops()
+        _op_cache.append(None if ops is None else ops.linear)
+    return _op_cache[0]
+
+
+def _apply(x: Tensor, w: PackedWeight, bias: Tensor | None, activation: str) -> Tensor:
+    """:func:`int8_linear` with ``w``, ``bias`` (fp32 or None) and ``activation`` valid."""
+    N, K = w.out_features, w.in_features
+    op = _op()
+    # the common case first, with the fewest checks: fp32 CPU rows, no gradient
+    if (type(x) is Tensor and x.dtype is torch.float32 and x.is_cpu and not x.requires_grad
+            and x.dim() >= 2 and x.shape[-1] == K and K > 0 and op is not None):  # fmt: skip
+        x2 = x if x.dim() == 2 else x.reshape(-1, K)  # (M, K)
+        y = op(x2, w.packed, w.scale_padded, w.wsum, bias, N, K, activation == "relu")
+        if activation == "gelu":
+            y = TF.gelu(y)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], N)
     if not isinstance(x, Tensor) or not x.is_floating_point() or x.dim() < 1 or x.shape[-1] != K:
         got = f"{tuple(x.shape)} {x.dtype}" if isinstance(x, Tensor) else type(x).__name__
         raise ValueError(f"x must be a float tensor (..., {K}), got {got}")
     if x.device.type != "cpu":
         raise ValueError(f"x must be on the CPU (int8 linear layers are CPU-only), got {x.device}")
-    if activation not in _ACTIVATIONS:
-        raise ValueError(f"activation must be one of {_ACTIVATIONS}, got {activation!r}")
-    if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
-        raise RuntimeError("int8 linear layers are inference only (no gradient): call them "
-                           "under torch.no_grad() or torch.inference_mode()")  # fmt: skip
-    if bias is not None and (bias.shape != (N,) or not bias.is_floating_point()):
-        raise ValueError(f"bias must be a float tensor ({N},), got {tuple(bias.shape)}")
+    if x.requires_grad and torch.is_grad_enabled():
+        raise RuntimeError(_NO_GRAD)
     dtype = x.dtype
-    x2 = x.reshape(math.prod(x.shape[:-1]), K)  # (M, K)
-    if dtype != torch.float32:
-        x2 = x2.float()
-    if bias is not None and bias.dtype != torch.float32:
-        bias = bias.float()
+    x2 = x.detach().reshape(math.prod(x.shape[:-1]), K).float()  # (M, K)
     relu = activation == "relu"
-    ops = int8_ops()
-    if ops is not None:
-        y = ops.linear(x2, weight.packed, weight.scale_padded, weight.wsum, bias, N, K, relu)
+    if op is not None:
+        y = op(x2, w.packed, w.scale_padded, w.wsum, bias, N, K, relu)
     else:
-        y = _linear_torch(x2, weight, bias, relu)
+        y = _linear_torch(x2, w, bias, relu)
     if activation == "gelu":
         y = TF.gelu(y)
-    y = y.view(*x.shape[:-1], N)
-    return y if dtype == torch.float32 else y.to(dtype)
+    return y.view(*x.shape[:-1], N).to(dtype)
 
 
 class Int8Linear(nn.Module):
@@ -266,7 +293,10 @@ class Int8Linear(nn.Module):
         return self._packed
 
     def forward(self, x: Tensor) -> Tensor:
-        return int8_linear(x, self.packed, self.bias, self.activation)
+        bias = self.bias
+        if bias is not None and bias.dtype != torch.float32:  # after a .to(dtype)
+            bias = bias.float()
+        return _apply(x, self.packed, bias, self.activation)
 
     def extra_repr(self) -> str:
         act = "" if self.activation == "none" else f", activation={self.activation}"
@@ -343,10 +373,9 @@ class SmallBatchInt8Linear:
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.activation = activation
         w = self.weight
-        ops = int8_ops()
         self._args = (w.packed, w.scale_padded, w.wsum, self.bias, N, w.in_features,
                       activation == "relu")  # fmt: skip
-        self._op = ops.linear if ops is not None else None
+        self._op = _op()
         self._gelu = activation == "gelu"
 
     @classmethod
@@ -362,6 +391,6 @@ class SmallBatchInt8Linear:
 
     def __call__(self, x: Tensor) -> Tensor:
         if self._op is None:  # no compiled kernel: the PyTorch ops
-            return int8_linear(x, self.weight, self.bias, self.activation)
+            return _apply(x, self.weight, self.bias, self.activation)
         y = self._op(x, *self._args)  # (M, out)
         return TF.gelu(y) if self._gelu else y
