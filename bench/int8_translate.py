@@ -9,8 +9,8 @@ Variants (int8 ones made with :func:`qkv.kernels.int8.quantize_linears`):
   int8 plain        every nn.Linear in int8, the output projection included, general path
   int8 skip-out     every nn.Linear but the (tied) output projection, general path
   int8 incremental  int8 plain's weights in the incremental decoder, each of its prepared
-                    linears a SmallBatchInt8Linear (this script substitutes them: a preview
-                    of the wiring, qkv.models.incremental itself does not run int8 yet)
+                    linears a SmallBatchInt8Linear (substituted by this script where
+                    qkv.models.incremental does not take Int8Linear layers itself)
   ct2 float32/int8  CTranslate2 on the same weights (bench/_ct2.py), when installed
 
 BLEU (sacreBLEU) on the whole split, greedy and beam 5 with the model's length penalty (for
@@ -138,6 +138,10 @@ def main() -> None:
         "int8 skip-out": (q_skip, plain_path),
         "int8 incremental": (q_all, lambda: int8_incremental(q_all)),
     }
+    if incremental.IncrementalDecoder.for_model(q_all) is not None:  # it runs int8 itself
+        contexts["int8 incremental"] = (q_all, contextlib.nullcontext)
+    print("int8 incremental: " + ("qkv.models.incremental" if contexts["int8 incremental"][1]
+          is contextlib.nullcontext else "substituted by this script"))  # fmt: skip
     runs: dict[str, Callable[[list[str], int], list[str]]] = {}
     for name, (m, ctx) in contexts.items():
 
