@@ -97,10 +97,10 @@ class MultiHeadAttention(nn.Module):
     def _check_input(self, name: str, t: Tensor, width: int) -> None:
         if t.dim() != 3 or t.shape[-1] != width:
             raise ValueError(f"{name} must be (B, T, {width}), got shape {tuple(t.shape)}")
-        if t.dtype != self.w_q.weight.dtype:
-            raise TypeError(
-                f"{name} must be {self.w_q.weight.dtype} like the weights, got {t.dtype}"
-            )
+        # an int8 projection (qkv.kernels.int8.Int8Linear) names the dtype it computes in
+        dtype = getattr(self.w_q, "input_dtype", None) or self.w_q.weight.dtype
+        if t.dtype != dtype:
+            raise TypeError(f"{name} must be {dtype} like the weights, got {t.dtype}")
 
     def project_kv(self, context: Tensor, value: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Keys and values ``(B, h_kv, Tk, d_k)`` of a context (cross-attention memory)."""

@@ -3,6 +3,7 @@
 - :mod:`qkv.kernels.flash`: tiled attention with the online softmax and block skipping.
 - :mod:`qkv.kernels.varlen`: packed variable-length sequences (``cu_seqlens``).
 - :mod:`qkv.kernels.weights`: attention weights of selected heads from a saved log-sum-exp.
+- :mod:`qkv.kernels.int8`: int8 linear layers for CPU inference (``quantize_linears``).
 """
 
 from qkv.kernels.flash import flash_attention

@@ -4,7 +4,8 @@ The C++ sources are built once per machine into one extension with PyTorch's ext
 builder (gcc + ninja, ~30 s; cached under ``~/.cache/torch_extensions``, or
 ``$TORCH_EXTENSIONS_DIR``). ``flash_cpu.cpp`` registers ``torch.ops.qkv_flash.fwd`` / ``.bwd``
 (the flash backend), ``decode_cpu.cpp`` ``torch.ops.qkv_decode.fwd`` (the decode backend, a
-few queries over a long KV cache). Where they cannot be built (no compiler, another OS) the
+few queries over a long KV cache), ``int8_cpu.cpp`` ``torch.ops.qkv_int8.linear`` (int8 linear
+layers, :mod:`qkv.kernels.int8`). Where they cannot be built (no compiler, another OS) the
 flash backend keeps working on its PyTorch-ops kernel, the decode backend is not offered,
 and :func:`native_status` says why.
 ``QKV_NATIVE=0`` turns the fused kernel off; ``QKV_NATIVE_PORTABLE=1`` builds it without
@@ -32,12 +33,12 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["decode_ops", "native_ops", "native_status"]
+__all__ = ["decode_ops", "int8_ops", "native_ops", "native_status"]
 
 logger = logging.getLogger("qkv.kernels")
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
-SOURCES = [CSRC / "flash_cpu.cpp", CSRC / "decode_cpu.cpp"]
+SOURCES = [CSRC / "flash_cpu.cpp", CSRC / "decode_cpu.cpp", CSRC / "int8_cpu.cpp"]
 _status = "not loaded yet"
 
 
@@ -109,17 +110,24 @@ def native_ops() -> object | None:
         ops = torch.ops.qkv_flash
         ops.fwd  # noqa: B018 (raises if the library did not register its ops)
         torch.ops.qkv_decode.fwd  # noqa: B018
+        torch.ops.qkv_int8.linear  # noqa: B018
     except Exception as e:  # no compiler/ninja, unsupported platform, failed build
         _status = f"unavailable: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         logger.warning("qkv: fused CPU kernel %s; flash uses its PyTorch-ops kernel", _status)
         return None
-    _status = f"loaded ({' '.join(_flags())}; decode path {torch.ops.qkv_decode.isa()})"
+    _status = (f"loaded ({' '.join(_flags())}; decode path {torch.ops.qkv_decode.isa()}; "
+               f"int8 path {torch.ops.qkv_int8.isa()})")  # fmt: skip
     return ops
 
 
 def decode_ops() -> object | None:
     """``torch.ops.qkv_decode`` (loads the extension if needed), else ``None``."""
     return None if native_ops() is None else torch.ops.qkv_decode
+
+
+def int8_ops() -> object | None:
+    """``torch.ops.qkv_int8`` (loads the extension if needed), else ``None``."""
+    return None if native_ops() is None else torch.ops.qkv_int8
 
 
 def native_status() -> str:

@@ -1,0 +1,408 @@
+// qkv's int8 linear layer for CPU inference: y = act(x Wᵀ + b) with an int8 weight.
+//
+//   W (N, K): int8, symmetric per output channel (w ≈ s_w[n] · W_q[n, k], |W_q| ≤ 127),
+//             quantized once and packed (by qkv/kernels/int8.py) in blocks of 64 bytes:
+//             16 output channels × 4 consecutive k, the operand of one VNNI instruction;
+//             N padded to a multiple of 64 (Np), K to a multiple of 4 (Kp), with zeros.
+//             packed[t][g][j][i] = W_q[16 t + j, 4 g + i]   (Np/16, Kp/4, 16, 4)
+//   x (M, K): fp32, quantized per call and per row to uint8, asymmetric with a zero point
+//             z[m] (0 exactly representable): x ≈ s_x[m] · (q[m, k] - z[m]);
+//   y[m, n] = s_x[m] · s_w[n] · (Σ_k q[m, k] W_q[n, k] - z[m] · Σ_k W_q[n, k]) + b[n]
+//             the integer sums in int32 (exact: |Σ| ≤ 255 · 127 · K < 2³¹ for K ≤ 65536),
+//             the column sums Σ_k W_q[n, k] precomputed at packing time.
+//
+// With AVX512-VNNI (Intel Cascade Lake and later, AMD Zen 4 and later), one
+// `vpdpbusd` multiplies 64 uint8 × int8 pairs and adds them, 4 by 4, into 16 int32 lanes
+// (one lane per output channel). A micro-kernel holds up to 4 rows × 64 output channels of
+// accumulators in registers; the dequantization, bias and ReLU are fused into the store.
+// Without VNNI (or in the portable build) plain C++ loops compute the same integers.
+// Threads split the output channels (and the rows when there are many) with
+// at::parallel_for; a call too small to pay for the fork runs on the calling thread.
+// Rows with a non-finite value come out as NaN.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512VNNI__)
+#define QKV_VNNI 1
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+using at::Tensor;
+
+constexpr int64_t kGroup = 64;  // output channels per micro-kernel call (4 VNNI lanes × 16)
+constexpr int64_t kRows = 4;    // rows per micro-kernel call
+constexpr int64_t kMaxK = 65536;
+// below this many multiply-adds per thread a call does not fork: ~5 us of work, about what
+// waking the OpenMP team costs (bench/int8_linear.py --threads 2)
+constexpr int64_t kMinMacsPerTask = 1 << 20;
+
+// ---- per-row quantization of x -----------------------------------------------------------
+
+struct RowQuant {
+  float scale;   // s_x
+  int32_t zero;  // z, in [0, 255]
+  bool finite;
+};
+
+// The quantization parameters of one row of K floats. The same float operations in every
+// build (min and max do not depend on the order), so that every build gives the same q.
+static inline RowQuant row_params(float lo, float hi, bool finite) {
+  lo = std::min(lo, 0.f), hi = std::max(hi, 0.f);
+  // (hi - lo) / 255 without overflow for |x| near FLT_MAX; at least FLT_MIN so that 1 / s
+  // stays finite (a row of zeros or of denormals quantizes to z)
+  const float s = std::max(hi / 255.f - lo / 255.f, FLT_MIN);
+  const float inv = 1.f / s;
+  const float zf = std::nearbyint(-lo * inv);
+  const int32_t z = static_cast<int32_t>(std::min(std::max(zf, 0.f), 255.f));
+  return {s, z, finite};
+}
+
+static inline uint8_t quant_one(float v, float inv, int32_t z) {
+  const int32_t q = static_cast<int32_t>(std::nearbyint(v * inv)) + z;
+  return static_cast<uint8_t>(std::min(std::max(q, 0), 255));
+}
+
+// q (Kp bytes; the padding 0: its weights are 0), scale and zero of one row x (K floats)
+static RowQuant quantize_row(const float* x, int64_t K, int64_t Kp, uint8_t* q) {
+  float lo = 0.f, hi = 0.f;
+  bool finite = true;
+  int64_t k = 0;
+#ifdef QKV_VNNI
+  __m512 vlo = _mm512_setzero_ps(), vhi = _mm512_setzero_ps(), vnan = _mm512_setzero_ps();
+  for (; k + 16 <= K; k += 16) {
+    const __m512 v = _mm512_loadu_ps(x + k);
+    vlo = _mm512_min_ps(vlo, v), vhi = _mm512_max_ps(vhi, v);
+    vnan = _mm512_add_ps(vnan, _mm512_mul_ps(v, _mm512_setzero_ps()));  // NaN if inf/NaN
+  }
+  if (k < K) {
+    const __mmask16 m = static_cast<__mmask16>((1u << (K - k)) - 1);
+    const __m512 v = _mm512_maskz_loadu_ps(m, x + k);
+    vlo = _mm512_min_ps(vlo, v), vhi = _mm512_max_ps(vhi, v);
+    vnan = _mm512_add_ps(vnan, _mm512_mul_ps(v, _mm512_setzero_ps()));
+  }
+  lo = _mm512_reduce_min_ps(vlo), hi = _mm512_reduce_max_ps(vhi);
+  finite = _mm512_cmp_ps_mask(vnan, vnan, _CMP_UNORD_Q) == 0;
+#else
+  float bad = 0.f;
+  for (; k < K; ++k) {
+    lo = std::min(lo, x[k]), hi = std::max(hi, x[k]);
+    bad += x[k] * 0.f;
+  }
+  finite = !std::isnan(bad);
+#endif
+  RowQuant p = row_params(lo, hi, finite);
+  if (!finite) p = row_params(0.f, 0.f, false);  // quantized as zeros; the output is NaN
+  const float inv = 1.f / p.scale;
+  k = 0;
+#ifdef QKV_VNNI
+  const __m512 vinv = _mm512_set1_ps(inv);
+  const __m512i vz = _mm512_set1_epi32(p.zero), v0 = _mm512_setzero_si512(),
+                v255 = _mm512_set1_epi32(255);
+  for (; k < K; k += 16) {
+    const __mmask16 m = K - k >= 16 ? static_cast<__mmask16>(0xffff)
+                                    : static_cast<__mmask16>((1u << (K - k)) - 1);
+    __m512 v = _mm512_maskz_loadu_ps(m, x + k);
+    if (!finite) v = _mm512_setzero_ps();
+    // round to nearest even (the default MXCSR mode), as std::nearbyint
+    __m512i qi = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v, vinv)), vz);
+    qi = _mm512_min_epi32(_mm512_max_epi32(qi, v0), v255);
+    _mm512_mask_cvtepi32_storeu_epi8(q + k, m, qi);
+  }
+#else
+  for (; k < K; ++k) q[k] = finite ? quant_one(x[k], inv, p.zero) : quant_one(0.f, inv, p.zero);
+#endif
+  for (k = K; k < Kp; ++k) q[k] = 0;
+  return p;
+}
+
+// ---- the integer products ----------------------------------------------------------------
+
+struct Problem {
+  const uint8_t* q;    // (M, Kp)
+  const int32_t* zero;  // (M,)
+  const int8_t* w;     // packed (Np/16, Kp/4, 16, 4)
+  const int32_t* wsum;  // (Np,)
+  int64_t M, N, Kp;
+};
+
+// acc[r][c] = Σ_k q[m0 + r, k] W_q[n0 + c, k] - z · Σ_k W_q[n0 + c, k], for R rows and the
+// 64 output channels from n0 (a multiple of 64), written to out (R, 64) int32.
+template <int R>
+static void block_s32(const Problem& P, int64_t m0, int64_t n0, int32_t* out) {
+  const int64_t groups = P.Kp / 4;
+  const int8_t* wt = P.w + (n0 / 16) * P.Kp * 16;  // the first of 4 tiles of 16 channels
+  const int64_t tile = P.Kp * 16;                  // bytes per tile
+#ifdef QKV_VNNI
+  // accumulators as named variables (an array of vectors makes GCC copy them every step)
+  __m512i c00 = _mm512_setzero_si512(), c01 = c00, c02 = c00, c03 = c00;
+  __m512i c10 = c00, c11 = c00, c12 = c00, c13 = c00, c20 = c00, c21 = c00, c22 = c00,
+          c23 = c00, c30 = c00, c31 = c00, c32 = c00, c33 = c00;
+  const uint8_t* q0 = P.q + m0 * P.Kp;
+  const uint8_t* q1 = q0 + (R > 1 ? P.Kp : 0);
+  const uint8_t* q2 = q0 + (R > 2 ? 2 * P.Kp : 0);
+  const uint8_t* q3 = q0 + (R > 3 ? 3 * P.Kp : 0);
+  auto bcast = [](const uint8_t* p) {
+    int32_t four;
+    std::memcpy(&four, p, 4);
+    return _mm512_set1_epi32(four);
+  };
+  for (int64_t g = 0; g < groups; ++g) {
+    const int8_t* wg = wt + g * 64;
+    __m512i w0 = _mm512_loadu_si512(wg), w1 = _mm512_loadu_si512(wg + tile),
+            w2 = _mm512_loadu_si512(wg + 2 * tile), w3 = _mm512_loadu_si512(wg + 3 * tile);
+    // in registers, loaded once: without this GCC folds each load into every row's vpdpbusd
+    asm("" : "+v"(w0), "+v"(w1), "+v"(w2), "+v"(w3));
+    __m512i a = bcast(q0 + 4 * g);
+    c00 = _mm512_dpbusd_epi32(c00, a, w0), c01 = _mm512_dpbusd_epi32(c01, a, w1);
+    c02 = _mm512_dpbusd_epi32(c02, a, w2), c03 = _mm512_dpbusd_epi32(c03, a, w3);
+    if constexpr (R > 1) {
+      a = bcast(q1 + 4 * g);
+      c10 = _mm512_dpbusd_epi32(c10, a, w0), c11 = _mm512_dpbusd_epi32(c11, a, w1);
+      c12 = _mm512_dpbusd_epi32(c12, a, w2), c13 = _mm512_dpbusd_epi32(c13, a, w3);
+    }
+    if constexpr (R > 2) {
+      a = bcast(q2 + 4 * g);
+      c20 = _mm512_dpbusd_epi32(c20, a, w0), c21 = _mm512_dpbusd_epi32(c21, a, w1);
+      c22 = _mm512_dpbusd_epi32(c22, a, w2), c23 = _mm512_dpbusd_epi32(c23, a, w3);
+    }
+    if constexpr (R > 3) {
+      a = bcast(q3 + 4 * g);
+      c30 = _mm512_dpbusd_epi32(c30, a, w0), c31 = _mm512_dpbusd_epi32(c31, a, w1);
+      c32 = _mm512_dpbusd_epi32(c32, a, w2), c33 = _mm512_dpbusd_epi32(c33, a, w3);
+    }
+  }
+  const __m512i c[4][4] = {{c00, c01, c02, c03}, {c10, c11, c12, c13},
+                           {c20, c21, c22, c23}, {c30, c31, c32, c33}};
+  for (int r = 0; r < R; ++r) {
+    const __m512i z = _mm512_set1_epi32(P.zero[m0 + r]);
+    for (int t = 0; t < 4; ++t) {
+      const __m512i s = _mm512_loadu_si512(P.wsum + n0 + 16 * t);
+      _mm512_storeu_si512(out + r * 64 + 16 * t,
+                          _mm512_sub_epi32(c[r][t], _mm512_mullo_epi32(z, s)));
+    }
+  }
+#else
+  for (int r = 0; r < R; ++r) {
+    const uint8_t* qr = P.q + (m0 + r) * P.Kp;
+    for (int t = 0; t < 4; ++t) {
+      int32_t acc[16] = {0};
+      const int8_t* w = wt + t * tile;
+      for (int64_t g = 0; g < groups; ++g)
+        for (int j = 0; j < 16; ++j)
+          for (int i = 0; i < 4; ++i)
+            acc[j] += static_cast<int32_t>(qr[4 * g + i]) * w[g * 64 + 4 * j + i];
+      for (int j = 0; j < 16; ++j)
+        out[r * 64 + 16 * t + j] = acc[j] - P.zero[m0 + r] * P.wsum[n0 + 16 * t + j];
+    }
+  }
+#endif
+}
+
+static void block_dispatch(const Problem& P, int64_t m0, int64_t rows, int64_t n0, int32_t* out) {
+  switch (rows) {
+    case 4: block_s32<4>(P, m0, n0, out); break;
+    case 3: block_s32<3>(P, m0, n0, out); break;
+    case 2: block_s32<2>(P, m0, n0, out); break;
+    default: block_s32<1>(P, m0, n0, out); break;
+  }
+}
+
+// Runs fn(m0, rows, n0, acc) over every (row block, group of 64 channels), in parallel when
+// the work pays for it. Tasks are (row chunk, channel group), chunk-major: a chunk's
+// quantized rows (at most kChunkBytes) stay in L1 while the groups' weights stream past
+// them, each group's weights reused by every row block of the chunk. acc is the task's
+// (kRows, 64) int32 scratch.
+constexpr int64_t kChunkBytes = 8192;
+template <typename Fn>
+static void for_blocks(const Problem& P, Fn fn) {
+  const int64_t groups = (P.N + kGroup - 1) / kGroup;
+  const int64_t threads = at::get_num_threads();
+  int64_t chunk = std::max<int64_t>(kRows, kChunkBytes / std::max<int64_t>(P.Kp, 1) / kRows * kRows);
+  chunk = std::min(chunk, P.M);
+  // too few tasks to feed the threads (few channels, many rows): smaller chunks
+  while (chunk > kRows && ((P.M + chunk - 1) / chunk) * groups < 2 * threads)
+    chunk = std::max<int64_t>(kRows, (chunk / 2 + kRows - 1) / kRows * kRows);
+  const int64_t chunks = (P.M + chunk - 1) / chunk;
+  const int64_t macs = std::max<int64_t>(1, chunk * kGroup * P.Kp);
+  const int64_t grain = std::max<int64_t>(1, kMinMacsPerTask / macs);
+  at::parallel_for(0, groups * chunks, grain, [&](int64_t begin, int64_t end) {
+    alignas(64) int32_t acc[kRows * kGroup];
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t ci = task / groups, gi = task % groups;
+      const int64_t m_end = std::min(P.M, (ci + 1) * chunk);
+      for (int64_t m0 = ci * chunk; m0 < m_end; m0 += kRows) {
+        const int64_t rows = std::min(kRows, m_end - m0);
+        block_dispatch(P, m0, rows, gi * kGroup, acc);
+        fn(m0, rows, gi * kGroup, acc);
+      }
+    }
+  });
+}
+
+// ---- checks ------------------------------------------------------------------------------
+
+static void check_packed(const Tensor& packed, const Tensor& wsum, int64_t N, int64_t Kp) {
+  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.is_contiguous() && packed.is_cpu(),
+              "qkv int8: packed must be a contiguous int8 CPU tensor");
+  TORCH_CHECK(N >= 0 && Kp % 4 == 0, "qkv int8: N must be >= 0 and Kp a multiple of 4");
+  const int64_t Np = (N + kGroup - 1) / kGroup * kGroup;
+  TORCH_CHECK(packed.numel() == Np * Kp, "qkv int8: packed holds ", packed.numel(),
+              " bytes, expected ", Np * Kp, " for N=", N, ", Kp=", Kp);
+  TORCH_CHECK(wsum.scalar_type() == at::kInt && wsum.is_contiguous() && wsum.numel() == Np,
+              "qkv int8: wsum must be a contiguous int32 tensor of ", Np, " elements");
+  TORCH_CHECK(Kp <= kMaxK, "qkv int8: in_features must be <= ", kMaxK, ", got ", Kp);
+}
+
+static Tensor rows_of(const Tensor& x, int64_t K, const char* what) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "qkv int8: ", what, " must be (M, ", K,
+              "), got ", x.sizes());
+  return x.contiguous();
+}
+
+// ---- ops ---------------------------------------------------------------------------------
+
+// q (M, Kp) uint8, scale (M,) fp32, zero (M,) int32 of x (M, K) fp32: the quantized rows.
+std::tuple<Tensor, Tensor, Tensor> quantize_rows(const Tensor& x_, int64_t Kp) {
+  TORCH_CHECK(x_.scalar_type() == at::kFloat && x_.is_cpu() && x_.dim() == 2,
+              "qkv int8: x must be a 2-D float32 CPU tensor");
+  const Tensor x = x_.contiguous();
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(Kp >= K && Kp % 4 == 0, "qkv int8: Kp must be >= K and a multiple of 4");
+  Tensor q = at::empty({M, Kp}, x.options().dtype(at::kByte));
+  Tensor scale = at::empty({M}, x.options());
+  Tensor zero = at::empty({M}, x.options().dtype(at::kInt));
+  const float* xp = x.const_data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) {
+    const RowQuant p = quantize_row(xp + m * K, K, Kp, q.data_ptr<uint8_t>() + m * Kp);
+    scale.data_ptr<float>()[m] = p.finite ? p.scale : NAN;
+    zero.data_ptr<int32_t>()[m] = p.zero;
+  }
+  return {q, scale, zero};
+}
+
+// Σ_k (q[m, k] - zero[m]) W_q[n, k] as int32 (M, N): the integer part of linear().
+Tensor matmul_s32(const Tensor& q_, const Tensor& zero_, const Tensor& packed,
+                  const Tensor& wsum, int64_t N) {
+  TORCH_CHECK(q_.scalar_type() == at::kByte && q_.dim() == 2, "qkv int8: q must be (M, Kp) uint8");
+  const Tensor q = q_.contiguous(), zero = zero_.contiguous();
+  const int64_t M = q.size(0), Kp = q.size(1);
+  TORCH_CHECK(zero.scalar_type() == at::kInt && zero.numel() == M,
+              "qkv int8: zero must be int32 (M,)");
+  check_packed(packed, wsum, N, Kp);
+  Tensor out = at::empty({M, N}, q.options().dtype(at::kInt));
+  if (M == 0 || N == 0) return out;
+  const Problem P{q.const_data_ptr<uint8_t>(), zero.const_data_ptr<int32_t>(),
+                  packed.const_data_ptr<int8_t>(), wsum.const_data_ptr<int32_t>(), M, N, Kp};
+  int32_t* o = out.data_ptr<int32_t>();
+  for_blocks(P, [&](int64_t m0, int64_t rows, int64_t n0, const int32_t* acc) {
+    const int64_t cols = std::min(kGroup, N - n0);
+    for (int64_t r = 0; r < rows; ++r)
+      std::memcpy(o + (m0 + r) * N + n0, acc + r * kGroup, cols * sizeof(int32_t));
+  });
+  return out;
+}
+
+// y = act(s_x s_w (Σ (q - z) W_q) + b) (M, N) fp32 for x (M, K) fp32.
+Tensor linear(const Tensor& x_, const Tensor& packed, const Tensor& wscale, const Tensor& wsum,
+              const std::optional<Tensor>& bias_, int64_t N, int64_t K, bool relu) {
+  TORCH_CHECK(x_.scalar_type() == at::kFloat && x_.is_cpu(),
+              "qkv int8: x must be a float32 CPU tensor");
+  const Tensor x = rows_of(x_, K, "x");
+  const int64_t M = x.size(0), Kp = (K + 3) / 4 * 4;
+  check_packed(packed, wsum, N, Kp);
+  const int64_t Np = wsum.numel();
+  TORCH_CHECK(wscale.scalar_type() == at::kFloat && wscale.is_contiguous() &&
+                  wscale.numel() == Np,
+              "qkv int8: wscale must be a contiguous float32 tensor of ", Np, " elements");
+  Tensor bias;
+  if (bias_.has_value() && bias_->defined()) {
+    bias = *bias_;
+    TORCH_CHECK(bias.scalar_type() == at::kFloat && bias.is_contiguous() && bias.numel() == N,
+                "qkv int8: bias must be a contiguous float32 tensor of ", N, " elements");
+  }
+  Tensor out = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+  // the quantized rows, kept between calls (no allocation per call)
+  static thread_local std::vector<uint8_t> qbuf;
+  static thread_local std::vector<float> sbuf;
+  static thread_local std::vector<int32_t> zbuf;
+  if (qbuf.size() < static_cast<size_t>(M * Kp)) qbuf.resize(M * Kp);
+  if (sbuf.size() < static_cast<size_t>(M)) sbuf.resize(M), zbuf.resize(M);
+  const float* xp = x.const_data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) {
+    const RowQuant p = quantize_row(xp + m * K, K, Kp, qbuf.data() + m * Kp);
+    sbuf[m] = p.finite ? p.scale : NAN;
+    zbuf[m] = p.zero;
+  }
+  const Problem P{qbuf.data(), zbuf.data(), packed.const_data_ptr<int8_t>(),
+                  wsum.const_data_ptr<int32_t>(), M, N, Kp};
+  const float* sw = wscale.const_data_ptr<float>();
+  const float* b = bias.defined() ? bias.const_data_ptr<float>() : nullptr;
+  const float* sx = sbuf.data();
+  float* o = out.data_ptr<float>();
+  for_blocks(P, [&](int64_t m0, int64_t rows, int64_t n0, const int32_t* acc) {
+    const int64_t cols = std::min(kGroup, N - n0);
+    for (int64_t r = 0; r < rows; ++r) {
+      const float s = sx[m0 + r];
+      float* orow = o + (m0 + r) * N + n0;
+      const int32_t* a = acc + r * kGroup;
+#ifdef QKV_VNNI
+      const __m512 vs = _mm512_set1_ps(s);
+      for (int64_t c = 0; c < cols; c += 16) {
+        const __mmask16 m = cols - c >= 16 ? static_cast<__mmask16>(0xffff)
+                                           : static_cast<__mmask16>((1u << (cols - c)) - 1);
+        __m512 y = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(a + c)),
+                                 _mm512_mul_ps(vs, _mm512_loadu_ps(sw + n0 + c)));
+        if (b) y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(m, b + n0 + c));
+        if (relu) y = _mm512_max_ps(_mm512_setzero_ps(), y);  // NaN stays NaN (2nd operand)
+        _mm512_mask_storeu_ps(orow + c, m, y);
+      }
+#else
+      for (int64_t c = 0; c < cols; ++c) {
+        float y = static_cast<float>(a[c]) * (s * sw[n0 + c]);
+        if (b) y += b[n0 + c];
+        if (relu) y = std::isnan(y) ? y : std::max(y, 0.f);
+        orow[c] = y;
+      }
+#endif
+    }
+  });
+  return out;
+}
+
+std::string int8_isa() {
+#ifdef QKV_VNNI
+  return "avx512_vnni";
+#else
+  return "portable";
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY(qkv_int8, m) {
+  m.def("quantize_rows(Tensor x, int Kp) -> (Tensor, Tensor, Tensor)");
+  m.def("matmul_s32(Tensor q, Tensor zero, Tensor packed, Tensor wsum, int N) -> Tensor");
+  m.def("linear(Tensor x, Tensor packed, Tensor wscale, Tensor wsum, Tensor? bias, int N,"
+        " int K, bool relu) -> Tensor");
+  m.def("isa() -> str", &int8_isa);
+}
+
+TORCH_LIBRARY_IMPL(qkv_int8, CPU, m) {
+  m.impl("quantize_rows", &quantize_rows);
+  m.impl("matmul_s32", &matmul_s32);
+  m.impl("linear", &linear);
+}
