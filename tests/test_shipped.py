@@ -58,3 +58,13 @@ def test_bleu_of_the_first_200_equals_the_card(name):
     pairs = multi30k("test_2016_flickr", tr.src, tr.tgt)[:200]
     bleu, _ = bleu_chrf(tr([s for s, _ in pairs], beam=1), [t for _, t in pairs])
     assert bleu == pytest.approx(card["test_2016_flickr_first200_greedy_bleu"], abs=0.01)
+
+
+@needs_data
+def test_int8_keeps_the_bleu_of_the_card():
+    """int8 linear layers (qkv.kernels.int8): BLEU on the card's 200 sentences within 0.5."""
+    tr = load("en-fr", int8=True)
+    card = json.loads((tr.path / "scores.json").read_text())
+    pairs = multi30k("test_2016_flickr", tr.src, tr.tgt)[:200]
+    bleu, _ = bleu_chrf(tr([s for s, _ in pairs], beam=1), [t for _, t in pairs])
+    assert abs(bleu - card["test_2016_flickr_first200_greedy_bleu"]) < 0.5

@@ -123,12 +123,20 @@ class Translator:
         return result[0] if single else result
 
 
-def load(spec: str | Path = DEFAULT) -> Translator:
+def load(spec: str | Path = DEFAULT, *, int8: bool = False) -> Translator:
     """A :class:`Translator` for a shipped model's name (``"en-fr"``, ``"fr-en"``) or a model
     (or ``qkv train`` run) directory. Nothing is downloaded: shipped models are in the package.
+
+    ``int8=True``: every linear layer in int8 (:func:`qkv.kernels.int8.quantize_linears`:
+    weights per output channel, inputs per row, exact int32 sums) — faster on CPUs, BLEU of
+    the shipped models within 0.1 of float.
     """
     path = _model_dir(spec)
     model, tok = load_translator(path)
+    if int8:
+        from qkv.kernels.int8 import quantize_linears
+
+        model = quantize_linears(model)
     gen = read_json(path / GENERATION_FILE) if (path / GENERATION_FILE).is_file() else {}
     name = spec if isinstance(spec, str) and spec in shipped() else str(path)
     return Translator(model, tok, name=name, path=path, src=gen.get("src"), tgt=gen.get("tgt"),

@@ -39,7 +39,7 @@ def _read_input(args: argparse.Namespace) -> list[str]:
 def _translate(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads or torch.get_num_threads())
     lines = _read_input(args)
-    tr = load(args.model)
+    tr = load(args.model, int8=args.int8)
     with warnings.catch_warnings(record=True) as caught:  # printed below, once, as notes
         warnings.simplefilter("always")
         out = tr(lines, beam=args.beam, length_penalty=args.lenpen, progress=len(lines) > 50)
@@ -54,7 +54,7 @@ def _evaluate(args: argparse.Namespace) -> int:
     from qkv.apps.train import bleu_chrf
 
     torch.set_num_threads(args.threads or torch.get_num_threads())
-    tr = load(args.model)
+    tr = load(args.model, int8=args.int8)
     src, tgt = args.src or tr.src or "en", args.tgt or tr.tgt or "fr"
     if args.files:
         pairs = read_parallel(*args.files)
@@ -91,6 +91,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lenpen", type=float_range(0.0, 10.0), default=None,
                    help="length penalty exponent (default: the model's tuned value, else 1)")  # fmt: skip
     p.add_argument("--threads", type=threads, default=None, help="torch threads (default: all)")
+    p.add_argument("--int8", action="store_true",
+                   help="int8 linear layers: faster, BLEU within ~0.1 of float")  # fmt: skip
 
 
 def add_parser(sub) -> None:
