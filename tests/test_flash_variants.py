@@ -417,3 +417,26 @@ def test_block_mask_with_two_batch_dims():
         masks.create_block_mask(
             lambda b, h, i, j: torch.ones(3, dtype=torch.bool), None, None, 8, 8
         )
+
+
+@pytest.mark.parametrize("T, bs", [(512, 64), (500, (32, 64)), (300, 24)])
+def test_create_block_mask_over_many_chunks_equals_the_dense_mask(monkeypatch, T, bs):
+    """Chunks of a few blocks (edges padded, odd block widths reduced byte-wise), a mask_fn
+    returning a broadcast shape, and per-(batch, head) masks: all equal the dense mask."""
+    import qkv.block_mask as block_mask
+
+    monkeypatch.setattr(block_mask, "_CHUNK_ELEMENTS", 3 * 64 * 64)
+    i, j = _pairs(T, T)
+    ids = torch.randint(0, 5, (T,), generator=torch.Generator().manual_seed(T)).sort().values
+
+    def fn(b, h, q, kv):
+        return ((ids[q] == ids[kv]) & (kv <= q + h)) | (kv < b)
+
+    bm = masks.create_block_mask(fn, 2, 2, T, T, block_size=bs)
+    b = torch.arange(2)[:, None, None, None]
+    h = torch.arange(2)[None, :, None, None]
+    dense = ((ids[:, None] == ids[None, :]) & (j <= i + h)) | (j < b)  # (2, 2, T, T)
+    assert torch.equal(bm.to_dense(), dense)
+    rows = masks.create_block_mask(lambda b, h, q, kv: q % 3 == 0, None, None, T, T,
+                                   block_size=bs)  # fmt: skip
+    assert torch.equal(rows.to_dense()[0, 0], (i % 3 == 0).expand(T, T))
