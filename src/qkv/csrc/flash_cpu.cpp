@@ -1448,10 +1448,68 @@ std::tuple<Tensor, Tensor, Tensor> flash_bwd_at(const Tensor& q, const Tensor& k
 }
 }  // namespace
 
+namespace {
+// max|x| of IEEE numbers stored as U: the absolute values' bit patterns order like unsigned
+// integers, so it is an integer max of the bits with the sign cleared (one vectorised pass;
+// NaNs are the patterns above infinity's)
+template <typename U>
+static U abs_bits_max(const U* x, int64_t n, U no_sign) {
+  U m = 0;
+#pragma omp simd reduction(max : m)
+  for (int64_t i = 0; i < n; ++i) {
+    const U a = x[i] & no_sign;
+    m = a > m ? a : m;
+  }
+  return m;
+}
+
+template <typename F, typename U>
+static double from_bits(U u) {
+  F f;
+  std::memcpy(&f, &u, sizeof(f));
+  return static_cast<double>(f);
+}
+
+// max|q|·max|k|: the dispatcher's bound on the scores (qkv.dispatch._logit_bound) in one
+// call, without the four tensors and float conversions of two aminmax calls (~6 us -> ~1 us)
+double max_abs_product(const Tensor& q, const Tensor& k) {
+  auto one = [](const Tensor& t) -> double {
+    if (t.numel() == 0) return 0.0;
+    if (!t.is_contiguous()) return at::abs(t).max().item<double>();
+    const void* p = t.const_data_ptr();
+    const int64_t n = t.numel();
+    constexpr double nan = std::numeric_limits<double>::quiet_NaN();
+    switch (t.scalar_type()) {
+      case at::kFloat: {
+        const uint32_t m = abs_bits_max(static_cast<const uint32_t*>(p), n, 0x7fffffffu);
+        return m > 0x7f800000u ? nan : from_bits<float>(m);
+      }
+      case at::kBFloat16: {
+        const uint16_t m = abs_bits_max(static_cast<const uint16_t*>(p), n, uint16_t(0x7fff));
+        return m > 0x7f80u ? nan : from_bits<float>(uint32_t(m) << 16);
+      }
+      case at::kHalf: {
+        const uint16_t m = abs_bits_max(static_cast<const uint16_t*>(p), n, uint16_t(0x7fff));
+        return m > 0x7c00u ? nan : static_cast<double>(at::Half(m, at::Half::from_bits()));
+      }
+      case at::kDouble: {
+        const uint64_t m =
+            abs_bits_max(static_cast<const uint64_t*>(p), n, uint64_t(0x7fffffffffffffffull));
+        return m > 0x7ff0000000000000ull ? nan : from_bits<double>(m);
+      }
+      default:
+        return at::abs(t).max().item<double>();
+    }
+  };
+  return one(q) * one(k);
+}
+}  // namespace
+
 // Which bf16 matmul path runs here (QKV_ISA and the CPU decide; see Bf16Path), and the
 // kernels with a query offset for ring attention's blocks.
 TORCH_LIBRARY_FRAGMENT(qkv_flash, m) {
   m.def("bf16_path() -> str", []() { return isa_name(); });
+  m.def("max_abs_product(Tensor q, Tensor k) -> float");
   m.def("fwd_at(Tensor q, Tensor k, Tensor v, float scale, bool causal, int window, "
         "int block_q, int block_k, int shift) -> (Tensor, Tensor)");
   m.def("bwd_at(Tensor q, Tensor k, Tensor v, Tensor out, Tensor dout, Tensor lse, "
@@ -1461,5 +1519,6 @@ TORCH_LIBRARY_FRAGMENT(qkv_flash, m) {
 
 TORCH_LIBRARY_IMPL(qkv_flash, CPU, m) {
   m.impl("fwd_at", &flash_fwd_at);
+  m.impl("max_abs_product", &max_abs_product);
   m.impl("bwd_at", &flash_bwd_at);
 }
