@@ -1010,6 +1010,44 @@ struct BlockView {
   }
 };
 
+// Rows per group of the forward's narrowed matmuls (see row_groups).
+constexpr int64_t kGroup = 16;
+
+// The key ranges [glo, ghi) (16-aligned, within [0, nk)) that groups of kGroup rows of a
+// query block (rows from qs) see in the key block [ks, ks + nk): the union of their rows'
+// ranges (causal/window structure, spans of a block mask's partial tile; a row read through
+// mask bytes counts whole). Returns the number of groups, 1 (glo = 0, ghi = nk: all rows at
+// once) when no group would be narrower than the block.
+static int64_t row_groups(const Structure& st, const BlockView& bv, int32_t bst, int64_t qs,
+                          int64_t rows, int64_t ks, int64_t nk, int64_t* glo, int64_t* ghi) {
+  glo[0] = 0, ghi[0] = nk;
+  const bool edge = st.lo(qs + rows - 1) > ks || st.hi(qs) < ks + nk;
+  if ((bst < 0 && !edge) || rows <= kGroup) return 1;
+  const int64_t ng = (rows + kGroup - 1) / kGroup;
+  bool narrower = false;
+  for (int64_t gi = 0; gi < ng; ++gi) {
+    int64_t lo = nk, hi = 0;
+    for (int64_t r = gi * kGroup; r < std::min(rows, (gi + 1) * kGroup); ++r) {
+      int64_t c0 = std::clamp<int64_t>(st.lo(qs + r) - ks, 0, nk);
+      int64_t c1 = std::clamp<int64_t>(st.hi(qs + r) - ks, 0, nk);
+      if (bst >= 0) bv.row(bst, r, c0, c1);
+      if (c1 > c0) lo = std::min(lo, c0), hi = std::max(hi, c1);
+    }
+    if (hi <= lo) {
+      lo = hi = 0;
+    } else {
+      lo = lo / 16 * 16, hi = std::min<int64_t>(nk, (hi + 15) / 16 * 16);
+    }
+    glo[gi] = lo, ghi[gi] = hi;
+    narrower |= lo > 0 || hi < nk;
+  }
+  if (!narrower) {
+    glo[0] = 0, ghi[0] = nk;
+    return 1;
+  }
+  return ng;
+}
+
 template <typename T>
 static void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
                          Tensor& lse, double scale_d, const Structure& st, int64_t bq,
@@ -1042,6 +1080,9 @@ static void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tens
     float* acc = sc.take<float>(bq * rdv);
     std::vector<float> m(bq), l(bq), alpha(bq);
     std::vector<uint8_t> mb(var.on ? bk : 0);
+    std::vector<int64_t> glo_v(bq / kGroup + 2), ghi_v(bq / kGroup + 2);
+    int64_t* glo = glo_v.data();
+    int64_t* ghi = ghi_v.data();
     for (int64_t idx = first; idx < end; idx += step) {
       const int64_t n = idx / (G * nqb), g = (idx / nqb) % G, qb = idx % nqb;
       const int64_t qs = qb * bq, rows = std::min(bq, Tq - qs);
@@ -1056,16 +1097,34 @@ static void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tens
         const int64_t ks = j * bk, nk = std::min(bk, Tk - ks);
         const int32_t bst = bv.state(n, g, qb, j);
         if (bst == -1) continue;  // an empty block of the block mask
+        // Row groups: where the block's rows see only part of its keys (a causal diagonal, a
+        // window's edge, a partial tile of a block mask), each group of kGroup rows multiplies
+        // only the union of its rows' key ranges, 16-aligned ([glo, ghi)); S and P outside it
+        // are never read. Not on the VNNI path (its packs are whole 64-key chunks).
+        const int64_t ng = vnni ? 1 : row_groups(st, bv, bst, qs, rows, ks, nk, glo, ghi);
+        auto group = [&](int64_t gi, int64_t& r0, int64_t& nr) {
+          r0 = gi * kGroup, nr = ng == 1 ? rows : std::min(kGroup, rows - r0);
+        };
         if (vnni) {
           const int64_t rnk = (nk + kPack - 1) / kPack * kPack;
           for (int64_t c = 0; c < rnk; c += kPack)
             cpublas::brgemm(rows, kPack, d, d, kPack, rbk, false, Q, kv.k_block(j) + c * d,
                             S + c, true);
-        } else if (dot) {
-          if constexpr (std::is_same_v<T, BFloat16>)
-            dot_mm(rows, nk, d, Q, d, kv.k_dot(j), 16, (d + 1) / 2 * 16, S, rbk, false);
         } else {
-          mm<T>(rows, nk, d, Q, d, kv.k_block(j), Tk, S, rbk, false);
+          for (int64_t gi = 0; gi < ng; ++gi) {
+            int64_t r0, nr;
+            group(gi, r0, nr);
+            const int64_t c = glo[gi], nc = ghi[gi] - glo[gi];
+            if (nc <= 0) continue;
+            if (dot) {
+              if constexpr (std::is_same_v<T, BFloat16>)
+                dot_mm(nr, nc, d, Q + r0 * d, d, kv.k_dot(j) + (c / 16) * ((d + 1) / 2 * 16), 16,
+                       (d + 1) / 2 * 16, S + r0 * rbk + c, rbk, false);
+            } else {
+              mm<T>(nr, nc, d, Q + r0 * d, d, kv.k_block(j) + c, Tk, S + r0 * rbk + c, rbk,
+                    false);
+            }
+          }
         }
         const int64_t enk = vnni ? nk + (nk & 1) : nk;  // P's columns the PV matmul reads
         for (int64_t r = 0; r < rows; ++r) {
@@ -1118,11 +1177,21 @@ static void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tens
           for (int64_t c = 0; c < dv; c += kPack)
             cpublas::brgemm(rows, kPack, enk, rbk, kPack, rdv, true, P, kv.v_block(j) + c * enk,
                             acc + c, true);
-        } else if (dot) {
-          if constexpr (std::is_same_v<T, BFloat16>)
-            dot_mm(rows, dv, nk, P, rbk, kv.v_dot(j), kv.rdv16, 16, acc, rdv, true);
         } else {
-          mm<T>(rows, dv, nk, P, rbk, vd + (n * Tk + ks) * dv, dv, acc, rdv, true);
+          for (int64_t gi = 0; gi < ng; ++gi) {
+            int64_t r0, nr;
+            group(gi, r0, nr);
+            const int64_t c = glo[gi], nc = ghi[gi] - glo[gi];
+            if (nc <= 0) continue;  // every row of the group sees no key here: p = 0
+            if (dot) {
+              if constexpr (std::is_same_v<T, BFloat16>)
+                dot_mm(nr, dv, nc, P + r0 * rbk + c, rbk, kv.v_dot(j) + (c / 2) * kv.rdv16,
+                       kv.rdv16, 16, acc + r0 * rdv, rdv, true);
+            } else {
+              mm<T>(nr, dv, nc, P + r0 * rbk + c, rbk, vd + (n * Tk + ks + c) * dv, dv,
+                    acc + r0 * rdv, rdv, true);
+            }
+          }
         }
       }
       T* O = od + ((n * G + g) * Tq + qs) * dv;
