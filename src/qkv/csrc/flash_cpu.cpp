@@ -1302,6 +1302,9 @@ static void backward_impl(const Tensor& q, const Tensor& k, const Tensor& v, con
     T* dot = sc.take<T>(dv * bq);
     std::vector<float> lse2(bq), D(bq), tb(var.on ? bk : 0);
     std::vector<uint8_t> mb(var.on ? bk : 0);
+    std::vector<int64_t> glo_v(bq / kGroup + 2), ghi_v(bq / kGroup + 2);
+    int64_t* glo = glo_v.data();
+    int64_t* ghi = ghi_v.data();
     // dot path (bf16 without AMX): per key block, Kᵀ and Vᵀ in chunk pairs (S, dP), K in row
     // pairs (dQ); per block, P and dS in row pairs (dVᵀ, dKᵀ)
     const int64_t d2 = (d + 1) / 2, dv2 = (dv + 1) / 2, rbk16 = (bk + 15) / 16 * 16;
@@ -1357,35 +1360,56 @@ static void backward_impl(const Tensor& q, const Tensor& k, const Tensor& v, con
             const int64_t j = ks / bk;
             const int32_t bst = bv.state(n, g, qs / bq, j);
             if (bst == -1) continue;  // an empty block of the block mask
-            if (dotp) {
-              if constexpr (low) {
-                dot_mm(rows, nk, d, Q, d, kc.data() + j * rbk16 * d2, 16, d2 * 16, S, bk, false);
-                dot_mm(rows, nk, dv, dO, dv, vc.data() + j * rbk16 * dv2, 16, dv2 * 16, dP, bk,
-                       false);
+            // row groups as in the forward: each group's matmuls cover only its rows' keys
+            const int64_t ng = row_groups(st, bv, bst, qs, rows, ks, nk, glo, ghi);
+            auto group = [&](int64_t gi, int64_t& r0, int64_t& nr) {
+              r0 = gi * kGroup, nr = ng == 1 ? rows : std::min(kGroup, rows - r0);
+            };
+            for (int64_t gi = 0; gi < ng; ++gi) {
+              int64_t r0, nr;
+              group(gi, r0, nr);
+              const int64_t c = glo[gi], nc = ghi[gi] - c;
+              if (nc <= 0) continue;
+              if (dotp) {
+                if constexpr (low) {
+                  dot_mm(nr, nc, d, Q + r0 * d, d, kc.data() + j * rbk16 * d2 + (c / 16) * d2 * 16,
+                         16, d2 * 16, S + r0 * bk + c, bk, false);
+                  dot_mm(nr, nc, dv, dO + r0 * dv, dv,
+                         vc.data() + j * rbk16 * dv2 + (c / 16) * dv2 * 16, 16, dv2 * 16,
+                         dP + r0 * bk + c, bk, false);
+                }
+              } else {
+                mm<T>(nr, nc, d, Q + r0 * d, d, kt.data() + j * d * bk + c, bk, S + r0 * bk + c,
+                      bk, false);
+                mm<T>(nr, nc, dv, dO + r0 * dv, dv, vt.data() + j * dv * bk + c, bk,
+                      dP + r0 * bk + c, bk, false);
               }
-            } else {
-              mm<T>(rows, nk, d, Q, d, kt.data() + j * d * bk, bk, S, bk, false);
-              mm<T>(rows, nk, dv, dO, dv, vt.data() + j * dv * bk, bk, dP, bk, false);
             }
             for (int64_t r = 0; r < rows; ++r) {
+              // this row's group computed columns [gc, gc + gn) of S and dP; nothing outside
+              // them is read again
+              const int64_t gi = ng == 1 ? 0 : r / kGroup, gc = glo[gi], gn = ghi[gi] - gc;
+              if (gn <= 0) continue;
               int64_t c0 = std::clamp<int64_t>(st.lo(qs + r) - ks, 0, nk);
               int64_t c1 = std::clamp<int64_t>(st.hi(qs + r) - ks, 0, nk);
               float* s = S + r * bk;  // becomes P
               float* dp = dP + r * bk;  // becomes dS
               const float sh = lse2[r], Dr = D[r];
-              T* pl = low ? Plow + r * bk : nullptr;
-              T* dsl = low ? dSlow + r * bk : nullptr;
+              T* pl = low ? Plow + r * bk + gc : nullptr;
+              T* dsl = low ? dSlow + r * bk + gc : nullptr;
               const uint8_t* mr = bst >= 0 ? bv.row(bst, r, c0, c1) : mk.row(n, g, qs + r, ks);
               if (!var.on) {
-                grad_row<T>(s, dp, pl, dsl, c0, c1, nk, c2, sh, Dr, mr);
+                grad_row<T>(s + gc, dp + gc, pl, dsl, c0 - gc, c1 - gc, gn, c2, sh, Dr,
+                            mr ? mr + gc : nullptr);
                 continue;
               }
               // logits, dL = p∘(dP - D) in fp32, the variants' gradients, then the bf16 copies
               if (c1 > c0 && var.row(s, tb.data(), n, g, qs + r, ks, c0, c1))
                 mr = finite_mask(s, mr, mb.data(), c0, c1);
-              grad_row<float>(s, dp, nullptr, nullptr, c0, c1, nk, c2, sh, Dr, mr);
+              grad_row<float>(s + gc, dp + gc, nullptr, nullptr, c0 - gc, c1 - gc, gn, c2, sh, Dr,
+                              mr ? mr + gc : nullptr);
               vg.row(dp, tb.data(), var, n, g, qs + r, ks, c0, c1);
-              if constexpr (low) to_low(s, dp, pl, dsl, nk);
+              if constexpr (low) to_low(s + gc, dp + gc, pl, dsl, gn);
             }
             const T* P = low ? Plow : reinterpret_cast<const T*>(S);
             const T* dS = low ? dSlow : reinterpret_cast<const T*>(dP);
@@ -1393,15 +1417,32 @@ static void backward_impl(const Tensor& q, const Tensor& k, const Tensor& v, con
               if constexpr (low) {
                 pack_row_pairs(P, rows, nk, bk, pp, rbk16);
                 pack_row_pairs(dS, rows, nk, bk, dsp, rbk16);
-                dot_mm(dv, nk, rows, dot, bq, pp, rbk16, 16, dvt.data() + j * dv * bk, bk, true);
-                dot_mm(d, nk, rows, qt, bq, dsp, rbk16, 16, dkt.data() + j * d * bk, bk, true);
-                dot_mm(rows, d, nk, dS, bk, kp.data() + j * kpblk, rd16, 16, dQ, d, true);
               }
-              continue;
             }
-            mm<T>(dv, nk, rows, dot, bq, P, bk, dvt.data() + j * dv * bk, bk, true);  // dVᵀ
-            mm<T>(d, nk, rows, qt, bq, dS, bk, dkt.data() + j * d * bk, bk, true);  // dKᵀ
-            mm<T>(rows, d, nk, dS, bk, K + ks * d, d, dQ, d, true);  // dQ
+            for (int64_t gi = 0; gi < ng; ++gi) {
+              int64_t r0, nr;
+              group(gi, r0, nr);
+              const int64_t c = glo[gi], nc = ghi[gi] - c;
+              if (nc <= 0) continue;
+              if (dotp) {
+                if constexpr (low) {
+                  const int64_t pr = (r0 / 2) * rbk16 + c;  // pair row r0/2, column c
+                  dot_mm(dv, nc, nr, dot + r0, bq, pp + pr, rbk16, 16,
+                         dvt.data() + j * dv * bk + c, bk, true);
+                  dot_mm(d, nc, nr, qt + r0, bq, dsp + pr, rbk16, 16,
+                         dkt.data() + j * d * bk + c, bk, true);
+                  dot_mm(nr, d, nc, dS + r0 * bk + c, bk, kp.data() + j * kpblk + (c / 2) * rd16,
+                         rd16, 16, dQ + r0 * d, d, true);
+                }
+                continue;
+              }
+              mm<T>(dv, nc, nr, dot + r0, bq, P + r0 * bk + c, bk, dvt.data() + j * dv * bk + c,
+                    bk, true);  // dVᵀ
+              mm<T>(d, nc, nr, qt + r0, bq, dS + r0 * bk + c, bk, dkt.data() + j * d * bk + c,
+                    bk, true);  // dKᵀ
+              mm<T>(nr, d, nc, dS + r0 * bk + c, bk, K + (ks + c) * d, d, dQ + r0 * d, d,
+                    true);  // dQ
+            }
           }
           for (int64_t i = 0; i < rows * d; ++i) dQ[i] *= scale;
         }
