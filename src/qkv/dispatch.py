@@ -235,7 +235,7 @@ def _decide(q: Tensor, k: Tensor, v: Tensor, backend: str, options: dict) -> tup
     values = tuple(options.values())
     types = tuple(map(type, values))  # in the key: causal=1 and causal=True hash alike
     if not _SIMPLE.issuperset(types):  # tensors by their metadata
-        values = tuple([_meta(x) for x in values])
+        values = tuple([x if t in _SIMPLE else _meta(x) for x, t in zip(values, types)])
     key = (
         backend, grad, huge, _flash.native_ops() is None, tuple(options), values, types,
         q.shape, q.dtype, q.device, q.requires_grad, k.shape, k.dtype, k.device,
