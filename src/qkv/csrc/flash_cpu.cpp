@@ -7,7 +7,9 @@
 // rescale, rounding to bf16) is one vectorised loop per row that stays in L1/L2.
 //
 // Causal (bottom-right) and sliding windows give each query row one contiguous key range,
-// so empty blocks are skipped without reading any mask; a bool mask (True = may attend), if
+// so empty blocks are skipped without reading any mask, and where a block's rows see only
+// part of its keys (a diagonal, a window's edge, a partial block-mask tile) groups of rows
+// multiply only the keys they see (row_groups); a bool mask (True = may attend), if
 // given, is read in place as a broadcast view (MaskView). Biases (with their gradient), ALiBi
 // slopes, relative-position tables, soft-capping (Variant) and block masks (BlockView: empty
 // blocks skipped, full ones unmasked) are applied row by row; fp64 stays on the PyTorch-ops
