@@ -6,6 +6,7 @@ PyTorch-ops one with the fused kernel switched off. Biases, ALiBi, relative tabl
 soft-capping and block masks: tests/test_flash_variants.py.
 """
 
+import math
 import os
 
 import hypothesis.strategies as st
@@ -245,6 +246,8 @@ for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
     ref = attention_steps(*(t.double() for t in (q, k, v)), causal=True).output
     assert (out.double() - ref).abs().max() < tol, dtype
     assert flash_attention(x[:0], x[:0], x[:0]).shape == (0, 4, 64, 32)
+    bound = torch.ops.qkv_flash.max_abs_product(q.detach(), k.detach())
+    assert bound == float(q.detach().double().abs().max() * k.detach().double().abs().max())
 print("ok")
 """
 
@@ -252,6 +255,26 @@ print("ok")
 def test_portable_build_without_avx512_code():
     """The plain-C++ fallback of the kernel (what a CPU without AVX-512 runs) is right too."""
     assert_portable_ok(_PORTABLE_CHECK)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_max_abs_product_is_the_dispatchers_logit_bound(dtype):
+    """max|q|·max|k| in one pass (the bound on the scores that picks math for huge logits),
+    equal to torch's, NaN when an input holds one, over views and empty tensors too."""
+    ops = native_ops()
+    g = torch.Generator().manual_seed(1)
+    q = (torch.randn(2, 3, 37, 8, generator=g) * 7).to(dtype)
+    k = (torch.randn(2, 3, 41, 8, generator=g) * 3).to(dtype)
+    k.view(-1)[100] = -1e3  # a negative maximum of |k|
+    ref = float(q.double().abs().max() * k.double().abs().max())
+    assert ops.max_abs_product(q, k) == ref
+    assert ops.max_abs_product(q.transpose(1, 2), k) == ref  # not contiguous
+    assert ops.max_abs_product(q[:0], k) == 0.0
+    inf = q.clone()
+    inf.view(-1)[5] = -float("inf")
+    assert ops.max_abs_product(inf, k) == float("inf")
+    inf.view(-1)[6] = float("nan")
+    assert math.isnan(ops.max_abs_product(inf, k))
 
 
 def test_stale_build_lock_is_removed(tmp_path, monkeypatch):

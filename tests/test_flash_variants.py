@@ -417,3 +417,58 @@ def test_block_mask_with_two_batch_dims():
         masks.create_block_mask(
             lambda b, h, i, j: torch.ones(3, dtype=torch.bool), None, None, 8, 8
         )
+
+
+@pytest.mark.parametrize("T, bs", [(512, 64), (500, (32, 64)), (300, 24)])
+def test_create_block_mask_over_many_chunks_equals_the_dense_mask(monkeypatch, T, bs):
+    """Chunks of a few blocks (edges padded, odd block widths reduced byte-wise), a mask_fn
+    returning a broadcast shape, and per-(batch, head) masks: all equal the dense mask."""
+    import qkv.block_mask as block_mask
+
+    monkeypatch.setattr(block_mask, "_CHUNK_ELEMENTS", 3 * 64 * 64)
+    i, j = _pairs(T, T)
+    ids = torch.randint(0, 5, (T,), generator=torch.Generator().manual_seed(T)).sort().values
+
+    def fn(b, h, q, kv):
+        return ((ids[q] == ids[kv]) & (kv <= q + h)) | (kv < b)
+
+    bm = masks.create_block_mask(fn, 2, 2, T, T, block_size=bs)
+    b = torch.arange(2)[:, None, None, None]
+    h = torch.arange(2)[None, :, None, None]
+    dense = ((ids[:, None] == ids[None, :]) & (j <= i + h)) | (j < b)  # (2, 2, T, T)
+    assert torch.equal(bm.to_dense(), dense)
+    rows = masks.create_block_mask(lambda b, h, q, kv: q % 3 == 0, None, None, T, T,
+                                   block_size=bs)  # fmt: skip
+    assert torch.equal(rows.to_dense()[0, 0], (i % 3 == 0).expand(T, T))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_groups_of_partial_blocks_equal_fp64(dtype):
+    """128-row blocks whose groups of 32 rows see different key ranges (documents ending
+    mid-block, a window's edge, groups that see no key of a block, a short last block):
+    values and gradients against fp64, as the dense mask gives them."""
+    T = 333
+    ids = torch.tensor([0] * 40 + [1] * 5 + [2] * 150 + [3] * 138)
+    cases = [
+        masks.document_mask(ids, window=70),
+        masks.sliding_window_mask(T, 45, sinks=3),
+        masks.create_block_mask(lambda b, h, q, kv: (kv <= q) & (q - kv < 100), None, None, T, T),
+    ]
+    torch.manual_seed(7)
+    for bm in cases:
+        q = torch.randn(1, 2, T, 32, dtype=dtype, requires_grad=True)
+        k, v = (torch.randn(1, 2, T, 32, dtype=dtype, requires_grad=True) for _ in range(2))
+        out = flash_attention(q, k, v, mask=bm)
+        ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        ref = attention_steps(*ref_in, mask=bm.to_dense()).output
+        g = torch.randn_like(ref)
+        ours = torch.autograd.grad(out, (q, k, v), g.to(dtype))
+        theirs = torch.autograd.grad(ref, ref_in, g)
+        if dtype == torch.float32:
+            torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-4)
+            for a, b in zip(ours, theirs):
+                torch.testing.assert_close(a.double(), b, atol=2e-4, rtol=1e-3)
+        else:
+            assert (out.double() - ref).abs().max() <= 0.03
+            for a, b in zip(ours, theirs):
+                assert (a.double() - b).abs().max() <= 0.05 * (b.abs().max() + 1e-3)

@@ -34,6 +34,7 @@ __all__ = [
 BLOCK_SIZE = 128  # FlexAttention's default; also the fused kernel's block with a block mask
 EMPTY, FULL = -1, -2
 _CHUNK_ELEMENTS = 1 << 19  # mask_fn evaluated on ~512K (query, key) pairs at a time
+_ONES = 0x0101010101010101  # eight True bytes read as one int64 word
 
 MaskFn = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 
@@ -193,16 +194,24 @@ def create_block_mask(
 def _summarise(m: Tensor, bq: int, bk: int, first: int) -> tuple[Tensor, Tensor | None]:
     """States ``(nq, nk)`` of the blocks of a chunk ``m (rows, cols)`` (rows, cols multiples of
     the block unless at the sequence's end) and the tiles of its partial blocks, numbered from
-    ``first``. any / all per block are the max / min of the bytes (the fastest reductions
-    measured); outside the sequence counts as False for any, True for all."""
+    ``first``. any / all per block are maxima over the bytes read 8 at a time as int64 words
+    (a word of 8 Trues is ``_ONES``; xor with it, and a block is full when every word is 0):
+    the fastest reductions measured (torch's bool ``any``/``all`` and int64 ``amin`` were 5-40x
+    slower). Outside the sequence counts as False for any, True for all."""
     r, c = m.shape
     nq, nk = -(-r // bq), -(-c // bk)
     u = m.contiguous().view(torch.uint8)
-    pad = (0, nk * bk - c, 0, nq * bq - r)
-    lo = torch.nn.functional.pad(u, pad, value=0) if any(pad) else u
-    hi = torch.nn.functional.pad(u, pad, value=1) if any(pad) else u
-    any_ = lo.view(nq, bq, nk, bk).amax(dim=(1, 3)) > 0  # (nq, nk)
-    all_ = hi.view(nq, bq, nk, bk).amin(dim=(1, 3)) > 0
+    if r == nq * bq and c == nk * bk and bk % 8 == 0 and u.storage_offset() % 8 == 0:
+        w = u.view(torch.int64).view(nq, bq, nk, bk // 8)
+        any_ = w.amax(3).amax(1) != 0  # (nq, nk)
+        all_ = (w ^ _ONES).amax(3).amax(1) == 0
+        lo = u
+    else:  # a chunk at the sequence's end (or an odd block): padded, bytes reduced
+        pad = (0, nk * bk - c, 0, nq * bq - r)
+        lo = torch.nn.functional.pad(u, pad, value=0)
+        hi = torch.nn.functional.pad(u, pad, value=1)
+        any_ = lo.view(nq, bq, nk, bk).amax(dim=(1, 3)) > 0
+        all_ = hi.view(nq, bq, nk, bk).amin(dim=(1, 3)) > 0
     state = torch.where(all_, FULL, torch.where(any_, 0, EMPTY)).to(torch.int32)
     partial = state == 0
     p = int(partial.sum())

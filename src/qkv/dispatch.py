@@ -185,10 +185,17 @@ def describe(
 def _logit_bound(q: Tensor, k: Tensor, scale: float | None) -> float:
     """An upper bound of |scores|: ``|q·k|·scale <= max|q|·max|k|·d_k·scale``.
 
-    One ``aminmax`` pass per tensor (measured 5.7 µs for both vs 8.8 µs with abs + amax).
+    One pass of the fused kernel's ``max_abs_product`` over q and k on the CPU (~1 µs), else
+    one ``aminmax`` per tensor (~6 µs for both; abs + amax took 9 µs).
     """
     d_k = q.shape[-1]
     sc = scale if scale is not None else d_k**-0.5
+    ops = _flash.native_ops()
+    if ops is not None:
+        try:  # (registered for CPU tensors only: others raise NotImplementedError)
+            return ops.max_abs_product(q.detach(), k.detach()) * d_k * sc
+        except NotImplementedError:
+            pass
     (q_lo, q_hi), (k_lo, k_hi) = torch.aminmax(q.detach()), torch.aminmax(k.detach())
     return max(-float(q_lo), float(q_hi)) * max(-float(k_lo), float(k_hi)) * d_k * sc
 
@@ -226,11 +233,11 @@ def _decide(q: Tensor, k: Tensor, v: Tensor, backend: str, options: dict) -> tup
     if grad and q.numel() and k.numel() and q.dim() >= 3 and q.shape[-1] == k.shape[-1]:
         huge = _logit_bound(q, k, options.get("scale")) >= HUGE_LOGITS  # values: every call
     values = tuple(options.values())
-    if not _SIMPLE.issuperset(map(type, values)):  # tensors by their metadata
-        values = tuple([_meta(x) for x in values])
+    types = tuple(map(type, values))  # in the key: causal=1 and causal=True hash alike
+    if not _SIMPLE.issuperset(types):  # tensors by their metadata
+        values = tuple([x if t in _SIMPLE else _meta(x) for x, t in zip(values, types)])
     key = (
-        backend, grad, huge, _flash.native_ops() is None, tuple(options), values,
-        tuple(map(type, values)),  # causal=1 and causal=True hash alike
+        backend, grad, huge, _flash.native_ops() is None, tuple(options), values, types,
         q.shape, q.dtype, q.device, q.requires_grad, k.shape, k.dtype, k.device,
         v.shape, v.dtype, v.device,
     )  # fmt: skip

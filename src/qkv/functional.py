@@ -28,6 +28,7 @@ row is zero) and zero gradients; ``d_k = 0`` is a ``ValueError``.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
@@ -260,13 +261,21 @@ def scaled_dot_product_attention(
         block_mask = mask if isinstance(mask, BlockMask) else None
         mask, bias = _densify(q, block_mask, None if block_mask else mask, bias, alibi_slopes,
                               rel_bias, shape)  # fmt: skip
-    options = dict(mask=mask, bias=bias, causal=causal, window=window, scale=scale, softcap=softcap)
     # describe + choose + the chosen backend's argument checks, remembered per call signature
-    call = dict(
-        options, dropout_p=dropout_p, return_weights=return_weights, weights_heads=weights_heads
-    )
+    call = {
+        "mask": mask, "bias": bias, "causal": causal, "window": window, "scale": scale,
+        "softcap": softcap, "dropout_p": dropout_p, "return_weights": return_weights,
+        "weights_heads": weights_heads,
+    }  # fmt: skip
     case, decision = dispatch._decide(q, k, v, backend, call)
-    dispatch.log_decision(decision, case)
+    if dispatch.logger.isEnabledFor(logging.DEBUG):
+        dispatch.log_decision(decision, case)
+    if decision.backend == "torch":
+        return dispatch.torch_sdpa(
+            q, k, v, mask=mask, bias=bias, causal=causal, window=window, scale=scale,
+            dropout_p=dropout_p,
+        )  # fmt: skip
+    options = dict(mask=mask, bias=bias, causal=causal, window=window, scale=scale, softcap=softcap)
     if decision.backend == "math":  # also every empty input (see dispatch.choose)
         steps = attention_steps(q, k, v, **options, dropout_p=dropout_p)
         if not return_weights:
@@ -275,11 +284,6 @@ def scaled_dot_product_attention(
         if weights_heads is not None:
             weights = weights.index_select(-3, torch.as_tensor(weights_heads, device=q.device))
         return steps.output, weights
-    if decision.backend == "torch":
-        return dispatch.torch_sdpa(
-            q, k, v, mask=mask, bias=bias, causal=causal, window=window, scale=scale,
-            dropout_p=dropout_p,
-        )  # fmt: skip
     if decision.backend == "decode":
         out, lse = run_decode(
             q, k, v, case.shape, mask=mask, causal=causal, window=window, scale=scale
