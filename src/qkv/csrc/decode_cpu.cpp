@@ -725,6 +725,120 @@ std::tuple<Tensor, Tensor> decode_fwd(const Tensor& q, const Tensor& k, const Te
   return {out, lse};
 }
 
+// -------------------------------------------------------------------------------------------
+// Beam search's step, fused: log-softmax of each hypothesis' logits, plus its score, and the
+// k best (hypothesis, token) candidates of each sentence, in one read of the logits and
+// without writing the (N, V) log-probabilities. logits (B·beams, V) fp32, scores (B·beams,)
+// fp32; block >= 0: that token's log-probability is -inf (after normalising, as setting it in
+// the log-softmax output). Returns values (B, k) best first and their flat indices
+// (B, k) = beam·V + token; ties keep the lower index first; a sentence with fewer than k
+// candidates above -inf gets -inf entries at the lowest unused indices.
+
+// log Σ exp(x) over one row (max first; -inf entries add nothing)
+static float row_lse(const float* x, int64_t V) {
+  float m = kNegInf;
+  int64_t j = 0;
+#ifdef QKV_AVX512
+  __m512 vm = _mm512_set1_ps(kNegInf);
+  for (; j + 16 <= V; j += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(x + j));
+  m = _mm512_reduce_max_ps(vm);
+#endif
+  for (; j < V; ++j) m = x[j] > m ? x[j] : m;
+  if (!(m > kNegInf) || std::isinf(m)) return m;  // no finite entry (or +inf): as is
+  double sum = 0.0;
+  j = 0;
+#ifdef QKV_AVX512
+  const __m512 vmax = _mm512_set1_ps(m), l2e = _mm512_set1_ps(kLog2e);
+  const __m512 ninf = _mm512_set1_ps(kNegInf);
+  __m512 acc = _mm512_setzero_ps();
+  for (; j + 16 <= V; j += 16) {
+    const __m512 v = _mm512_loadu_ps(x + j);
+    const __mmask16 fin = _mm512_cmp_ps_mask(v, ninf, _CMP_NEQ_OQ);
+    acc = _mm512_add_ps(acc, exp2_v<false>(_mm512_mul_ps(_mm512_sub_ps(v, vmax), l2e), fin));
+  }
+  sum = _mm512_reduce_add_ps(acc);
+#endif
+  for (; j < V; ++j) sum += std::exp(static_cast<double>(x[j]) - m);
+  return m + static_cast<float>(std::log(sum));
+}
+
+struct Cand {
+  float v;
+  int64_t i;
+};
+
+// insert (v, i) into best[0..k) (sorted, best first) if it beats the last entry
+static inline void offer(Cand* best, int64_t k, float v, int64_t i) {
+  if (!(v > best[k - 1].v)) return;
+  int64_t p = k - 1;
+  while (p > 0 && v > best[p - 1].v) {
+    best[p] = best[p - 1];
+    --p;
+  }
+  best[p] = {v, i};
+}
+
+std::tuple<Tensor, Tensor> beam_topk(const Tensor& logits, const Tensor& scores, int64_t beams,
+                                     int64_t k, int64_t block) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous(),
+              "qkv beam_topk: logits must be a contiguous float32 (N, V) tensor");
+  const int64_t N = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(beams >= 1 && N % beams == 0, "qkv beam_topk: N must be a multiple of beams");
+  TORCH_CHECK(scores.dim() == 1 && scores.size(0) == N && scores.scalar_type() == at::kFloat &&
+                  scores.is_contiguous(),
+              "qkv beam_topk: scores must be a contiguous float32 (N,) tensor");
+  TORCH_CHECK(k >= 1 && k <= beams * V, "qkv beam_topk: need 1 <= k <= beams * V");
+  const int64_t B = N / beams;
+  Tensor top = at::empty({B, k}, logits.options());
+  Tensor idx = at::empty({B, k}, logits.options().dtype(at::kLong));
+  const float* X = logits.const_data_ptr<float>();
+  const float* S = scores.const_data_ptr<float>();
+  float* TV = top.data_ptr<float>();
+  int64_t* TI = idx.data_ptr<int64_t>();
+  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<Cand> best(k);
+    for (int64_t b = b0; b < b1; ++b) {
+      for (auto& c : best) c = {kNegInf, -1};
+      for (int64_t r = 0; r < beams; ++r) {
+        const int64_t row = b * beams + r;
+        const float* x = X + row * V;
+        const float lse = row_lse(x, V), sc = S[row];
+        const int64_t base = r * V;
+        int64_t j = 0;
+#ifdef QKV_AVX512
+        const __m512 vl = _mm512_set1_ps(lse), vs = _mm512_set1_ps(sc);
+        for (; j + 16 <= V; j += 16) {
+          // the same float operations as the scalar loop below: one decision per element
+          const __m512 v = _mm512_add_ps(_mm512_sub_ps(_mm512_loadu_ps(x + j), vl), vs);
+          __mmask16 hit = _mm512_cmp_ps_mask(v, _mm512_set1_ps(best[k - 1].v), _CMP_GT_OQ);
+          if (block >= j && block < j + 16) hit &= __mmask16(~(1u << (block - j)));
+          while (hit) {
+            const int lane = __builtin_ctz(hit);
+            hit &= hit - 1;
+            offer(best.data(), k, (x[j + lane] - lse) + sc, base + j + lane);
+          }
+        }
+#endif
+        for (; j < V; ++j)
+          if (j != block) offer(best.data(), k, (x[j] - lse) + sc, base + j);
+      }
+      // fewer than k candidates above -inf: -inf at the lowest indices not taken
+      int64_t next = 0;
+      for (int64_t p = 0; p < k; ++p) {
+        if (best[p].i >= 0) continue;
+        for (;; ++next) {
+          bool used = false;
+          for (int64_t q = 0; q < k; ++q) used = used || best[q].i == next;
+          if (!used) break;
+        }
+        best[p] = {kNegInf, next++};
+      }
+      for (int64_t p = 0; p < k; ++p) TV[b * k + p] = best[p].v, TI[b * k + p] = best[p].i;
+    }
+  });
+  return {top, idx};
+}
+
 // Which instruction paths this build uses (for benchmarks and native_status).
 std::string decode_isa() {
 #if defined(QKV_AVX512) && defined(__AVX512BF16__)
@@ -742,6 +856,10 @@ TORCH_LIBRARY(qkv_decode, m) {
   m.def("fwd(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, bool causal, int window,"
         " int splits=0) -> (Tensor, Tensor)");
   m.def("isa() -> str", &decode_isa);
+  m.def("beam_topk(Tensor logits, Tensor scores, int beams, int k, int block) -> (Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(qkv_decode, CPU, m) { m.impl("fwd", &decode_fwd); }
+TORCH_LIBRARY_IMPL(qkv_decode, CPU, m) {
+  m.impl("fwd", &decode_fwd);
+  m.impl("beam_topk", &beam_topk);
+}

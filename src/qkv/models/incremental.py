@@ -30,8 +30,11 @@ from torch import Tensor, nn
 
 from qkv import dispatch
 from qkv import functional as F
+from qkv._validate import AttentionShape
 from qkv.attention import MultiHeadAttention
 from qkv.cache import KVCache
+from qkv.kernels._native import decode_ops
+from qkv.kernels.decode import _mask_arg
 from qkv.positional import LearnedPositionalEmbedding, RotaryEmbedding, SinusoidalPositionalEncoding
 
 __all__ = ["IncrementalDecoder", "DecodeState", "SmallBatchLinear", "unsupported"]
@@ -153,6 +156,7 @@ class DecodeState:
         self.bias: Tensor | None = None  # the mask as an additive float bias (torch path)
         self.positions: Tensor | None = None  # (max_steps, d) added to the embeddings
         self.choices: dict[tuple[str, int], str] = {}  # attention path per (kind, Tk range)
+        self.masks5: dict[tuple[int, int, int], Tensor] = {}  # the decode kernel's mask views
 
     def reorder(self, rows: Tensor) -> None:
         """Follow the surviving beams: hypothesis ``i`` continues row ``rows[i]`` ``(N,)``."""
@@ -168,6 +172,7 @@ class DecodeState:
         self.reorder(torch.arange(B).repeat_interleave(beams))
         self.beams = beams
         self.choices.clear()  # the attention shapes changed
+        self.masks5.clear()
 
 
 class _Layer:
@@ -224,6 +229,7 @@ class IncrementalDecoder:
         self.cfg = cfg
         self.d, self.h, self.h_kv, self.d_k = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.d_k
         self.pre_norm = cfg.norm_first
+        self.scale = 1.0 / math.sqrt(cfg.d_k)  # the default of qkv's attention
         # the embedding times √d_model, once: the same products the Embedder takes per token
         self.embedding = dec.embed.embedding.weight.detach() * math.sqrt(cfg.d_model)  # (V, d)
         self.position = dec.embed.position  # sinusoidal / learned module, or None (rope)
@@ -344,6 +350,8 @@ class IncrementalDecoder:
         if choice is None:  # shapes, dtype and backend are fixed for a state: only Tk grows
             case = dispatch.describe(q, k, v, mask=mask, causal=kind == "self")
             choice = choices[key] = dispatch.choose(case, backend).backend
+        if choice == "decode" and k.shape[-2] > 0:  # the kernel itself: checked once above
+            return self._decode(q, k, v, mask, kind == "self", state)
         if choice == "torch":  # what qkv's "torch" backend runs, without re-checking per step
             bias = mask
             if mask is not None and state is not None:
@@ -360,6 +368,22 @@ class IncrementalDecoder:
         return F.scaled_dot_product_attention(
             q, k, v, mask=mask, causal=kind == "self", backend=choice
         )
+
+    def _decode(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool,
+                state: DecodeState | None) -> Tensor:  # fmt: skip
+        """The decode kernel's call as :func:`qkv.kernels.decode.run_decode` makes it, its
+        mask view built once per query count of a state."""
+        m5 = None
+        if mask is not None:
+            key = (q.shape[0], q.shape[2], k.shape[2])
+            m5 = state.masks5.get(key) if state is not None else None
+            if m5 is None:
+                shape = AttentionShape((q.shape[0],), q.shape[1], k.shape[1], q.shape[2],
+                                       k.shape[2], q.shape[3], v.shape[3])  # fmt: skip
+                m5 = _mask_arg(mask, shape)  # (B, h_kv, G, Tq, Tk) bool view
+                if state is not None:
+                    state.masks5[key] = m5
+        return decode_ops().fwd(q.contiguous(), k, v, m5, self.scale, causal, -1, 0)[0]
 
     def step(self, state: DecodeState, tokens: Tensor) -> Tensor:
         """Feed one token per hypothesis ``tokens (N,)``; return next-token logits ``(N, V)``."""
