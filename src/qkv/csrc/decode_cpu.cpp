@@ -839,6 +839,109 @@ std::tuple<Tensor, Tensor> beam_topk(const Tensor& logits, const Tensor& scores,
   return {top, idx};
 }
 
+// -------------------------------------------------------------------------------------------
+// y = act(x Wᵀ + b) for few rows x (M, in) (a decode step: one row per hypothesis), the weight
+// packed once into panels of 64 output columns, each panel's rows contiguous:
+// panels (P, in, 64), P = ceil(out / 64), zero past `out`. Every weight element is read once
+// per call, from one sequential stream per panel; up to 6 rows share each load (6 x 4 vector
+// accumulators). Sums run over `in` in order, in fp32.
+constexpr int64_t kPanel = 64;
+constexpr int64_t kRows = 6;
+
+template <int MR>
+static void panel_rows(const float* x, int64_t ldx, const float* w, int64_t in, const float* b,
+                       int64_t c0, int64_t nc, bool relu, float* y, int64_t ldy) {
+#ifdef QKV_AVX512
+  __m512 acc[MR][4];
+  for (int q = 0; q < 4; ++q) {
+    const __mmask16 cm = lanes(std::max<int64_t>(nc - 16 * q, 0));
+    const __m512 bq = b ? _mm512_maskz_loadu_ps(cm, b + c0 + 16 * q) : _mm512_setzero_ps();
+    for (int m = 0; m < MR; ++m) acc[m][q] = bq;
+  }
+  for (int64_t i = 0; i < in; ++i) {
+    const float* wr = w + i * kPanel;
+    const __m512 w0 = _mm512_loadu_ps(wr), w1 = _mm512_loadu_ps(wr + 16);
+    const __m512 w2 = _mm512_loadu_ps(wr + 32), w3 = _mm512_loadu_ps(wr + 48);
+    for (int m = 0; m < MR; ++m) {
+      const __m512 xm = _mm512_set1_ps(x[m * ldx + i]);
+      acc[m][0] = _mm512_fmadd_ps(xm, w0, acc[m][0]);
+      acc[m][1] = _mm512_fmadd_ps(xm, w1, acc[m][1]);
+      acc[m][2] = _mm512_fmadd_ps(xm, w2, acc[m][2]);
+      acc[m][3] = _mm512_fmadd_ps(xm, w3, acc[m][3]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int q = 0; q < 4; ++q) {
+      const __mmask16 cm = lanes(std::max<int64_t>(nc - 16 * q, 0));
+      if (!cm) break;
+      __m512 v = acc[m][q];
+      if (relu) v = _mm512_max_ps(v, _mm512_setzero_ps());
+      _mm512_mask_storeu_ps(y + m * ldy + c0 + 16 * q, cm, v);
+    }
+#else
+  float acc[MR][kPanel];
+  for (int m = 0; m < MR; ++m)
+    for (int64_t c = 0; c < kPanel; ++c) acc[m][c] = b && c < nc ? b[c0 + c] : 0.f;
+  for (int64_t i = 0; i < in; ++i) {
+    const float* wr = w + i * kPanel;
+    for (int m = 0; m < MR; ++m) {
+      const float xm = x[m * ldx + i];
+#pragma omp simd
+      for (int64_t c = 0; c < kPanel; ++c) acc[m][c] += xm * wr[c];
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int64_t c = 0; c < nc; ++c) {
+      const float v = acc[m][c];
+      y[m * ldy + c0 + c] = relu && v < 0.f ? 0.f : v;
+    }
+#endif
+}
+
+Tensor small_linear(const Tensor& x, const Tensor& panels, const std::optional<Tensor>& bias,
+                    int64_t out, bool relu) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
+              "qkv small_linear: x must be float32 (M, in) with unit column stride");
+  const int64_t M = x.size(0), in = x.size(1), P = (out + kPanel - 1) / kPanel;
+  TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == at::kFloat && panels.is_contiguous() &&
+                  panels.size(0) == P && panels.size(1) == in && panels.size(2) == kPanel,
+              "qkv small_linear: panels must be contiguous float32 (ceil(out/64), in, 64)");
+  const float* b = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out && bias->scalar_type() == at::kFloat &&
+                    bias->is_contiguous(),
+                "qkv small_linear: bias must be a contiguous float32 (out,) tensor");
+    b = bias->const_data_ptr<float>();
+  }
+  Tensor y = at::empty({M, out}, x.options());
+  if (M == 0 || out == 0) return y;
+  const float* X = x.const_data_ptr<float>();
+  const float* W = panels.const_data_ptr<float>();
+  float* Y = y.data_ptr<float>();
+  const int64_t ldx = x.stride(0);
+  // at least 64k weights (256 KB) per task: a small layer stays on one thread
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, in * kPanel));
+  at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const float* w = W + p * in * kPanel;
+      const int64_t c0 = p * kPanel, nc = std::min(kPanel, out - c0);
+      for (int64_t m0 = 0; m0 < M; m0 += kRows) {
+        const float* xr = X + m0 * ldx;
+        float* yr = Y + m0 * out;
+        switch (std::min(kRows, M - m0)) {
+          case 1: panel_rows<1>(xr, ldx, w, in, b, c0, nc, relu, yr, out); break;
+          case 2: panel_rows<2>(xr, ldx, w, in, b, c0, nc, relu, yr, out); break;
+          case 3: panel_rows<3>(xr, ldx, w, in, b, c0, nc, relu, yr, out); break;
+          case 4: panel_rows<4>(xr, ldx, w, in, b, c0, nc, relu, yr, out); break;
+          case 5: panel_rows<5>(xr, ldx, w, in, b, c0, nc, relu, yr, out); break;
+          default: panel_rows<6>(xr, ldx, w, in, b, c0, nc, relu, yr, out); break;
+        }
+      }
+    }
+  });
+  return y;
+}
+
 // Which instruction paths this build uses (for benchmarks and native_status).
 std::string decode_isa() {
 #if defined(QKV_AVX512) && defined(__AVX512BF16__)
@@ -857,9 +960,11 @@ TORCH_LIBRARY(qkv_decode, m) {
         " int splits=0) -> (Tensor, Tensor)");
   m.def("isa() -> str", &decode_isa);
   m.def("beam_topk(Tensor logits, Tensor scores, int beams, int k, int block) -> (Tensor, Tensor)");
+  m.def("small_linear(Tensor x, Tensor panels, Tensor? bias, int out, bool relu) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(qkv_decode, CPU, m) {
   m.impl("fwd", &decode_fwd);
   m.impl("beam_topk", &beam_topk);
+  m.impl("small_linear", &small_linear);
 }
