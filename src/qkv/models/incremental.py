@@ -44,7 +44,7 @@ __all__ = ["IncrementalDecoder", "DecodeState", "SmallBatchLinear", "unsupported
 _MAX_PACKINGS = 6
 # up to this many rows the compiled small-batch kernel (qkv_decode.small_linear: every weight
 # read once, up to 6 rows per load) beats oneDNN's packed GEMM (measured, 1 thread, M = 1..13)
-_SMALL_ROWS = 12
+_SMALL_ROWS = 256
 
 
 def _mkldnn_linear_available() -> bool:
