@@ -383,7 +383,7 @@ static void run_segment(const Problem<T>& P, int64_t n, int64_t k0, int64_t k1, 
       int64_t ks = P.k2s;
       if (nt < kTile) {  // a partial tile: its rows copied, zero rows after them
         T* buf = static_cast<T*>(sc.ktile);
-        std::memset(static_cast<void*>(buf), 0, kTile * d * sizeof(T));
+        std::memset(static_cast<void*>(buf + nt * d), 0, (kTile - nt) * d * sizeof(T));
         for (int64_t j = 0; j < nt; ++j) std::memcpy(buf + j * d, P.krow(n, kt + j), d * sizeof(T));
         kp = buf, ks = d;
       }
@@ -496,7 +496,7 @@ static void run_segment(const Problem<T>& P, int64_t n, int64_t k0, int64_t k1, 
       int64_t vs = P.v2s;
       if (nt < kTile) {
         T* buf = static_cast<T*>(sc.vtile);
-        std::memset(static_cast<void*>(buf), 0, kTile * dv * sizeof(T));
+        std::memset(static_cast<void*>(buf + nt * dv), 0, (kTile - nt) * dv * sizeof(T));
         for (int64_t j = 0; j < nt; ++j)
           std::memcpy(buf + j * dv, P.vrow(n, kt + j), dv * sizeof(T));
         vp = buf, vs = dv;
