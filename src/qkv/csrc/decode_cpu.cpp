@@ -148,12 +148,19 @@ struct Problem {
   Structure st;
   MaskView mk;
   float c2;  // scale · log2(e): scores are kept in log2 units
+  // a beam reorder left to this call (null rows: none): before a segment is read, its keys
+  // below `fill` are copied from the previous buffers' batch row rows[b] into k/v's row b
+  const int64_t* rows = nullptr;
+  const T *sk = nullptr, *sv = nullptr;
+  int64_t sk0s = 0, sk1s = 0, sk2s = 0, sv0s = 0, sv1s = 0, sv2s = 0, fill = 0;
   const T* krow(int64_t n, int64_t t) const {
     return k + (n / h_kv) * k0s + (n % h_kv) * k1s + t * k2s;
   }
   const T* vrow(int64_t n, int64_t t) const {
     return v + (n / h_kv) * v0s + (n % h_kv) * v1s + t * v2s;
   }
+  // the deferred reorder of kv head n's keys [k0, k1) (their rows are read next, from L1/L2)
+  void fill_rows(int64_t n, int64_t k0, int64_t k1) const;
 };
 
 // Per-thread scratch (floats): the query rows, the scores S and weights P of one block, and a
@@ -343,6 +350,34 @@ static inline void unpermute_pairs(float* acc, int64_t R, int64_t dvp) {
     }
 }
 
+// n values from src to dst: inline vector moves (short rows of a partial tile; a libc memcpy
+// call per row cost a quarter of a decode step with a few keys per head)
+template <typename T>
+static inline void copy_row(T* dst, const T* src, int64_t n) {
+  int64_t bytes = n * static_cast<int64_t>(sizeof(T)), i = 0;
+  auto* d8 = reinterpret_cast<char*>(dst);
+  const auto* s8 = reinterpret_cast<const char*>(src);
+#ifdef QKV_AVX512
+  for (; i + 64 <= bytes; i += 64) _mm512_storeu_si512(d8 + i, _mm512_loadu_si512(s8 + i));
+  if (i < bytes) {
+    const __mmask64 m = (1ull << (bytes - i)) - 1;  // bytes - i < 64
+    _mm512_mask_storeu_epi8(d8 + i, m, _mm512_maskz_loadu_epi8(m, s8 + i));
+  }
+#else
+  std::memcpy(d8, s8, static_cast<size_t>(bytes));
+#endif
+}
+
+template <typename T>
+void Problem<T>::fill_rows(int64_t n, int64_t k0, int64_t k1) const {
+  if (!rows) return;
+  const int64_t b = n / h_kv, hk = n % h_kv, src = rows[b];
+  for (int64_t t = k0; t < std::min(k1, fill); ++t) {
+    copy_row(const_cast<T*>(krow(n, t)), sk + src * sk0s + hk * sk1s + t * sk2s, d);
+    copy_row(const_cast<T*>(vrow(n, t)), sv + src * sv0s + hk * sv1s + t * sv2s, dv);
+  }
+}
+
 // -------------------------------------------------------------------------------------------
 // One segment: kv head n, keys [k0, k1). Leaves m (log2 units), l and the unnormalised acc
 // (R x dvp, zeroed by the caller) of every row.
@@ -381,10 +416,10 @@ static void run_segment(const Problem<T>& P, int64_t n, int64_t k0, int64_t k1, 
       const int64_t kt = kb + t0;
       const T* kp = P.krow(n, kt);
       int64_t ks = P.k2s;
-      if (nt < kTile) {  // a partial tile: its rows copied, zero rows after them
+      if (nt < kTile) {  // a partial tile: its rows copied (the scores after them are -inf
+        // whatever the rows hold: the buffer's old, finite contents stay there)
         T* buf = static_cast<T*>(sc.ktile);
-        std::memset(static_cast<void*>(buf + nt * d), 0, (kTile - nt) * d * sizeof(T));
-        for (int64_t j = 0; j < nt; ++j) std::memcpy(buf + j * d, P.krow(n, kt + j), d * sizeof(T));
+        for (int64_t j = 0; j < nt; ++j) copy_row(buf + j * d, P.krow(n, kt + j), d);
         kp = buf, ks = d;
       }
 #ifdef QKV_AVX512
@@ -497,8 +532,7 @@ static void run_segment(const Problem<T>& P, int64_t n, int64_t k0, int64_t k1, 
       if (nt < kTile) {
         T* buf = static_cast<T*>(sc.vtile);
         std::memset(static_cast<void*>(buf + nt * dv), 0, (kTile - nt) * dv * sizeof(T));
-        for (int64_t j = 0; j < nt; ++j)
-          std::memcpy(buf + j * dv, P.vrow(n, kt + j), dv * sizeof(T));
+        for (int64_t j = 0; j < nt; ++j) copy_row(buf + j * dv, P.vrow(n, kt + j), dv);
         vp = buf, vs = dv;
       }
       const float* pt = sc.P + t0;  // P[r][t0 + j] at pt[r * kBlock + j]
@@ -571,6 +605,22 @@ struct Segment {
   int64_t n, k0, k1;
 };
 
+// A short segment's K and V rows, fetched while the segment before it runs: with a few keys
+// per head (a beam search's first steps, a short source) each head is a new, cold region
+// and the kernel otherwise waits on memory latency there (long segments prefetch ahead
+// inside run_segment).
+template <typename T>
+static inline void prefetch_segment(const Problem<T>& P, const Segment& g) {
+  if (g.k1 - g.k0 > 2 * kBlock) return;
+  const int64_t kb = P.d * int64_t(sizeof(T)), vb = P.dv * int64_t(sizeof(T));
+  for (int64_t t = g.k0; t < g.k1; ++t) {
+    const char* kr = reinterpret_cast<const char*>(P.krow(g.n, t));
+    const char* vr = reinterpret_cast<const char*>(P.vrow(g.n, t));
+    for (int64_t c = 0; c < kb; c += 64) __builtin_prefetch(kr + c, 0, 3);
+    for (int64_t c = 0; c < vb; c += 64) __builtin_prefetch(vr + c, 0, 3);
+  }
+}
+
 // splits > 0: cut the keys into exactly that many pieces (the tests' way to exercise the
 // merge on small inputs); else one piece per thread, fewer for small calls.
 template <typename T>
@@ -623,6 +673,8 @@ static void decode_impl(const Problem<T>& P, T* out, float* lse, int64_t splits)
     Scratch sc{tb, tb + R * dqp, tb + R * dqp + R * kBlock, tb + R * dqp + 2 * R * kBlock,
                tb + R * dqp + 2 * R * kBlock + (kTile * P.d + 15) / 16 * 16};
     for (int64_t s = first[t]; s < first[t + 1]; ++s) {
+      if (s + 1 < first[t + 1] && !P.rows) prefetch_segment(P, segs[s + 1]);
+      P.fill_rows(segs[s].n, segs[s].k0, segs[s].k1);
       float* pm = partial(s);
       std::memset(pm + 2 * R, 0, R * dvp * sizeof(float));
       run_segment<T>(P, segs[s].n, segs[s].k0, segs[s].k1, pm, pm + R, pm + 2 * R, dvp, sc);
@@ -679,7 +731,10 @@ static void decode_impl(const Problem<T>& P, T* out, float* lse, int64_t splits)
 
 std::tuple<Tensor, Tensor> decode_fwd(const Tensor& q, const Tensor& k, const Tensor& v,
                                       const std::optional<Tensor>& mask, double scale,
-                                      bool causal, int64_t window, int64_t splits) {
+                                      bool causal, int64_t window, int64_t splits,
+                                      const std::optional<Tensor>& src_k,
+                                      const std::optional<Tensor>& src_v,
+                                      const std::optional<Tensor>& rows, int64_t fill) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
               "qkv decode: q, k, v must be 4-D (Nb, heads, T, d)");
   TORCH_CHECK(q.is_contiguous(), "qkv decode: q must be contiguous");
@@ -710,14 +765,42 @@ std::tuple<Tensor, Tensor> decode_fwd(const Tensor& q, const Tensor& k, const Te
     mk.h_kv = h_kv, mk.s0 = t.stride(0), mk.s1 = t.stride(1), mk.s2 = t.stride(2);
     mk.s3 = t.stride(3);
   }
+  const bool reorder = rows.has_value() && rows->defined();
+  if (reorder) {
+    // every key below `fill` must lie in some segment: the rows see [0, Tk) (no window,
+    // no mask: causal with Tq = 1 and the whole cache visible, a decode step's self-attention)
+    TORCH_CHECK(src_k.has_value() && src_v.has_value() && src_k->defined() && src_v->defined(),
+                "qkv decode: a deferred reorder needs src_k and src_v");
+    TORCH_CHECK(!mk.base && window <= 0 && Tq == 1 && fill >= 0 && fill < Tk,
+                "qkv decode: a deferred reorder needs Tq = 1, no mask, no window, 0 <= fill < Tk");
+    TORCH_CHECK(rows->scalar_type() == at::kLong && rows->dim() == 1 && rows->size(0) == Nb &&
+                    rows->is_contiguous(),
+                "qkv decode: rows must be a contiguous int64 (Nb,) tensor");
+    for (const Tensor* t : {&*src_k, &*src_v})
+      TORCH_CHECK(t->dim() == 4 && t->scalar_type() == q.scalar_type() && t->stride(3) == 1 &&
+                      t->size(0) == Nb && t->size(1) == h_kv && t->size(2) >= fill,
+                  "qkv decode: src_k/src_v must be (Nb, h_kv, >= fill, d) in q's dtype");
+    TORCH_CHECK(src_k->size(3) == d && src_v->size(3) == dv,
+                "qkv decode: src_k/src_v head dims must match k/v");
+    const int64_t* r = rows->const_data_ptr<int64_t>();
+    for (int64_t b = 0; b < Nb; ++b)
+      TORCH_CHECK(r[b] >= 0 && r[b] < Nb, "qkv decode: rows out of range");
+  }
   const Structure st{Tq, Tk, causal, window};
   const float c2 = static_cast<float>(scale) * kLog2e;
   auto run = [&](auto tag) {
     using T = decltype(tag);
-    const Problem<T> P{Nb * h_kv, h_kv, h / h_kv, Tq, (h / h_kv) * Tq, d, dv, Tk,
-                       q.const_data_ptr<T>(), k.const_data_ptr<T>(), v.const_data_ptr<T>(),
-                       k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
-                       v.stride(2), st, mk, c2};
+    Problem<T> P{Nb * h_kv, h_kv, h / h_kv, Tq, (h / h_kv) * Tq, d, dv, Tk,
+                 q.const_data_ptr<T>(), k.const_data_ptr<T>(), v.const_data_ptr<T>(),
+                 k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
+                 v.stride(2), st, mk, c2};
+    if (reorder) {
+      P.rows = rows->const_data_ptr<int64_t>();
+      P.sk = src_k->const_data_ptr<T>(), P.sv = src_v->const_data_ptr<T>();
+      P.sk0s = src_k->stride(0), P.sk1s = src_k->stride(1), P.sk2s = src_k->stride(2);
+      P.sv0s = src_v->stride(0), P.sv1s = src_v->stride(1), P.sv2s = src_v->stride(2);
+      P.fill = fill;
+    }
     decode_impl<T>(P, out.data_ptr<T>(), lse.data_ptr<float>(), splits);
   };
   if (q.scalar_type() == at::kFloat) run(float{});
@@ -957,7 +1040,8 @@ std::string decode_isa() {
 
 TORCH_LIBRARY(qkv_decode, m) {
   m.def("fwd(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, bool causal, int window,"
-        " int splits=0) -> (Tensor, Tensor)");
+        " int splits=0, Tensor? src_k=None, Tensor? src_v=None, Tensor? rows=None, int fill=0)"
+        " -> (Tensor, Tensor)");
   m.def("isa() -> str", &decode_isa);
   m.def("beam_topk(Tensor logits, Tensor scores, int beams, int k, int block) -> (Tensor, Tensor)");
   m.def("small_linear(Tensor x, Tensor panels, Tensor? bias, int out, bool relu) -> Tensor");

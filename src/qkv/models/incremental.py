@@ -130,6 +130,14 @@ def _panels(weight: Tensor) -> Tensor:
     return padded.view(P, 64, in_f).transpose(1, 2).contiguous()
 
 
+def _fill(reorder: tuple[Tensor, Tensor, Tensor], k: Tensor, v: Tensor) -> None:
+    """Make a deferred beam reorder: ``k/v[:, :, :n] = old_k/old_v[rows]``."""
+    old_k, old_v, rows = reorder
+    n = old_k.shape[2]
+    torch.index_select(old_k, 0, rows, out=k[:, :, :n])
+    torch.index_select(old_v, 0, rows, out=v[:, :, :n])
+
+
 def _fuse(*linears: nn.Linear) -> tuple[Tensor, Tensor | None]:
     w = torch.cat([lin.weight for lin in linears])
     b = None if linears[0].bias is None else torch.cat([lin.bias for lin in linears])
@@ -190,8 +198,8 @@ class DecodeState:
 
     def reorder(self, rows: Tensor) -> None:
         """Follow the surviving beams: hypothesis ``i`` continues row ``rows[i]`` ``(N,)``."""
-        for c in self.caches:
-            c.reorder(rows)
+        for c in self.caches:  # copied by the next step's attention, as it reads them
+            c.reorder(rows, defer=True)
 
     def expand(self, beams: int) -> None:
         """From one row per sentence to ``beams`` identical rows each (after a first step
@@ -369,9 +377,17 @@ class IncrementalDecoder:
         return x + y if self.pre_norm else torch.layer_norm(x + y, x.shape[-1:], *norm)
 
     def _attend(self, kind: str, backend: str, q: Tensor, k: Tensor, v: Tensor,
-                mask: Tensor | None, state: DecodeState | None) -> Tensor:  # fmt: skip
+                mask: Tensor | None, state: DecodeState | None,
+                reorder: tuple[Tensor, Tensor, Tensor] | None = None) -> Tensor:  # fmt: skip
         """Attention as ``qkv.functional`` would run it, its path resolved once per kind and
-        key-length range (``Tk`` up to the next power of two) of a call, not per step."""
+        key-length range (``Tk`` up to the next power of two) of a call, not per step.
+
+        ``reorder``: a beam reorder the cache left to this call
+        (:meth:`~qkv.KVCache.update_deferred`): the decode kernel makes it as it reads the
+        keys; any other path makes it first."""
+        if reorder is not None and (k.dtype != q.dtype or mask is not None):
+            _fill(reorder, k, v)
+            reorder = None
         if k.dtype != q.dtype:  # a cache stored in another dtype
             k, v = k.to(q.dtype), v.to(q.dtype)
         choices = state.choices if state is not None else {}
@@ -380,8 +396,10 @@ class IncrementalDecoder:
         if choice is None:  # shapes, dtype and backend are fixed for a state: only Tk grows
             case = dispatch.describe(q, k, v, mask=mask, causal=kind == "self")
             choice = choices[key] = dispatch.choose(case, backend).backend
-        if choice == "decode" and k.shape[-2] > 0:  # the kernel itself: checked once above
-            return self._decode(q, k, v, mask, kind == "self", state)
+        if choice == "decode" and k.shape[-2] > 0 and (reorder is None or q.shape[2] == 1):
+            return self._decode(q, k, v, mask, kind == "self", state, reorder)
+        if reorder is not None:
+            _fill(reorder, k, v)
         if choice == "torch":  # what qkv's "torch" backend runs, without re-checking per step
             bias = mask
             if mask is not None and state is not None:
@@ -400,7 +418,8 @@ class IncrementalDecoder:
         )
 
     def _decode(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool,
-                state: DecodeState | None) -> Tensor:  # fmt: skip
+                state: DecodeState | None,
+                reorder: tuple[Tensor, Tensor, Tensor] | None = None) -> Tensor:  # fmt: skip
         """The decode kernel's call as :func:`qkv.kernels.decode.run_decode` makes it, its
         mask view built once per query count of a state."""
         m5 = None
@@ -413,7 +432,11 @@ class IncrementalDecoder:
                 m5 = _mask_arg(mask, shape)  # (B, h_kv, G, Tq, Tk) bool view
                 if state is not None:
                     state.masks5[key] = m5
-        return decode_ops().fwd(q.contiguous(), k, v, m5, self.scale, causal, -1, 0)[0]
+        if reorder is None:
+            return decode_ops().fwd(q.contiguous(), k, v, m5, self.scale, causal, -1, 0)[0]
+        old_k, old_v, rows = reorder
+        return decode_ops().fwd(q.contiguous(), k, v, m5, self.scale, causal, -1, 0, old_k,
+                                old_v, rows, old_k.shape[2])[0]  # fmt: skip
 
     def step(self, state: DecodeState, tokens: Tensor) -> Tensor:
         """Feed one token per hypothesis ``tokens (N,)``; return next-token logits ``(N, V)``."""
@@ -438,8 +461,12 @@ class IncrementalDecoder:
                 v = qkv[:, d + kv_w :].view(N, self.h_kv, 1, self.d_k)
             if L.rope is not None:
                 q, k = L.rope.rotate(q, t), L.rope.rotate(k, t)
-            k_all, v_all = state.caches[i].update(k, v, check=t == 0)  # (N, h_kv, t+1, d_k)
-            a = self._attend("self", L.backends[0], q, k_all, v_all, None, state)
+            if t == 0:
+                k_all, v_all = state.caches[i].update(k, v)  # (N, h_kv, t+1, d_k)
+                reorder = None
+            else:  # the beams' reorder (if any) is made by the attention call, as it reads
+                k_all, v_all, reorder = state.caches[i].update_deferred(k, v)
+            a = self._attend("self", L.backends[0], q, k_all, v_all, None, state, reorder)
             y = L.o(a.reshape(N, d))  # (N, h, 1, d_k) → (N, d)
             x = self._sub_out(x, y, L.norms[0])
             # cross-attention: the K beams of a sentence are K query rows over its memory
