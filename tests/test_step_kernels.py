@@ -1,5 +1,6 @@
 """The compiled kernels of a generation step: beam search's fused log-softmax + top-k
-(``qkv_decode.beam_topk``) and the small-batch linear (``qkv_decode.small_linear``), against
+(``qkv_decode.beam_topk``), the small-batch linear (``qkv_decode.small_linear``) and the
+decode kernel reading reordered beams through a rows table, against
 references nobody here wrote (torch's ``log_softmax``/``topk``, fp64 matmuls), in the
 -march=native build and in the portable one."""
 
@@ -82,6 +83,31 @@ def test_small_batch_linear_equals_f_linear(M, activation):
     torch.testing.assert_close(lin(x).double(), ref, atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("Tk", [1, 7, 16, 45, 200])
+@pytest.mark.parametrize("h, h_kv", [(4, 4), (6, 2)])
+def test_decode_reads_reordered_beams_through_the_rows_table(Tk, h, h_kv):
+    """``rows[b, p]``: the batch row holding row b's key/value at position p (beams reordered
+    without copying the cache) equals attention over the gathered cache, fp64 reference."""
+    torch.manual_seed(Tk + h)
+    N, cap, d = 6, Tk + 5, 32
+    q = torch.randn(N, h, 1, d)
+    kbuf, vbuf = torch.randn(N, h_kv, cap, d), torch.randn(N, h_kv, cap, d)
+    k, v = kbuf[:, :, :Tk], vbuf[:, :, :Tk]  # cache views, as a decode step reads them
+    rows = torch.randint(0, N, (N, cap))
+    out = decode_ops().fwd(q, k, v, None, d**-0.5, True, -1, 0, rows)[0]
+    pos = torch.arange(Tk)
+    kg = k.transpose(1, 2)[rows[:, :Tk], pos].transpose(1, 2).double()  # (N, h_kv, Tk, d)
+    vg = v.transpose(1, 2)[rows[:, :Tk], pos].transpose(1, 2).double()
+    ref = TF.scaled_dot_product_attention(q.double(), kg, vg, enable_gqa=h != h_kv)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_rows_table_out_of_range_is_an_error():
+    q, k = torch.randn(2, 2, 1, 8), torch.randn(2, 2, 5, 8)
+    with pytest.raises(RuntimeError, match="rows out of range"):
+        decode_ops().fwd(q, k, k, None, 0.3, True, -1, 0, torch.full((2, 5), 2))
+
+
 _PORTABLE_CHECK = """
 import torch
 from qkv.kernels._native import decode_ops, native_status
@@ -100,6 +126,16 @@ for M in (1, 5, 13):
     y = ops.small_linear(x, _panels(w), b, 100, True)
     ref = torch.nn.functional.linear(x.double(), w.double(), b.double()).relu()
     assert (y.double() - ref).abs().max() < 1e-4, M
+q, kb = torch.randn(5, 4, 1, 24), torch.randn(2, 5, 2, 40, 24)
+k, v = kb[0, :, :, :33], kb[1, :, :, :33]
+rows = torch.randint(0, 5, (5, 40))
+out = ops.fwd(q, k, v, None, 0.2, True, -1, 0, rows)[0]
+pos = torch.arange(33)
+kg = k.transpose(1, 2)[rows[:, :33], pos].transpose(1, 2).double()
+vg = v.transpose(1, 2)[rows[:, :33], pos].transpose(1, 2).double()
+ref = torch.nn.functional.scaled_dot_product_attention(q.double(), kg, vg, scale=0.2,
+                                                       enable_gqa=True)
+assert (out.double() - ref).abs().max() < 1e-5
 print("ok")
 """
 

@@ -67,7 +67,6 @@ class KVCache:
         self._v: Tensor | None = None  # (B, h_kv, capacity, d_v)
         self._spare: tuple[Tensor, Tensor] | None = None  # reorder's second buffers
         self._len = 0
-        self._pending: Tensor | None = None  # a deferred reorder's index (see reorder)
 
     def __len__(self) -> int:
         return self._len
@@ -87,19 +86,16 @@ class KVCache:
 
     @property
     def keys(self) -> Tensor | None:
-        self._settle()
         return None if self._k is None else self._k[:, :, : self._len]
 
     @property
     def values(self) -> Tensor | None:
-        self._settle()
         return None if self._v is None else self._v[:, :, : self._len]
 
     def reset(self) -> None:
         """Forget everything, buffers included (a new batch may have another size)."""
         self._k = self._v = None
         self._spare = None
-        self._pending = None
         self._len = 0
 
     def _check(self, k: Tensor, v: Tensor) -> None:
@@ -130,7 +126,6 @@ class KVCache:
 
     def reserve(self, capacity: int) -> None:
         """Make room for ``capacity`` positions now (no effect if there already is)."""
-        self._settle()
         if self._k is not None and capacity > self._k.shape[2]:
             self._resize(capacity)
         elif self._k is None:
@@ -145,7 +140,6 @@ class KVCache:
         """
         if check or self._k is None:
             self._check(k, v)
-        self._settle()
         new_len = self._len + k.shape[2]
         if self.max_len is not None and new_len > self.max_len:
             raise ValueError(f"cache overflow: {new_len} positions > max_len={self.max_len}")
@@ -182,27 +176,17 @@ class KVCache:
         self.reset()
         return self.update(k, v)
 
-    def reorder(self, index: Tensor, *, defer: bool = False) -> None:
+    def reorder(self, index: Tensor) -> None:
         """Keep batch rows ``index`` ``(B',)`` (beam search: follow the surviving beams).
 
         Only the filled positions are gathered. With ``B' == B`` they go into a second buffer
         kept for the purpose (swapped with the first), so no step allocates.
-
-        ``defer=True`` (``B' == B``, inference) only records ``index``: the next
-        :meth:`update_deferred` hands the copy to the decode kernel, which makes it while it
-        reads the keys anyway (one pass over the cache instead of two); any other access
-        makes it first, so the cache always reads as reordered.
         """
         if self._k is None:
             return
         index = index.to(device=self._k.device, dtype=torch.long)
         if index.dim() != 1:
             raise ValueError(f"index must be 1-D (B',), got shape {tuple(index.shape)}")
-        self._settle()
-        grad = torch.is_grad_enabled() and (self._k.requires_grad or self._v.requires_grad)
-        if defer and index.shape[0] == self._k.shape[0] and not grad and self._len:
-            self._pending = index.contiguous()
-            return
         n = self._len
         grad = torch.is_grad_enabled() and (self._k.requires_grad or self._v.requires_grad)
         if index.shape[0] != self._k.shape[0] or grad:  # new buffers (autograd: out= has none)
@@ -219,43 +203,8 @@ class KVCache:
         self._spare = (self._k, self._v)
         self._k, self._v = k2, v2
 
-    def _settle(self) -> None:
-        """Make a deferred reorder now (a plain :meth:`reorder`)."""
-        if self._pending is not None:
-            index, self._pending = self._pending, None
-            self.reorder(index)
-
-    def update_deferred(
-        self, k: Tensor, v: Tensor
-    ) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor, Tensor] | None]:
-        """:meth:`update` for a decode step that reads the cache with the decode kernel.
-
-        With a deferred reorder pending, ``k``/``v`` go into the second buffer, which becomes
-        the cache, and its positions below ``len(self) - T_new`` are left for the kernel to
-        copy: the third item is then ``(old_k, old_v, index)`` (the previous buffers' filled
-        views and the rows to take), to pass to ``qkv_decode.fwd`` in the same step; until
-        that call the returned views hold stale positions. Without one it is ``None`` and
-        this is :meth:`update` without checks (the caller validated its first step).
-        """
-        index = self._pending
-        if index is None or self._len + k.shape[2] > self._k.shape[2]:
-            return (*self.update(k, v, check=False), None)
-        self._pending = None
-        n, new_len = self._len, self._len + k.shape[2]
-        if self._spare is None:
-            self._spare = (torch.empty_like(self._k), torch.empty_like(self._v))
-        old_k, old_v = self._k, self._v
-        self._k, self._v = self._spare
-        self._spare = (old_k, old_v)
-        self._k[:, :, n:new_len] = k
-        self._v[:, :, n:new_len] = v
-        self._len = new_len
-        src = (old_k[:, :, :n], old_v[:, :, :n], index)
-        return self._k[:, :, :new_len], self._v[:, :, :new_len], src
-
     def truncate(self, length: int) -> None:
         """Forget every position from ``length`` on (speculative decoding, retries)."""
-        self._settle()
         if not 0 <= length <= self._len:
             raise ValueError(f"length must be in [0, {self._len}], got {length}")
         self._len = length

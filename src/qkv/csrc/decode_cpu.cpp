@@ -148,19 +148,19 @@ struct Problem {
   Structure st;
   MaskView mk;
   float c2;  // scale · log2(e): scores are kept in log2 units
-  // a beam reorder left to this call (null rows: none): before a segment is read, its keys
-  // below `fill` are copied from the previous buffers' batch row rows[b] into k/v's row b
+  // beams that were never reordered (null: none): the key and value of batch row b at
+  // position t live in batch row rows[b·rows_s + t] (each tile is then gathered row by row)
   const int64_t* rows = nullptr;
-  const T *sk = nullptr, *sv = nullptr;
-  int64_t sk0s = 0, sk1s = 0, sk2s = 0, sv0s = 0, sv1s = 0, sv2s = 0, fill = 0;
+  int64_t rows_s = 0;
+  int64_t batch_row(int64_t n, int64_t t) const {
+    return rows ? rows[(n / h_kv) * rows_s + t] : n / h_kv;
+  }
   const T* krow(int64_t n, int64_t t) const {
-    return k + (n / h_kv) * k0s + (n % h_kv) * k1s + t * k2s;
+    return k + batch_row(n, t) * k0s + (n % h_kv) * k1s + t * k2s;
   }
   const T* vrow(int64_t n, int64_t t) const {
-    return v + (n / h_kv) * v0s + (n % h_kv) * v1s + t * v2s;
+    return v + batch_row(n, t) * v0s + (n % h_kv) * v1s + t * v2s;
   }
-  // the deferred reorder of kv head n's keys [k0, k1) (their rows are read next, from L1/L2)
-  void fill_rows(int64_t n, int64_t k0, int64_t k1) const;
 };
 
 // Per-thread scratch (floats): the query rows, the scores S and weights P of one block, and a
@@ -368,16 +368,6 @@ static inline void copy_row(T* dst, const T* src, int64_t n) {
 #endif
 }
 
-template <typename T>
-void Problem<T>::fill_rows(int64_t n, int64_t k0, int64_t k1) const {
-  if (!rows) return;
-  const int64_t b = n / h_kv, hk = n % h_kv, src = rows[b];
-  for (int64_t t = k0; t < std::min(k1, fill); ++t) {
-    copy_row(const_cast<T*>(krow(n, t)), sk + src * sk0s + hk * sk1s + t * sk2s, d);
-    copy_row(const_cast<T*>(vrow(n, t)), sv + src * sv0s + hk * sv1s + t * sv2s, dv);
-  }
-}
-
 // -------------------------------------------------------------------------------------------
 // One segment: kv head n, keys [k0, k1). Leaves m (log2 units), l and the unnormalised acc
 // (R x dvp, zeroed by the caller) of every row.
@@ -416,8 +406,8 @@ static void run_segment(const Problem<T>& P, int64_t n, int64_t k0, int64_t k1, 
       const int64_t kt = kb + t0;
       const T* kp = P.krow(n, kt);
       int64_t ks = P.k2s;
-      if (nt < kTile) {  // a partial tile: its rows copied (the scores after them are -inf
-        // whatever the rows hold: the buffer's old, finite contents stay there)
+      if (nt < kTile || P.rows) {  // a partial or gathered tile: its rows copied (the
+        // scores after them are -inf whatever the rows hold: old, finite contents stay)
         T* buf = static_cast<T*>(sc.ktile);
         for (int64_t j = 0; j < nt; ++j) copy_row(buf + j * d, P.krow(n, kt + j), d);
         kp = buf, ks = d;
@@ -428,7 +418,7 @@ static void run_segment(const Problem<T>& P, int64_t n, int64_t k0, int64_t k1, 
       // 2-core Zen 4, Tk = 16384, Tq = 1, 1 thread, CPU time, GB/s of K+V (fp32 / bf16):
       // no prefetch 6-7; bursts of a whole tile into L1 6-7, into L2 9-12; spread one block
       // ahead 12.5-14; two blocks 13-15.6; four blocks 9-13.
-      const T* kpf = nt == kTile && ks == P.k2s && kt + 2 * kBlock + kTile <= k1
+      const T* kpf = nt == kTile && !P.rows && kt + 2 * kBlock + kTile <= k1
                          ? P.krow(n, kt + 2 * kBlock) : nullptr;
 #endif
       for (int64_t r = 0; r < R; ++r) {
@@ -529,7 +519,7 @@ static void run_segment(const Problem<T>& P, int64_t n, int64_t k0, int64_t k1, 
       const int64_t nt = std::min(kTile, nk - t0), kt = kb + t0;
       const T* vp = P.vrow(n, kt);
       int64_t vs = P.v2s;
-      if (nt < kTile) {
+      if (nt < kTile || P.rows) {
         T* buf = static_cast<T*>(sc.vtile);
         std::memset(static_cast<void*>(buf + nt * dv), 0, (kTile - nt) * dv * sizeof(T));
         for (int64_t j = 0; j < nt; ++j) copy_row(buf + j * dv, P.vrow(n, kt + j), dv);
@@ -538,7 +528,7 @@ static void run_segment(const Problem<T>& P, int64_t n, int64_t k0, int64_t k1, 
       const float* pt = sc.P + t0;  // P[r][t0 + j] at pt[r * kBlock + j]
 #ifdef QKV_AVX512
       // the same value tile two blocks ahead, prefetched into L2 line by line (as the keys)
-      const T* vpf = nt == kTile && vs == P.v2s && kt + 2 * kBlock + kTile <= k1
+      const T* vpf = nt == kTile && !P.rows && kt + 2 * kBlock + kTile <= k1
                          ? P.vrow(n, kt + 2 * kBlock) : nullptr;
       if constexpr (kBf16Dot) {
         pv_pairs(reinterpret_cast<const BFloat16*>(vp), vs, dv,
@@ -672,9 +662,11 @@ static void decode_impl(const Problem<T>& P, T* out, float* lse, int64_t splits)
     float* tb = base + t * per_thread;
     Scratch sc{tb, tb + R * dqp, tb + R * dqp + R * kBlock, tb + R * dqp + 2 * R * kBlock,
                tb + R * dqp + 2 * R * kBlock + (kTile * P.d + 15) / 16 * 16};
+    constexpr int64_t kAhead = 3;  // segments prefetched ahead (short ones: a few keys each)
+    for (int64_t s = first[t]; s < std::min(first[t] + kAhead, first[t + 1]); ++s)
+      prefetch_segment(P, segs[s]);
     for (int64_t s = first[t]; s < first[t + 1]; ++s) {
-      if (s + 1 < first[t + 1] && !P.rows) prefetch_segment(P, segs[s + 1]);
-      P.fill_rows(segs[s].n, segs[s].k0, segs[s].k1);
+      if (s + kAhead < first[t + 1]) prefetch_segment(P, segs[s + kAhead]);
       float* pm = partial(s);
       std::memset(pm + 2 * R, 0, R * dvp * sizeof(float));
       run_segment<T>(P, segs[s].n, segs[s].k0, segs[s].k1, pm, pm + R, pm + 2 * R, dvp, sc);
@@ -732,9 +724,7 @@ static void decode_impl(const Problem<T>& P, T* out, float* lse, int64_t splits)
 std::tuple<Tensor, Tensor> decode_fwd(const Tensor& q, const Tensor& k, const Tensor& v,
                                       const std::optional<Tensor>& mask, double scale,
                                       bool causal, int64_t window, int64_t splits,
-                                      const std::optional<Tensor>& src_k,
-                                      const std::optional<Tensor>& src_v,
-                                      const std::optional<Tensor>& rows, int64_t fill) {
+                                      const std::optional<Tensor>& rows) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
               "qkv decode: q, k, v must be 4-D (Nb, heads, T, d)");
   TORCH_CHECK(q.is_contiguous(), "qkv decode: q must be contiguous");
@@ -765,26 +755,17 @@ std::tuple<Tensor, Tensor> decode_fwd(const Tensor& q, const Tensor& k, const Te
     mk.h_kv = h_kv, mk.s0 = t.stride(0), mk.s1 = t.stride(1), mk.s2 = t.stride(2);
     mk.s3 = t.stride(3);
   }
-  const bool reorder = rows.has_value() && rows->defined();
-  if (reorder) {
-    // every key below `fill` must lie in some segment: the rows see [0, Tk) (no window,
-    // no mask: causal with Tq = 1 and the whole cache visible, a decode step's self-attention)
-    TORCH_CHECK(src_k.has_value() && src_v.has_value() && src_k->defined() && src_v->defined(),
-                "qkv decode: a deferred reorder needs src_k and src_v");
-    TORCH_CHECK(!mk.base && window <= 0 && Tq == 1 && fill >= 0 && fill < Tk,
-                "qkv decode: a deferred reorder needs Tq = 1, no mask, no window, 0 <= fill < Tk");
-    TORCH_CHECK(rows->scalar_type() == at::kLong && rows->dim() == 1 && rows->size(0) == Nb &&
-                    rows->is_contiguous(),
-                "qkv decode: rows must be a contiguous int64 (Nb,) tensor");
-    for (const Tensor* t : {&*src_k, &*src_v})
-      TORCH_CHECK(t->dim() == 4 && t->scalar_type() == q.scalar_type() && t->stride(3) == 1 &&
-                      t->size(0) == Nb && t->size(1) == h_kv && t->size(2) >= fill,
-                  "qkv decode: src_k/src_v must be (Nb, h_kv, >= fill, d) in q's dtype");
-    TORCH_CHECK(src_k->size(3) == d && src_v->size(3) == dv,
-                "qkv decode: src_k/src_v head dims must match k/v");
+  const bool gather = rows.has_value() && rows->defined();
+  if (gather) {
+    TORCH_CHECK(rows->scalar_type() == at::kLong && rows->dim() == 2 && rows->size(0) == Nb &&
+                    rows->size(1) >= Tk && rows->stride(1) == 1,
+                "qkv decode: rows must be an int64 (Nb, >= Tk) tensor, unit stride over positions");
     const int64_t* r = rows->const_data_ptr<int64_t>();
     for (int64_t b = 0; b < Nb; ++b)
-      TORCH_CHECK(r[b] >= 0 && r[b] < Nb, "qkv decode: rows out of range");
+      for (int64_t t = 0; t < Tk; ++t) {
+        const int64_t x = r[b * rows->stride(0) + t];
+        TORCH_CHECK(x >= 0 && x < Nb, "qkv decode: rows out of range");
+      }
   }
   const Structure st{Tq, Tk, causal, window};
   const float c2 = static_cast<float>(scale) * kLog2e;
@@ -794,13 +775,7 @@ std::tuple<Tensor, Tensor> decode_fwd(const Tensor& q, const Tensor& k, const Te
                  q.const_data_ptr<T>(), k.const_data_ptr<T>(), v.const_data_ptr<T>(),
                  k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
                  v.stride(2), st, mk, c2};
-    if (reorder) {
-      P.rows = rows->const_data_ptr<int64_t>();
-      P.sk = src_k->const_data_ptr<T>(), P.sv = src_v->const_data_ptr<T>();
-      P.sk0s = src_k->stride(0), P.sk1s = src_k->stride(1), P.sk2s = src_k->stride(2);
-      P.sv0s = src_v->stride(0), P.sv1s = src_v->stride(1), P.sv2s = src_v->stride(2);
-      P.fill = fill;
-    }
+    if (gather) P.rows = rows->const_data_ptr<int64_t>(), P.rows_s = rows->stride(0);
     decode_impl<T>(P, out.data_ptr<T>(), lse.data_ptr<float>(), splits);
   };
   if (q.scalar_type() == at::kFloat) run(float{});
@@ -1040,8 +1015,7 @@ std::string decode_isa() {
 
 TORCH_LIBRARY(qkv_decode, m) {
   m.def("fwd(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, bool causal, int window,"
-        " int splits=0, Tensor? src_k=None, Tensor? src_v=None, Tensor? rows=None, int fill=0)"
-        " -> (Tensor, Tensor)");
+        " int splits=0, Tensor? rows=None) -> (Tensor, Tensor)");
   m.def("isa() -> str", &decode_isa);
   m.def("beam_topk(Tensor logits, Tensor scores, int beams, int k, int block) -> (Tensor, Tensor)");
   m.def("small_linear(Tensor x, Tensor panels, Tensor? bias, int out, bool relu) -> Tensor");

@@ -130,12 +130,12 @@ def _panels(weight: Tensor) -> Tensor:
     return padded.view(P, 64, in_f).transpose(1, 2).contiguous()
 
 
-def _fill(reorder: tuple[Tensor, Tensor, Tensor], k: Tensor, v: Tensor) -> None:
-    """Make a deferred beam reorder: ``k/v[:, :, :n] = old_k/old_v[rows]``."""
-    old_k, old_v, rows = reorder
-    n = old_k.shape[2]
-    torch.index_select(old_k, 0, rows, out=k[:, :, :n])
-    torch.index_select(old_v, 0, rows, out=v[:, :, :n])
+def _gather(x: Tensor, rows: Tensor) -> Tensor:
+    """``out[b, :, p] = x[rows[b, p], :, p]`` for ``x (N, h, T, d)``: the keys or values of
+    beams reordered through a table, as one tensor (paths other than the decode kernel)."""
+    T = x.shape[2]
+    pos = torch.arange(T, device=x.device)
+    return x.transpose(1, 2)[rows[:, :T], pos].transpose(1, 2)  # (N, h, T, d)
 
 
 def _fuse(*linears: nn.Linear) -> tuple[Tensor, Tensor | None]:
@@ -195,11 +195,19 @@ class DecodeState:
         self.positions: Tensor | None = None  # (max_steps, d) added to the embeddings
         self.choices: dict[tuple[str, int], str] = {}  # attention path per (kind, Tk range)
         self.masks5: dict[tuple[int, int, int], Tensor] = {}  # the decode kernel's mask views
+        # beam search with the decode kernel: the self-attention caches are never reordered;
+        # rows[b, p] is the batch row holding hypothesis b's key/value at position p (N, cap)
+        self.gather = False
+        self.rows: Tensor | None = None
 
     def reorder(self, rows: Tensor) -> None:
         """Follow the surviving beams: hypothesis ``i`` continues row ``rows[i]`` ``(N,)``."""
-        for c in self.caches:  # copied by the next step's attention, as it reads them
-            c.reorder(rows, defer=True)
+        if self.rows is not None:  # nothing copied: the table says where each key lives
+            t = self.t
+            self.rows[:, :t] = self.rows.index_select(0, rows)[:, :t]
+            return
+        for c in self.caches:
+            c.reorder(rows)
 
     def expand(self, beams: int) -> None:
         """From one row per sentence to ``beams`` identical rows each (after a first step
@@ -209,6 +217,9 @@ class DecodeState:
         B = self.cross[0][0].shape[0] if self.cross else self.caches[0].batch_size
         self.reorder(torch.arange(B).repeat_interleave(beams))
         self.beams = beams
+        if self.gather:  # from now on beams are reordered through the table, not copied
+            N, cap = B * beams, self.caches[0].capacity if self.caches else 0
+            self.rows = torch.arange(N)[:, None].expand(N, cap).contiguous()
         self.choices.clear()  # the attention shapes changed
         self.masks5.clear()
 
@@ -359,6 +370,10 @@ class IncrementalDecoder:
             cross = [(kv[i, 0], kv[i, 1]) for i in range(len(self.layers))]
         caches = [KVCache(capacity=max_steps, dtype=cache_dtype) for _ in range(len(self.layers))]
         state = DecodeState(caches, cross, memory_mask, beams)
+        backend = self.layers[0].backends[0] if self.layers else "auto"
+        state.gather = (decode_ops() is not None and memory.device.type == "cpu"
+                        and memory.dtype in (torch.float32, torch.bfloat16)
+                        and backend in ("auto", "decode"))  # fmt: skip
         if isinstance(self.position, SinusoidalPositionalEncoding):  # (max_steps, d), once
             state.positions = self.position.table(max_steps, device=memory.device,
                                                   dtype=memory.dtype)  # fmt: skip
@@ -378,16 +393,13 @@ class IncrementalDecoder:
 
     def _attend(self, kind: str, backend: str, q: Tensor, k: Tensor, v: Tensor,
                 mask: Tensor | None, state: DecodeState | None,
-                reorder: tuple[Tensor, Tensor, Tensor] | None = None) -> Tensor:  # fmt: skip
+                rows: Tensor | None = None) -> Tensor:  # fmt: skip
         """Attention as ``qkv.functional`` would run it, its path resolved once per kind and
         key-length range (``Tk`` up to the next power of two) of a call, not per step.
 
-        ``reorder``: a beam reorder the cache left to this call
-        (:meth:`~qkv.KVCache.update_deferred`): the decode kernel makes it as it reads the
-        keys; any other path makes it first."""
-        if reorder is not None and (k.dtype != q.dtype or mask is not None):
-            _fill(reorder, k, v)
-            reorder = None
+        ``rows (N, >= Tk)``: batch row ``rows[b, p]`` holds row ``b``'s key/value at position
+        ``p`` (beams reordered without copying the cache): the decode kernel reads them
+        there; any other path gets them gathered first."""
         if k.dtype != q.dtype:  # a cache stored in another dtype
             k, v = k.to(q.dtype), v.to(q.dtype)
         choices = state.choices if state is not None else {}
@@ -396,10 +408,10 @@ class IncrementalDecoder:
         if choice is None:  # shapes, dtype and backend are fixed for a state: only Tk grows
             case = dispatch.describe(q, k, v, mask=mask, causal=kind == "self")
             choice = choices[key] = dispatch.choose(case, backend).backend
-        if choice == "decode" and k.shape[-2] > 0 and (reorder is None or q.shape[2] == 1):
-            return self._decode(q, k, v, mask, kind == "self", state, reorder)
-        if reorder is not None:
-            _fill(reorder, k, v)
+        if choice == "decode" and k.shape[-2] > 0:
+            return self._decode(q, k, v, mask, kind == "self", state, rows)
+        if rows is not None:
+            k, v = _gather(k, rows), _gather(v, rows)
         if choice == "torch":  # what qkv's "torch" backend runs, without re-checking per step
             bias = mask
             if mask is not None and state is not None:
@@ -418,8 +430,7 @@ class IncrementalDecoder:
         )
 
     def _decode(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool,
-                state: DecodeState | None,
-                reorder: tuple[Tensor, Tensor, Tensor] | None = None) -> Tensor:  # fmt: skip
+                state: DecodeState | None, rows: Tensor | None = None) -> Tensor:  # fmt: skip
         """The decode kernel's call as :func:`qkv.kernels.decode.run_decode` makes it, its
         mask view built once per query count of a state."""
         m5 = None
@@ -432,11 +443,7 @@ class IncrementalDecoder:
                 m5 = _mask_arg(mask, shape)  # (B, h_kv, G, Tq, Tk) bool view
                 if state is not None:
                     state.masks5[key] = m5
-        if reorder is None:
-            return decode_ops().fwd(q.contiguous(), k, v, m5, self.scale, causal, -1, 0)[0]
-        old_k, old_v, rows = reorder
-        return decode_ops().fwd(q.contiguous(), k, v, m5, self.scale, causal, -1, 0, old_k,
-                                old_v, rows, old_k.shape[2])[0]  # fmt: skip
+        return decode_ops().fwd(q.contiguous(), k, v, m5, self.scale, causal, -1, 0, rows)[0]
 
     def step(self, state: DecodeState, tokens: Tensor) -> Tensor:
         """Feed one token per hypothesis ``tokens (N,)``; return next-token logits ``(N, V)``."""
@@ -448,6 +455,10 @@ class IncrementalDecoder:
             if t >= state.positions.shape[0]:
                 raise ValueError(f"target length {t + 1} > max_steps={state.positions.shape[0]}")
             x = x + state.positions[t]
+        if state.rows is not None and state.rows.shape[1] <= t:  # a cache grown past its size
+            grown = torch.arange(N)[:, None].expand(N, 2 * (t + 1)).contiguous()
+            grown[:, : state.rows.shape[1]] = state.rows
+            state.rows = grown
         for i, L in enumerate(self.layers):
             # causal self-attention over the cache
             h = self._sub_in(x, L.norms[0])
@@ -461,12 +472,8 @@ class IncrementalDecoder:
                 v = qkv[:, d + kv_w :].view(N, self.h_kv, 1, self.d_k)
             if L.rope is not None:
                 q, k = L.rope.rotate(q, t), L.rope.rotate(k, t)
-            if t == 0:
-                k_all, v_all = state.caches[i].update(k, v)  # (N, h_kv, t+1, d_k)
-                reorder = None
-            else:  # the beams' reorder (if any) is made by the attention call, as it reads
-                k_all, v_all, reorder = state.caches[i].update_deferred(k, v)
-            a = self._attend("self", L.backends[0], q, k_all, v_all, None, state, reorder)
+            k_all, v_all = state.caches[i].update(k, v, check=t == 0)  # (N, h_kv, t+1, d_k)
+            a = self._attend("self", L.backends[0], q, k_all, v_all, None, state, state.rows)
             y = L.o(a.reshape(N, d))  # (N, h, 1, d_k) → (N, d)
             x = self._sub_out(x, y, L.norms[0])
             # cross-attention: the K beams of a sentence are K query rows over its memory
