@@ -10,7 +10,7 @@ import torch.nn.functional as TF
 
 from native import assert_portable_ok, require_built
 from qkv.kernels._native import decode_ops, native_status
-from qkv.models.incremental import SmallBatchLinear, _panels
+from qkv.models.incremental import SmallBatchLinear, _gather, _panels
 
 require_built(decode_ops() is not None, "decode kernel", native_status())
 
@@ -100,6 +100,16 @@ def test_decode_reads_reordered_beams_through_the_rows_table(Tk, h, h_kv):
     vg = v.transpose(1, 2)[rows[:, :Tk], pos].transpose(1, 2).double()
     ref = TF.scaled_dot_product_attention(q.double(), kg, vg, enable_gqa=h != h_kv)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_gathered_cache_for_other_paths():
+    """Paths other than the decode kernel get the reordered beams as one tensor."""
+    torch.manual_seed(0)
+    x, rows = torch.randn(5, 2, 9, 3), torch.randint(0, 5, (5, 12))
+    got = _gather(x, rows)
+    for b in range(5):
+        for p in range(9):
+            assert torch.equal(got[b, :, p], x[rows[b, p], :, p])
 
 
 def test_decode_rows_table_out_of_range_is_an_error():
