@@ -388,8 +388,12 @@ class IncrementalDecoder:
         return torch.layer_norm(x, x.shape[-1:], *norm) if self.pre_norm else x
 
     def _sub_out(self, x: Tensor, y: Tensor, norm: tuple[Tensor, Tensor, float]) -> Tensor:
-        """The residual after a sublayer: ``x + y`` in pre-LN, normalised after in post-LN."""
-        return x + y if self.pre_norm else torch.layer_norm(x + y, x.shape[-1:], *norm)
+        """The residual after a sublayer: ``x + y`` in pre-LN, normalised after in post-LN.
+
+        ``x`` is the decoder's own running activation (made by this class, needed no more):
+        the sum is written into it."""
+        x = x.add_(y)
+        return x if self.pre_norm else torch.layer_norm(x, x.shape[-1:], *norm)
 
     def _attend(self, kind: str, backend: str, q: Tensor, k: Tensor, v: Tensor,
                 mask: Tensor | None, state: DecodeState | None,
@@ -454,7 +458,7 @@ class IncrementalDecoder:
         if state.positions is not None:
             if t >= state.positions.shape[0]:
                 raise ValueError(f"target length {t + 1} > max_steps={state.positions.shape[0]}")
-            x = x + state.positions[t]
+            x = x.add_(state.positions[t])
         if state.rows is not None and state.rows.shape[1] <= t:  # a cache grown past its size
             grown = torch.arange(N)[:, None].expand(N, 2 * (t + 1)).contiguous()
             grown[:, : state.rows.shape[1]] = state.rows
