@@ -18,6 +18,7 @@ import warnings
 import torch
 from torch import Tensor
 
+from qkv.kernels._native import decode_ops
 from qkv.models.incremental import IncrementalDecoder
 
 __all__ = ["greedy_search", "beam_search", "translate"]
@@ -137,6 +138,26 @@ def greedy_search(
     return ys[:, 1 : n + 1]
 
 
+def _candidates(
+    logits: Tensor, scores: Tensor, beams: int, k: int, block: int
+) -> tuple[Tensor, Tensor]:
+    """The ``k`` best continuations of each sentence: ``log_softmax(logits) + scores`` over
+    its ``beams`` hypotheses ``(B·beams, V)``, token ``block`` (if >= 0) at ``-inf``.
+
+    Returns values ``(B, k)``, best first, and flat indices ``beam·V + token``. On the CPU
+    one fused pass of the compiled kernel (the log-probabilities are never written);
+    elsewhere ``log_softmax`` and ``topk``.
+    """
+    logits = logits.float()
+    if logits.device.type == "cpu" and (ops := decode_ops()) is not None:
+        return ops.beam_topk(logits.contiguous(), scores.float().contiguous(), beams, k, block)
+    logp = logits.log_softmax(-1)  # (B·beams, V)
+    if block >= 0:
+        logp[:, block] = float("-inf")
+    cand = logp.add_(scores[:, None]).view(-1, beams * logp.shape[-1])  # in place: no copy
+    return cand.topk(k, dim=1)
+
+
 @torch.inference_mode()
 def beam_search(
     model,
@@ -193,12 +214,9 @@ def beam_search(
             logits = steps(ys[:, t])  # (B·K, V)
         else:
             logits = model.decode(ys[:, : t + 1], memory, mask)[:, -1]
-        logp = logits.float().log_softmax(-1)  # (B·K, V)
-        if t < min_new_tokens:
-            logp[:, cfg.eos_id] = float("-inf")
-        V = logp.shape[-1]
-        cand = logp.add_(scores.view(B * K, 1)).view(B, K * V)  # in place: no (B·K, V) copy
-        top, idx = cand.topk(2 * K, dim=1)  # (B, 2K)
+        V = logits.shape[-1]
+        block = cfg.eos_id if t < min_new_tokens else -1
+        top, idx = _candidates(logits, scores.view(B * K), K, 2 * K, block)  # (B, 2K)
         beam, tok = idx // V, idx % V
         is_eos = (tok == cfg.eos_id) & first_k & (top > float("-inf"))
         norm = top / float(t + 1) ** length_penalty

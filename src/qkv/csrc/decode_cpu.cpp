@@ -148,11 +148,18 @@ struct Problem {
   Structure st;
   MaskView mk;
   float c2;  // scale · log2(e): scores are kept in log2 units
+  // beams that were never reordered (null: none): the key and value of batch row b at
+  // position t live in batch row rows[b·rows_s + t] (each tile is then gathered row by row)
+  const int64_t* rows = nullptr;
+  int64_t rows_s = 0;
+  int64_t batch_row(int64_t n, int64_t t) const {
+    return rows ? rows[(n / h_kv) * rows_s + t] : n / h_kv;
+  }
   const T* krow(int64_t n, int64_t t) const {
-    return k + (n / h_kv) * k0s + (n % h_kv) * k1s + t * k2s;
+    return k + batch_row(n, t) * k0s + (n % h_kv) * k1s + t * k2s;
   }
   const T* vrow(int64_t n, int64_t t) const {
-    return v + (n / h_kv) * v0s + (n % h_kv) * v1s + t * v2s;
+    return v + batch_row(n, t) * v0s + (n % h_kv) * v1s + t * v2s;
   }
 };
 
@@ -343,6 +350,24 @@ static inline void unpermute_pairs(float* acc, int64_t R, int64_t dvp) {
     }
 }
 
+// n values from src to dst: inline vector moves (short rows of a partial tile; a libc memcpy
+// call per row cost a quarter of a decode step with a few keys per head)
+template <typename T>
+static inline void copy_row(T* dst, const T* src, int64_t n) {
+  int64_t bytes = n * static_cast<int64_t>(sizeof(T)), i = 0;
+  auto* d8 = reinterpret_cast<char*>(dst);
+  const auto* s8 = reinterpret_cast<const char*>(src);
+#ifdef QKV_AVX512
+  for (; i + 64 <= bytes; i += 64) _mm512_storeu_si512(d8 + i, _mm512_loadu_si512(s8 + i));
+  if (i < bytes) {
+    const __mmask64 m = (1ull << (bytes - i)) - 1;  // bytes - i < 64
+    _mm512_mask_storeu_epi8(d8 + i, m, _mm512_maskz_loadu_epi8(m, s8 + i));
+  }
+#else
+  std::memcpy(d8, s8, static_cast<size_t>(bytes));
+#endif
+}
+
 // -------------------------------------------------------------------------------------------
 // One segment: kv head n, keys [k0, k1). Leaves m (log2 units), l and the unnormalised acc
 // (R x dvp, zeroed by the caller) of every row.
@@ -381,10 +406,10 @@ static void run_segment(const Problem<T>& P, int64_t n, int64_t k0, int64_t k1, 
       const int64_t kt = kb + t0;
       const T* kp = P.krow(n, kt);
       int64_t ks = P.k2s;
-      if (nt < kTile) {  // a partial tile: its rows copied, zero rows after them
+      if (nt < kTile || P.rows) {  // a partial or gathered tile: its rows copied (the
+        // scores after them are -inf whatever the rows hold: old, finite contents stay)
         T* buf = static_cast<T*>(sc.ktile);
-        std::memset(static_cast<void*>(buf), 0, kTile * d * sizeof(T));
-        for (int64_t j = 0; j < nt; ++j) std::memcpy(buf + j * d, P.krow(n, kt + j), d * sizeof(T));
+        for (int64_t j = 0; j < nt; ++j) copy_row(buf + j * d, P.krow(n, kt + j), d);
         kp = buf, ks = d;
       }
 #ifdef QKV_AVX512
@@ -393,7 +418,7 @@ static void run_segment(const Problem<T>& P, int64_t n, int64_t k0, int64_t k1, 
       // 2-core Zen 4, Tk = 16384, Tq = 1, 1 thread, CPU time, GB/s of K+V (fp32 / bf16):
       // no prefetch 6-7; bursts of a whole tile into L1 6-7, into L2 9-12; spread one block
       // ahead 12.5-14; two blocks 13-15.6; four blocks 9-13.
-      const T* kpf = nt == kTile && ks == P.k2s && kt + 2 * kBlock + kTile <= k1
+      const T* kpf = nt == kTile && !P.rows && kt + 2 * kBlock + kTile <= k1
                          ? P.krow(n, kt + 2 * kBlock) : nullptr;
 #endif
       for (int64_t r = 0; r < R; ++r) {
@@ -494,17 +519,16 @@ static void run_segment(const Problem<T>& P, int64_t n, int64_t k0, int64_t k1, 
       const int64_t nt = std::min(kTile, nk - t0), kt = kb + t0;
       const T* vp = P.vrow(n, kt);
       int64_t vs = P.v2s;
-      if (nt < kTile) {
+      if (nt < kTile || P.rows) {
         T* buf = static_cast<T*>(sc.vtile);
-        std::memset(static_cast<void*>(buf), 0, kTile * dv * sizeof(T));
-        for (int64_t j = 0; j < nt; ++j)
-          std::memcpy(buf + j * dv, P.vrow(n, kt + j), dv * sizeof(T));
+        std::memset(static_cast<void*>(buf + nt * dv), 0, (kTile - nt) * dv * sizeof(T));
+        for (int64_t j = 0; j < nt; ++j) copy_row(buf + j * dv, P.vrow(n, kt + j), dv);
         vp = buf, vs = dv;
       }
       const float* pt = sc.P + t0;  // P[r][t0 + j] at pt[r * kBlock + j]
 #ifdef QKV_AVX512
       // the same value tile two blocks ahead, prefetched into L2 line by line (as the keys)
-      const T* vpf = nt == kTile && vs == P.v2s && kt + 2 * kBlock + kTile <= k1
+      const T* vpf = nt == kTile && !P.rows && kt + 2 * kBlock + kTile <= k1
                          ? P.vrow(n, kt + 2 * kBlock) : nullptr;
       if constexpr (kBf16Dot) {
         pv_pairs(reinterpret_cast<const BFloat16*>(vp), vs, dv,
@@ -571,6 +595,22 @@ struct Segment {
   int64_t n, k0, k1;
 };
 
+// A short segment's K and V rows, fetched while the segment before it runs: with a few keys
+// per head (a beam search's first steps, a short source) each head is a new, cold region
+// and the kernel otherwise waits on memory latency there (long segments prefetch ahead
+// inside run_segment).
+template <typename T>
+static inline void prefetch_segment(const Problem<T>& P, const Segment& g) {
+  if (g.k1 - g.k0 > 2 * kBlock) return;
+  const int64_t kb = P.d * int64_t(sizeof(T)), vb = P.dv * int64_t(sizeof(T));
+  for (int64_t t = g.k0; t < g.k1; ++t) {
+    const char* kr = reinterpret_cast<const char*>(P.krow(g.n, t));
+    const char* vr = reinterpret_cast<const char*>(P.vrow(g.n, t));
+    for (int64_t c = 0; c < kb; c += 64) __builtin_prefetch(kr + c, 0, 3);
+    for (int64_t c = 0; c < vb; c += 64) __builtin_prefetch(vr + c, 0, 3);
+  }
+}
+
 // splits > 0: cut the keys into exactly that many pieces (the tests' way to exercise the
 // merge on small inputs); else one piece per thread, fewer for small calls.
 template <typename T>
@@ -622,7 +662,11 @@ static void decode_impl(const Problem<T>& P, T* out, float* lse, int64_t splits)
     float* tb = base + t * per_thread;
     Scratch sc{tb, tb + R * dqp, tb + R * dqp + R * kBlock, tb + R * dqp + 2 * R * kBlock,
                tb + R * dqp + 2 * R * kBlock + (kTile * P.d + 15) / 16 * 16};
+    constexpr int64_t kAhead = 3;  // segments prefetched ahead (short ones: a few keys each)
+    for (int64_t s = first[t]; s < std::min(first[t] + kAhead, first[t + 1]); ++s)
+      prefetch_segment(P, segs[s]);
     for (int64_t s = first[t]; s < first[t + 1]; ++s) {
+      if (s + kAhead < first[t + 1]) prefetch_segment(P, segs[s + kAhead]);
       float* pm = partial(s);
       std::memset(pm + 2 * R, 0, R * dvp * sizeof(float));
       run_segment<T>(P, segs[s].n, segs[s].k0, segs[s].k1, pm, pm + R, pm + 2 * R, dvp, sc);
@@ -679,7 +723,8 @@ static void decode_impl(const Problem<T>& P, T* out, float* lse, int64_t splits)
 
 std::tuple<Tensor, Tensor> decode_fwd(const Tensor& q, const Tensor& k, const Tensor& v,
                                       const std::optional<Tensor>& mask, double scale,
-                                      bool causal, int64_t window, int64_t splits) {
+                                      bool causal, int64_t window, int64_t splits,
+                                      const std::optional<Tensor>& rows) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
               "qkv decode: q, k, v must be 4-D (Nb, heads, T, d)");
   TORCH_CHECK(q.is_contiguous(), "qkv decode: q must be contiguous");
@@ -710,19 +755,249 @@ std::tuple<Tensor, Tensor> decode_fwd(const Tensor& q, const Tensor& k, const Te
     mk.h_kv = h_kv, mk.s0 = t.stride(0), mk.s1 = t.stride(1), mk.s2 = t.stride(2);
     mk.s3 = t.stride(3);
   }
+  const bool gather = rows.has_value() && rows->defined();
+  if (gather) {
+    TORCH_CHECK(rows->scalar_type() == at::kLong && rows->dim() == 2 && rows->size(0) == Nb &&
+                    rows->size(1) >= Tk && rows->stride(1) == 1,
+                "qkv decode: rows must be an int64 (Nb, >= Tk) tensor, unit stride over positions");
+    const int64_t* r = rows->const_data_ptr<int64_t>();
+    for (int64_t b = 0; b < Nb; ++b)
+      for (int64_t t = 0; t < Tk; ++t) {
+        const int64_t x = r[b * rows->stride(0) + t];
+        TORCH_CHECK(x >= 0 && x < Nb, "qkv decode: rows out of range");
+      }
+  }
   const Structure st{Tq, Tk, causal, window};
   const float c2 = static_cast<float>(scale) * kLog2e;
   auto run = [&](auto tag) {
     using T = decltype(tag);
-    const Problem<T> P{Nb * h_kv, h_kv, h / h_kv, Tq, (h / h_kv) * Tq, d, dv, Tk,
-                       q.const_data_ptr<T>(), k.const_data_ptr<T>(), v.const_data_ptr<T>(),
-                       k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
-                       v.stride(2), st, mk, c2};
+    Problem<T> P{Nb * h_kv, h_kv, h / h_kv, Tq, (h / h_kv) * Tq, d, dv, Tk,
+                 q.const_data_ptr<T>(), k.const_data_ptr<T>(), v.const_data_ptr<T>(),
+                 k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
+                 v.stride(2), st, mk, c2};
+    if (gather) P.rows = rows->const_data_ptr<int64_t>(), P.rows_s = rows->stride(0);
     decode_impl<T>(P, out.data_ptr<T>(), lse.data_ptr<float>(), splits);
   };
   if (q.scalar_type() == at::kFloat) run(float{});
   else run(BFloat16{});
   return {out, lse};
+}
+
+// -------------------------------------------------------------------------------------------
+// Beam search's step, fused: log-softmax of each hypothesis' logits, plus its score, and the
+// k best (hypothesis, token) candidates of each sentence, in one read of the logits and
+// without writing the (N, V) log-probabilities. logits (B·beams, V) fp32, scores (B·beams,)
+// fp32; block >= 0: that token's log-probability is -inf (after normalising, as setting it in
+// the log-softmax output). Returns values (B, k) best first and their flat indices
+// (B, k) = beam·V + token; ties keep the lower index first; a sentence with fewer than k
+// candidates above -inf gets -inf entries at the lowest unused indices.
+
+// log Σ exp(x) over one row (max first; -inf entries add nothing)
+static float row_lse(const float* x, int64_t V) {
+  float m = kNegInf;
+  int64_t j = 0;
+#ifdef QKV_AVX512
+  __m512 vm = _mm512_set1_ps(kNegInf);
+  for (; j + 16 <= V; j += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(x + j));
+  m = _mm512_reduce_max_ps(vm);
+#endif
+  for (; j < V; ++j) m = x[j] > m ? x[j] : m;
+  if (!(m > kNegInf) || std::isinf(m)) return m;  // no finite entry (or +inf): as is
+  double sum = 0.0;
+  j = 0;
+#ifdef QKV_AVX512
+  const __m512 vmax = _mm512_set1_ps(m), l2e = _mm512_set1_ps(kLog2e);
+  const __m512 ninf = _mm512_set1_ps(kNegInf);
+  __m512 acc = _mm512_setzero_ps();
+  for (; j + 16 <= V; j += 16) {
+    const __m512 v = _mm512_loadu_ps(x + j);
+    const __mmask16 fin = _mm512_cmp_ps_mask(v, ninf, _CMP_NEQ_OQ);
+    acc = _mm512_add_ps(acc, exp2_v<false>(_mm512_mul_ps(_mm512_sub_ps(v, vmax), l2e), fin));
+  }
+  sum = _mm512_reduce_add_ps(acc);
+#endif
+  for (; j < V; ++j) sum += std::exp(static_cast<double>(x[j]) - m);
+  return m + static_cast<float>(std::log(sum));
+}
+
+struct Cand {
+  float v;
+  int64_t i;
+};
+
+// insert (v, i) into best[0..k) (sorted, best first) if it beats the last entry
+static inline void offer(Cand* best, int64_t k, float v, int64_t i) {
+  if (!(v > best[k - 1].v)) return;
+  int64_t p = k - 1;
+  while (p > 0 && v > best[p - 1].v) {
+    best[p] = best[p - 1];
+    --p;
+  }
+  best[p] = {v, i};
+}
+
+std::tuple<Tensor, Tensor> beam_topk(const Tensor& logits, const Tensor& scores, int64_t beams,
+                                     int64_t k, int64_t block) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous(),
+              "qkv beam_topk: logits must be a contiguous float32 (N, V) tensor");
+  const int64_t N = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(beams >= 1 && N % beams == 0, "qkv beam_topk: N must be a multiple of beams");
+  TORCH_CHECK(scores.dim() == 1 && scores.size(0) == N && scores.scalar_type() == at::kFloat &&
+                  scores.is_contiguous(),
+              "qkv beam_topk: scores must be a contiguous float32 (N,) tensor");
+  TORCH_CHECK(k >= 1 && k <= beams * V, "qkv beam_topk: need 1 <= k <= beams * V");
+  const int64_t B = N / beams;
+  Tensor top = at::empty({B, k}, logits.options());
+  Tensor idx = at::empty({B, k}, logits.options().dtype(at::kLong));
+  const float* X = logits.const_data_ptr<float>();
+  const float* S = scores.const_data_ptr<float>();
+  float* TV = top.data_ptr<float>();
+  int64_t* TI = idx.data_ptr<int64_t>();
+  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<Cand> best(k);
+    for (int64_t b = b0; b < b1; ++b) {
+      for (auto& c : best) c = {kNegInf, -1};
+      for (int64_t r = 0; r < beams; ++r) {
+        const int64_t row = b * beams + r;
+        const float* x = X + row * V;
+        const float lse = row_lse(x, V), sc = S[row];
+        const int64_t base = r * V;
+        int64_t j = 0;
+#ifdef QKV_AVX512
+        const __m512 vl = _mm512_set1_ps(lse), vs = _mm512_set1_ps(sc);
+        for (; j + 16 <= V; j += 16) {
+          // the same float operations as the scalar loop below: one decision per element
+          const __m512 v = _mm512_add_ps(_mm512_sub_ps(_mm512_loadu_ps(x + j), vl), vs);
+          __mmask16 hit = _mm512_cmp_ps_mask(v, _mm512_set1_ps(best[k - 1].v), _CMP_GT_OQ);
+          if (block >= j && block < j + 16) hit &= __mmask16(~(1u << (block - j)));
+          while (hit) {
+            const int lane = __builtin_ctz(hit);
+            hit &= hit - 1;
+            offer(best.data(), k, (x[j + lane] - lse) + sc, base + j + lane);
+          }
+        }
+#endif
+        for (; j < V; ++j)
+          if (j != block) offer(best.data(), k, (x[j] - lse) + sc, base + j);
+      }
+      // fewer than k candidates above -inf: -inf at the lowest indices not taken
+      int64_t next = 0;
+      for (int64_t p = 0; p < k; ++p) {
+        if (best[p].i >= 0) continue;
+        for (;; ++next) {
+          bool used = false;
+          for (int64_t q = 0; q < k; ++q) used = used || best[q].i == next;
+          if (!used) break;
+        }
+        best[p] = {kNegInf, next++};
+      }
+      for (int64_t p = 0; p < k; ++p) TV[b * k + p] = best[p].v, TI[b * k + p] = best[p].i;
+    }
+  });
+  return {top, idx};
+}
+
+// -------------------------------------------------------------------------------------------
+// y = act(x Wᵀ + b) for few rows x (M, in) (a decode step: one row per hypothesis), the weight
+// packed once into panels of 64 output columns, each panel's rows contiguous:
+// panels (P, in, 64), P = ceil(out / 64), zero past `out`. Every weight element is read once
+// per call, from one sequential stream per panel; up to 6 rows share each load (6 x 4 vector
+// accumulators). Sums run over `in` in order, in fp32.
+constexpr int64_t kPanel = 64;
+constexpr int64_t kRows = 6;
+
+template <int MR>
+static void panel_rows(const float* x, int64_t ldx, const float* w, int64_t in, const float* b,
+                       int64_t c0, int64_t nc, bool relu, float* y, int64_t ldy) {
+#ifdef QKV_AVX512
+  __m512 acc[MR][4];
+  for (int q = 0; q < 4; ++q) {
+    const __mmask16 cm = lanes(std::max<int64_t>(nc - 16 * q, 0));
+    const __m512 bq = b ? _mm512_maskz_loadu_ps(cm, b + c0 + 16 * q) : _mm512_setzero_ps();
+    for (int m = 0; m < MR; ++m) acc[m][q] = bq;
+  }
+  for (int64_t i = 0; i < in; ++i) {
+    const float* wr = w + i * kPanel;
+    const __m512 w0 = _mm512_loadu_ps(wr), w1 = _mm512_loadu_ps(wr + 16);
+    const __m512 w2 = _mm512_loadu_ps(wr + 32), w3 = _mm512_loadu_ps(wr + 48);
+    for (int m = 0; m < MR; ++m) {
+      const __m512 xm = _mm512_set1_ps(x[m * ldx + i]);
+      acc[m][0] = _mm512_fmadd_ps(xm, w0, acc[m][0]);
+      acc[m][1] = _mm512_fmadd_ps(xm, w1, acc[m][1]);
+      acc[m][2] = _mm512_fmadd_ps(xm, w2, acc[m][2]);
+      acc[m][3] = _mm512_fmadd_ps(xm, w3, acc[m][3]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int q = 0; q < 4; ++q) {
+      const __mmask16 cm = lanes(std::max<int64_t>(nc - 16 * q, 0));
+      if (!cm) break;
+      __m512 v = acc[m][q];
+      if (relu) v = _mm512_max_ps(v, _mm512_setzero_ps());
+      _mm512_mask_storeu_ps(y + m * ldy + c0 + 16 * q, cm, v);
+    }
+#else
+  float acc[MR][kPanel];
+  for (int m = 0; m < MR; ++m)
+    for (int64_t c = 0; c < kPanel; ++c) acc[m][c] = b && c < nc ? b[c0 + c] : 0.f;
+  for (int64_t i = 0; i < in; ++i) {
+    const float* wr = w + i * kPanel;
+    for (int m = 0; m < MR; ++m) {
+      const float xm = x[m * ldx + i];
+#pragma omp simd
+      for (int64_t c = 0; c < kPanel; ++c) acc[m][c] += xm * wr[c];
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int64_t c = 0; c < nc; ++c) {
+      const float v = acc[m][c];
+      y[m * ldy + c0 + c] = relu && v < 0.f ? 0.f : v;
+    }
+#endif
+}
+
+Tensor small_linear(const Tensor& x, const Tensor& panels, const std::optional<Tensor>& bias,
+                    int64_t out, bool relu) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
+              "qkv small_linear: x must be float32 (M, in) with unit column stride");
+  const int64_t M = x.size(0), in = x.size(1), P = (out + kPanel - 1) / kPanel;
+  TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == at::kFloat && panels.is_contiguous() &&
+                  panels.size(0) == P && panels.size(1) == in && panels.size(2) == kPanel,
+              "qkv small_linear: panels must be contiguous float32 (ceil(out/64), in, 64)");
+  const float* b = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out && bias->scalar_type() == at::kFloat &&
+                    bias->is_contiguous(),
+                "qkv small_linear: bias must be a contiguous float32 (out,) tensor");
+    b = bias->const_data_ptr<float>();
+  }
+  Tensor y = at::empty({M, out}, x.options());
+  if (M == 0 || out == 0) return y;
+  const float* X = x.const_data_ptr<float>();
+  const float* W = panels.const_data_ptr<float>();
+  float* Y = y.data_ptr<float>();
+  const int64_t ldx = x.stride(0);
+  // at least 64k weights (256 KB) per task: a small layer stays on one thread
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, in * kPanel));
+  at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const float* w = W + p * in * kPanel;
+      const int64_t c0 = p * kPanel, nc = std::min(kPanel, out - c0);
+      for (int64_t m0 = 0; m0 < M; m0 += kRows) {
+        const float* xr = X + m0 * ldx;
+        float* yr = Y + m0 * out;
+        switch (std::min(kRows, M - m0)) {
+          case 1: panel_rows<1>(xr, ldx, w, in, b, c0, nc, relu, yr, out); break;
+          case 2: panel_rows<2>(xr, ldx, w, in, b, c0, nc, relu, yr, out); break;
+          case 3: panel_rows<3>(xr, ldx, w, in, b, c0, nc, relu, yr, out); break;
+          case 4: panel_rows<4>(xr, ldx, w, in, b, c0, nc, relu, yr, out); break;
+          case 5: panel_rows<5>(xr, ldx, w, in, b, c0, nc, relu, yr, out); break;
+          default: panel_rows<6>(xr, ldx, w, in, b, c0, nc, relu, yr, out); break;
+        }
+      }
+    }
+  });
+  return y;
 }
 
 // Which instruction paths this build uses (for benchmarks and native_status).
@@ -740,8 +1015,14 @@ std::string decode_isa() {
 
 TORCH_LIBRARY(qkv_decode, m) {
   m.def("fwd(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, bool causal, int window,"
-        " int splits=0) -> (Tensor, Tensor)");
+        " int splits=0, Tensor? rows=None) -> (Tensor, Tensor)");
   m.def("isa() -> str", &decode_isa);
+  m.def("beam_topk(Tensor logits, Tensor scores, int beams, int k, int block) -> (Tensor, Tensor)");
+  m.def("small_linear(Tensor x, Tensor panels, Tensor? bias, int out, bool relu) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(qkv_decode, CPU, m) { m.impl("fwd", &decode_fwd); }
+TORCH_LIBRARY_IMPL(qkv_decode, CPU, m) {
+  m.impl("fwd", &decode_fwd);
+  m.impl("beam_topk", &beam_topk);
+  m.impl("small_linear", &small_linear);
+}

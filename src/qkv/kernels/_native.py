@@ -4,8 +4,10 @@ The C++ sources are built once per machine into one extension with PyTorch's ext
 builder (gcc + ninja, ~30 s; cached under ``~/.cache/torch_extensions``, or
 ``$TORCH_EXTENSIONS_DIR``). ``flash_cpu.cpp`` registers ``torch.ops.qkv_flash.fwd`` / ``.bwd``
 (the flash backend), ``decode_cpu.cpp`` ``torch.ops.qkv_decode.fwd`` (the decode backend, a
-few queries over a long KV cache), ``int8_cpu.cpp`` ``torch.ops.qkv_int8.linear`` (int8 linear
-layers, :mod:`qkv.kernels.int8`). Where they cannot be built (no compiler, another OS) the
+few queries over a long KV cache) and the generation step's ``qkv_decode.small_linear``
+(few-row linears on panel-packed weights) and ``qkv_decode.beam_topk`` (beam search's
+log-softmax + top-k in one pass), ``int8_cpu.cpp`` ``torch.ops.qkv_int8.linear`` (int8
+linear layers, :mod:`qkv.kernels.int8`). Where they cannot be built (no compiler, another OS) the
 flash backend keeps working on its PyTorch-ops kernel, the decode backend is not offered,
 and :func:`native_status` says why.
 ``QKV_NATIVE=0`` turns the fused kernel off; ``QKV_NATIVE_PORTABLE=1`` builds it without

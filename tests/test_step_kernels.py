@@ -1,0 +1,155 @@
+"""The compiled kernels of a generation step: beam search's fused log-softmax + top-k
+(``qkv_decode.beam_topk``), the small-batch linear (``qkv_decode.small_linear``) and the
+decode kernel reading reordered beams through a rows table, against
+references nobody here wrote (torch's ``log_softmax``/``topk``, fp64 matmuls), in the
+-march=native build and in the portable one."""
+
+import pytest
+import torch
+import torch.nn.functional as TF
+
+from native import assert_portable_ok, require_built
+from qkv.kernels._native import decode_ops, native_status
+from qkv.models.incremental import SmallBatchLinear, _gather, _panels
+
+require_built(decode_ops() is not None, "decode kernel", native_status())
+
+
+def _reference_topk(logits, scores, beams, k, block):
+    logp = logits.double().log_softmax(-1)
+    if block >= 0:
+        logp[:, block] = float("-inf")
+    cand = (logp + scores.double()[:, None]).view(-1, beams * logits.shape[1])
+    return cand.topk(k, dim=1)
+
+
+@pytest.mark.parametrize(
+    "B, K, V, block",
+    [
+        (1, 5, 8000, -1),
+        (4, 5, 8000, 2),
+        (3, 2, 37, 0),
+        (2, 4, 5, 4),
+        (1, 1, 16, -1),
+        (2, 3, 33, 32),
+    ],
+)
+def test_beam_topk_equals_log_softmax_then_topk(B, K, V, block):
+    torch.manual_seed(B * 100 + V)
+    logits = torch.randn(B * K, V) * 4
+    scores = torch.randn(B * K) * 3
+    scores[1::K] = float("-inf")  # dead hypotheses, as at the first step
+    k = min(2 * K, K * V)
+    top, idx = decode_ops().beam_topk(logits, scores, K, k, block)
+    ref_top, ref_idx = _reference_topk(logits, scores, K, k, block)
+    torch.testing.assert_close(top.double(), ref_top, atol=2e-5, rtol=1e-6)
+    assert torch.equal(idx, ref_idx)  # random values: no ties
+    assert top.shape == (B, k) and idx.dtype == torch.long
+
+
+def test_beam_topk_fills_missing_candidates_with_minus_inf():
+    """Fewer than k candidates above -inf: the rest are -inf at the lowest unused indices."""
+    logits = torch.tensor([[1.0, 2.0, 3.0], [0.5, 0.1, 0.2]])
+    scores = torch.tensor([0.0, float("-inf")])
+    top, idx = decode_ops().beam_topk(logits, scores, 2, 4, 1)  # token 1 blocked
+    ref = logits[0].log_softmax(-1)
+    assert idx[0, :2].tolist() == [2, 0]
+    torch.testing.assert_close(top[0, :2], ref[[2, 0]])
+    assert top[0, 2:].tolist() == [float("-inf")] * 2 and idx[0, 2:].tolist() == [1, 3]
+
+
+@pytest.mark.parametrize("M", [1, 2, 5, 6, 7, 13, 40])
+@pytest.mark.parametrize("out_f, in_f", [(1, 1), (63, 37), (64, 256), (100, 37), (300, 130)])
+@pytest.mark.parametrize("bias, relu", [(True, False), (False, True)])
+def test_small_linear_matches_fp64(M, out_f, in_f, bias, relu):
+    torch.manual_seed(M + out_f)
+    w = torch.randn(out_f, in_f)
+    b = torch.randn(out_f) if bias else None
+    x = torch.randn(M, in_f + 3)[:, :in_f]  # rows with a stride: read in place
+    y = decode_ops().small_linear(x, _panels(w), b, out_f, relu)
+    ref = TF.linear(x.double(), w.double(), None if b is None else b.double())
+    ref = ref.relu() if relu else ref
+    torch.testing.assert_close(y.double(), ref, atol=1e-5 * in_f**0.5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("activation", ["none", "relu", "gelu"])
+@pytest.mark.parametrize("M", [1, 5, 32, 300])  # the compiled kernel and oneDNN (M > 256)
+def test_small_batch_linear_equals_f_linear(M, activation):
+    torch.manual_seed(M)
+    w, b, x = torch.randn(200, 96), torch.randn(200), torch.randn(M, 96)
+    lin = SmallBatchLinear(w, b, activation)
+    ref = TF.linear(x.double(), w.double(), b.double())
+    ref = {"none": ref, "relu": ref.relu(), "gelu": TF.gelu(ref)}[activation]
+    torch.testing.assert_close(lin(x).double(), ref, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("Tk", [1, 7, 16, 45, 200])
+@pytest.mark.parametrize("h, h_kv", [(4, 4), (6, 2)])
+def test_decode_reads_reordered_beams_through_the_rows_table(Tk, h, h_kv):
+    """``rows[b, p]``: the batch row holding row b's key/value at position p (beams reordered
+    without copying the cache) equals attention over the gathered cache, fp64 reference."""
+    torch.manual_seed(Tk + h)
+    N, cap, d = 6, Tk + 5, 32
+    q = torch.randn(N, h, 1, d)
+    kbuf, vbuf = torch.randn(N, h_kv, cap, d), torch.randn(N, h_kv, cap, d)
+    k, v = kbuf[:, :, :Tk], vbuf[:, :, :Tk]  # cache views, as a decode step reads them
+    rows = torch.randint(0, N, (N, cap))
+    out = decode_ops().fwd(q, k, v, None, d**-0.5, True, -1, 0, rows)[0]
+    pos = torch.arange(Tk)
+    kg = k.transpose(1, 2)[rows[:, :Tk], pos].transpose(1, 2).double()  # (N, h_kv, Tk, d)
+    vg = v.transpose(1, 2)[rows[:, :Tk], pos].transpose(1, 2).double()
+    ref = TF.scaled_dot_product_attention(q.double(), kg, vg, enable_gqa=h != h_kv)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_gathered_cache_for_other_paths():
+    """Paths other than the decode kernel get the reordered beams as one tensor."""
+    torch.manual_seed(0)
+    x, rows = torch.randn(5, 2, 9, 3), torch.randint(0, 5, (5, 12))
+    got = _gather(x, rows)
+    for b in range(5):
+        for p in range(9):
+            assert torch.equal(got[b, :, p], x[rows[b, p], :, p])
+
+
+def test_decode_rows_table_out_of_range_is_an_error():
+    q, k = torch.randn(2, 2, 1, 8), torch.randn(2, 2, 5, 8)
+    with pytest.raises(RuntimeError, match="rows out of range"):
+        decode_ops().fwd(q, k, k, None, 0.3, True, -1, 0, torch.full((2, 5), 2))
+
+
+_PORTABLE_CHECK = """
+import torch
+from qkv.kernels._native import decode_ops, native_status
+from qkv.models.incremental import _panels
+assert "decode path portable" in native_status(), native_status()
+torch.manual_seed(0)
+ops = decode_ops()
+logits, scores = torch.randn(6, 101) * 4, torch.randn(6)
+top, idx = ops.beam_topk(logits, scores, 3, 6, 7)
+logp = logits.double().log_softmax(-1)
+logp[:, 7] = float("-inf")
+ref_top, ref_idx = (logp + scores.double()[:, None]).view(2, 303).topk(6, dim=1)
+assert torch.equal(idx, ref_idx) and (top.double() - ref_top).abs().max() < 2e-5
+for M in (1, 5, 13):
+    w, b, x = torch.randn(100, 37), torch.randn(100), torch.randn(M, 37)
+    y = ops.small_linear(x, _panels(w), b, 100, True)
+    ref = torch.nn.functional.linear(x.double(), w.double(), b.double()).relu()
+    assert (y.double() - ref).abs().max() < 1e-4, M
+q, kb = torch.randn(5, 4, 1, 24), torch.randn(2, 5, 2, 40, 24)
+k, v = kb[0, :, :, :33], kb[1, :, :, :33]
+rows = torch.randint(0, 5, (5, 40))
+out = ops.fwd(q, k, v, None, 0.2, True, -1, 0, rows)[0]
+pos = torch.arange(33)
+kg = k.transpose(1, 2)[rows[:, :33], pos].transpose(1, 2).double()
+vg = v.transpose(1, 2)[rows[:, :33], pos].transpose(1, 2).double()
+ref = torch.nn.functional.scaled_dot_product_attention(q.double(), kg, vg, scale=0.2,
+                                                       enable_gqa=True)
+assert (out.double() - ref).abs().max() < 1e-5
+print("ok")
+"""
+
+
+def test_portable_build_without_avx512_code():
+    """The plain-C++ fallback (what a CPU without AVX-512 runs) gives the same answers."""
+    assert_portable_ok(_PORTABLE_CHECK)
