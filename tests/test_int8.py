@@ -27,6 +27,7 @@ from qkv.kernels.int8 import (
     quantize_weight,
 )
 from qkv.models import Seq2SeqTransformer, TransformerConfig
+from qkv.models.incremental import IncrementalDecoder, unsupported
 
 settings.register_profile("qkv", deadline=None, max_examples=60, derandomize=True)
 settings.load_profile("qkv")
@@ -256,11 +257,24 @@ def test_quantized_seq2seq_translates():
         ref = model(SRC, tgt)
         out = q(SRC, tgt)
     assert (out - ref).abs().max() < 0.05 * ref.std()
+    # the prepared incremental decoder runs it on the int8 kernels, token for token as the
+    # uncached model
+    assert IncrementalDecoder.for_model(q) is not None
+    assert isinstance(IncrementalDecoder.for_model(q).out, SmallBatchInt8Linear)
     fast = greedy_search(q, SRC, max_new_tokens=12, ignore_eos=True)
     slow = greedy_search(q, SRC, max_new_tokens=12, ignore_eos=True, use_cache=False)
     assert fast.shape == (3, 12) and torch.equal(fast, slow)
     beams = beam_search(q, SRC, beam_size=3, max_new_tokens=12)
-    assert beams.shape[0] == 3 and int(beams.max()) < 40
+    slow_beams = beam_search(q, SRC, beam_size=3, max_new_tokens=12, use_cache=False)
+    assert beams.shape[0] == 3 and int(beams.max()) < 40 and torch.equal(beams, slow_beams)
+
+
+def test_mixed_int8_and_float_decode_on_the_general_path():
+    q = quantize_linears(tiny_model(), skip=["decoder.out"])
+    assert "mixed" in unsupported(q) and IncrementalDecoder.for_model(q) is None
+    fast = greedy_search(q, SRC, max_new_tokens=8, ignore_eos=True)
+    assert torch.equal(fast, greedy_search(q, SRC, max_new_tokens=8, ignore_eos=True,
+                                           use_cache=False))  # fmt: skip
 
 
 def test_quantize_linears_skip():

@@ -35,6 +35,7 @@ from qkv.attention import MultiHeadAttention
 from qkv.cache import KVCache
 from qkv.kernels._native import decode_ops
 from qkv.kernels.decode import _mask_arg
+from qkv.kernels.int8 import Int8Linear, SmallBatchInt8Linear
 from qkv.positional import LearnedPositionalEmbedding, RotaryEmbedding, SinusoidalPositionalEncoding
 
 __all__ = ["IncrementalDecoder", "DecodeState", "SmallBatchLinear", "unsupported"]
@@ -65,7 +66,7 @@ class SmallBatchLinear:
 
     * ``M <= 12`` (fp32, with the compiled kernels): ``qkv_decode.small_linear`` on the
       weight packed once into panels of 64 output columns, each read as one sequential
-      stream, up to 6 rows per load (1 thread, Zen 5: 1.4-2× faster than a GEMV at
+      stream, up to 6 rows per load (1 thread, Zen 4: 1.4-2× faster than a GEMV at
       ``M = 1``, 1.2-2× faster than oneDNN at ``M = 2..12``);
     * otherwise ``M = 1``: a matrix-vector product; when ``out ≥ 2·in`` the weight is
       stored transposed ``(in, out)`` (a streaming read), else as given;
@@ -144,6 +145,15 @@ def _fuse(*linears: nn.Linear) -> tuple[Tensor, Tensor | None]:
     return w, b
 
 
+def _prepared(*linears: nn.Module, activation: str = "none"):
+    """The prepared form of one linear, or of several reading the same input (outputs side
+    by side): the int8 kernel for :class:`~qkv.kernels.int8.Int8Linear` layers (a model from
+    ``quantize_linears``), :class:`SmallBatchLinear` for float ones."""
+    if all(isinstance(m, Int8Linear) for m in linears):
+        return SmallBatchInt8Linear.fuse(*linears, activation=activation)
+    return SmallBatchLinear(*_fuse(*linears), activation)
+
+
 def unsupported(model: nn.Module, attention: list[MultiHeadAttention] | None = None) -> str | None:
     """Why :class:`IncrementalDecoder` cannot run ``model`` (``None``: it can).
 
@@ -162,9 +172,15 @@ def unsupported(model: nn.Module, attention: list[MultiHeadAttention] | None = N
             return "an inspection hook (recorder/head_mask) is set"
         if m.position is not None and not isinstance(m.position, RotaryEmbedding):
             return f"position {type(m.position).__name__} inside attention"
-    w = model.decoder.out.weight
+    w = model.decoder.embed.embedding.weight
     if w.dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
         return f"weights of dtype {w.dtype}"
+    int8 = {isinstance(m, Int8Linear) for m in model.modules()
+            if isinstance(m, (nn.Linear, Int8Linear))}  # fmt: skip
+    if len(int8) > 1:
+        return "int8 and float linear layers mixed (quantize_linears with skip=)"
+    if True in int8 and w.dtype != torch.float32:
+        return "int8 linear layers in a model that is not fp32"
     return None
 
 
@@ -176,8 +192,8 @@ _PREPARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def _weights_key(modules: list[nn.Module]) -> tuple:
     """What changes when a weight is replaced or written in place."""
     return tuple(
-        (id(p), p.data_ptr(), p._version) for m in modules for p in m._parameters.values()
-        if p is not None
+        (id(p), p.data_ptr(), p._version) for m in modules
+        for p in (*m._parameters.values(), *m._buffers.values()) if p is not None
     )  # fmt: skip
 
 
@@ -229,12 +245,12 @@ class _Layer:
 
     def __init__(self, layer: nn.Module, activation: str) -> None:
         sa, ca = layer.self_attn, layer.cross_attn
-        self.qkv = SmallBatchLinear(*_fuse(sa.w_q, sa.w_k, sa.w_v))
-        self.o = SmallBatchLinear(sa.w_o.weight, sa.w_o.bias)
-        self.cq = SmallBatchLinear(ca.w_q.weight, ca.w_q.bias)
-        self.co = SmallBatchLinear(ca.w_o.weight, ca.w_o.bias)
-        self.w1 = SmallBatchLinear(layer.ffn.w_1.weight, layer.ffn.w_1.bias, activation)
-        self.w2 = SmallBatchLinear(layer.ffn.w_2.weight, layer.ffn.w_2.bias)
+        self.qkv = _prepared(sa.w_q, sa.w_k, sa.w_v)
+        self.o = _prepared(sa.w_o)
+        self.cq = _prepared(ca.w_q)
+        self.co = _prepared(ca.w_o)
+        self.w1 = _prepared(layer.ffn.w_1, activation=activation)
+        self.w2 = _prepared(layer.ffn.w_2)
         self.norms = [
             (r.norm.weight.detach(), r.norm.bias.detach(), r.norm.eps)
             for r in (layer.res_self, layer.res_cross, layer.res_ffn)
@@ -248,10 +264,10 @@ class _EncoderLayer:
 
     def __init__(self, layer: nn.Module, activation: str) -> None:
         sa = layer.self_attn
-        self.qkv = SmallBatchLinear(*_fuse(sa.w_q, sa.w_k, sa.w_v))
-        self.o = SmallBatchLinear(sa.w_o.weight, sa.w_o.bias)
-        self.w1 = SmallBatchLinear(layer.ffn.w_1.weight, layer.ffn.w_1.bias, activation)
-        self.w2 = SmallBatchLinear(layer.ffn.w_2.weight, layer.ffn.w_2.bias)
+        self.qkv = _prepared(sa.w_q, sa.w_k, sa.w_v)
+        self.o = _prepared(sa.w_o)
+        self.w1 = _prepared(layer.ffn.w_1, activation=activation)
+        self.w2 = _prepared(layer.ffn.w_2)
         self.norms = [
             (r.norm.weight.detach(), r.norm.bias.detach(), r.norm.eps)
             for r in (layer.res_attn, layer.res_ffn)
@@ -284,11 +300,11 @@ class IncrementalDecoder:
         self.position = dec.embed.position  # sinusoidal / learned module, or None (rope)
         self.layers = [_Layer(layer, cfg.activation) for layer in dec.layers]
         kv = [lin for layer in dec.layers for lin in (layer.cross_attn.w_k, layer.cross_attn.w_v)]
-        self.cross_kv = SmallBatchLinear(*_fuse(*kv)) if kv else None  # (L·2·h_kv·d_k, d)
+        self.cross_kv = _prepared(*kv) if kv else None  # (L·2·h_kv·d_k, d)
         self.final_norm = None
         if isinstance(dec.norm, nn.LayerNorm):
             self.final_norm = (dec.norm.weight.detach(), dec.norm.bias.detach(), dec.norm.eps)
-        self.out = SmallBatchLinear(dec.out.weight, dec.out.bias)
+        self.out = _prepared(dec.out)
         enc = model.encoder
         self.encoder = enc
         self.enc_layers = [_EncoderLayer(layer, cfg.activation) for layer in enc.layers]
