@@ -8,6 +8,7 @@ import torch
 from qkv.data import Tokenizer
 from qkv.generate import beam_search, greedy_search, translate
 from qkv.models import Seq2SeqTransformer, TransformerConfig
+from qkv.models.incremental import IncrementalDecoder
 
 # Tiny models: extra threads only add synchronisation on this shared 2-core machine.
 torch.set_num_threads(1)
@@ -268,3 +269,24 @@ def test_prepared_weights_stay_off_the_model():
     del model, clone
     gc.collect()
     assert ref() is None  # the prepared copy does not keep the model alive
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_greedy_drops_finished_sentences_and_still_equals_uncached(fast):
+    """With the cache, a sentence that ended leaves the batch (later steps run only the rest):
+    the tokens equal uncached decoding, for sentences ending at different steps (by </s> and
+    by their length limits), on the prepared decoder and on the general path."""
+    src = torch.tensor([[5, 6, 7, 8, 9, 2], [10, 11, 2, 0, 0, 0], [12, 13, 14, 2, 0, 0],
+                        [7, 2, 0, 0, 0, 0], [9, 8, 7, 6, 5, 2]])  # fmt: skip
+    ended_at = set()
+    for seed in range(4):
+        model = model_(seed=seed)
+        with torch.no_grad():  # </s> likely enough to end some sentences early
+            model.decoder.embed.embedding.weight.data[2] *= 1.5 + seed
+        if not fast:  # an inspection switch sends decoding down the general path
+            model.decoder.layers[0].self_attn.head_mask = torch.ones(model.cfg.n_heads)
+        assert (IncrementalDecoder.for_model(model) is not None) == fast
+        cached = greedy_search(model, src)
+        assert torch.equal(cached, greedy_search(model, src, use_cache=False))
+        ended_at |= set(((cached != 0).sum(1)).tolist())
+    assert len(ended_at) >= 3  # sentences did finish at different steps

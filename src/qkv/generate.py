@@ -82,6 +82,14 @@ class _Steps:
         else:
             self.cache.reorder(rows)
 
+    def keep(self, rows: Tensor) -> None:
+        """Greedy: only the sentences ``rows`` still run."""
+        if self.fast is not None:
+            self.state.keep(rows)
+        else:
+            self.cache.reorder(rows)
+            self.memory, self.mask = self.memory[rows], self.mask[rows]
+
 
 @torch.inference_mode()
 def greedy_search(
@@ -118,17 +126,28 @@ def greedy_search(
         mask = model.src_mask(src)
         memory = model.encode(src, mask)  # (B, S, d_model)
     n = 0
+    alive = torch.arange(B, device=dev)  # with the cache: the sentences still running
     for t in range(T_max):
         if use_cache:
-            logits = steps(ys[:, t])  # (B, V)
+            logits = steps(ys[alive, t])  # (B_alive, V)
         else:
             logits = model.decode(ys[:, : t + 1], memory, mask)[:, -1]
         if t < min_new_tokens:
             logits[:, cfg.eos_id] = float("-inf")
-        nxt = logits.argmax(-1)  # (B,)
+        nxt = logits.argmax(-1)  # (B_alive,)
         n = t + 1
         if ignore_eos:
             ys[:, n] = nxt
+            continue
+        if use_cache:  # a finished sentence leaves the batch: later steps skip its rows
+            ys[alive, n] = nxt
+            fin = (nxt == cfg.eos_id) | (n >= limits[alive])
+            if bool(fin.all()):
+                break
+            if bool(fin.any()):
+                keep = (~fin).nonzero().flatten()
+                steps.keep(keep)
+                alive = alive[keep]
             continue
         nxt = nxt.masked_fill(done, cfg.pad_id)
         done |= (nxt == cfg.eos_id) | (n >= limits)

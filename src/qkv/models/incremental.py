@@ -225,6 +225,21 @@ class DecodeState:
         for c in self.caches:
             c.reorder(rows)
 
+    def keep(self, index: Tensor) -> None:
+        """Keep only the sentences ``index`` ``(B',)`` (greedy decoding drops the finished
+        ones, so later steps compute only the rows still running)."""
+        if self.beams != 1 or self.rows is not None:
+            raise ValueError(f"keep() drops sentences of a greedy state, this one has "
+                             f"{self.beams} beams")  # fmt: skip
+        for c in self.caches:
+            c.reorder(index)
+        self.cross = [(k.index_select(0, index), v.index_select(0, index)) for k, v in self.cross]
+        if self.cross_mask is not None:
+            self.cross_mask = self.cross_mask.index_select(0, index)
+        self.bias = None  # rebuilt from the mask on the next step
+        self.choices.clear()  # the attention shapes changed
+        self.masks5.clear()
+
     def expand(self, beams: int) -> None:
         """From one row per sentence to ``beams`` identical rows each (after a first step
         that all beams share)."""
