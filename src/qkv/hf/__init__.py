@@ -15,6 +15,9 @@ boolean mask function), :mod:`qkv.hf.capture` (per-head weights), :mod:`qkv.hf.a
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 from qkv.hf.ablate import heads_off
 from qkv.hf.attention import qkv_attention_forward
 from qkv.hf.capture import HFCapture, HFRecord, attention_modules, capture_attention
@@ -33,6 +36,7 @@ __all__ = [
     "qkv_attention_forward",
     "qkv_mask",
     "register",
+    "running_qkv",
 ]
 
 NAME = "qkv"
@@ -52,3 +56,20 @@ def register(name: str = NAME) -> None:
 
 
 register()
+
+
+@contextmanager
+def running_qkv(model) -> Iterator[None]:
+    """Within the block, ``model`` runs with ``attn_implementation="qkv"`` (switched and
+    restored when it was loaded with another one); what capture, switching heads off and
+    the step replay need, since only qkv's adapter sees their context."""
+    register()
+    previous = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    switch = previous is not None and previous != NAME
+    if switch:
+        model.set_attn_implementation(NAME)
+    try:
+        yield
+    finally:
+        if switch:
+            model.set_attn_implementation(previous)

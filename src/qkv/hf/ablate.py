@@ -55,10 +55,9 @@ def heads_off(model: nn.Module, heads: Mapping[int | str, Iterable[int]]) -> Ite
     ``heads`` maps a layer (index into :func:`qkv.hf.attention_modules`, module name or glob
     pattern) to query-head indices. Nested blocks add up; everything is restored on exit.
     """
-    from qkv.hf import register
+    from qkv.hf import running_qkv
     from qkv.hf.capture import _select, attention_modules
 
-    register()
     found = attention_modules(model)
     spec: dict[int, set[int]] = {k: set(v) for k, v in (_OFF.get() or {}).items()}
     for layer, hs in heads.items():
@@ -69,15 +68,9 @@ def heads_off(model: nn.Module, heads: Mapping[int | str, Iterable[int]]) -> Ite
             if bad:
                 raise ValueError(f"heads {bad} out of range for layer {name!r} with {n} heads")
             spec.setdefault(id(m), set()).update(hs)
-    config = getattr(model, "config", None)
-    previous = getattr(config, "_attn_implementation", None)
-    switch = previous is not None and previous != "qkv"
-    if switch:
-        model.set_attn_implementation("qkv")
-    token = _OFF.set(spec)
-    try:
-        yield model
-    finally:
-        _OFF.reset(token)
-        if switch:
-            model.set_attn_implementation(previous)
+    with running_qkv(model):
+        token = _OFF.set(spec)
+        try:
+            yield model
+        finally:
+            _OFF.reset(token)

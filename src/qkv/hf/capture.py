@@ -185,20 +185,13 @@ def capture_attention(
     Yields the :class:`HFCapture`; read ``.records`` / ``.weights()`` / ``.maps()`` after the
     model ran. Weights carry no gradient.
     """
-    from qkv.hf import register
+    from qkv.hf import running_qkv
 
-    register()
     chosen = _select(attention_modules(model), layers)
     cap = HFCapture(chosen, heads)
-    config = getattr(model, "config", None)
-    previous = getattr(config, "_attn_implementation", None)
-    switch = previous is not None and previous != "qkv"
-    if switch:
-        model.set_attn_implementation("qkv")
-    token = _ACTIVE.set(cap)
-    try:
-        yield cap
-    finally:
-        _ACTIVE.reset(token)
-        if switch:
-            model.set_attn_implementation(previous)
+    with running_qkv(model):
+        token = _ACTIVE.set(cap)
+        try:
+            yield cap
+        finally:
+            _ACTIVE.reset(token)

@@ -67,10 +67,9 @@ def record_call(model: nn.Module, layer: str) -> Iterator[list[HFCall]]:
     :func:`qkv.hf.attention_modules`) in this block; the model runs with
     ``attn_implementation="qkv"`` inside it. Calls that fall back to transformers' own
     attention are not recorded."""
-    from qkv.hf import register
+    from qkv.hf import running_qkv
     from qkv.hf.capture import attention_modules
 
-    register()
     modules = dict(attention_modules(model))
     if layer not in modules:
         raise ValueError(f"layer must be one of {list(modules)}, got {layer!r}")
@@ -91,22 +90,16 @@ def record_call(model: nn.Module, layer: str) -> Iterator[list[HFCall]]:
             call.context = None if context is None else context.detach()
             call.module_output = (out[0] if isinstance(out, tuple) else out).detach()
 
-    config = getattr(model, "config", None)
-    previous = getattr(config, "_attn_implementation", None)
-    switch = previous is not None and previous != "qkv"
-    if switch:
-        model.set_attn_implementation("qkv")
-    hooks = [module.register_forward_pre_hook(before, with_kwargs=True),
-             module.register_forward_hook(after, with_kwargs=True)]  # fmt: skip
-    token = _RECORDING.set((module, calls))
-    try:
-        yield calls
-    finally:
-        _RECORDING.reset(token)
-        for h in hooks:
-            h.remove()
-        if switch:
-            model.set_attn_implementation(previous)
+    with running_qkv(model):
+        hooks = [module.register_forward_pre_hook(before, with_kwargs=True),
+                 module.register_forward_hook(after, with_kwargs=True)]  # fmt: skip
+        token = _RECORDING.set((module, calls))
+        try:
+            yield calls
+        finally:
+            _RECORDING.reset(token)
+            for h in hooks:
+                h.remove()
 
 
 def output_projection(module: nn.Module, width: int) -> nn.Module | None:
