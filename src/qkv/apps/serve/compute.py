@@ -109,6 +109,24 @@ def _matrix(key: str, t: Tensor, rows: list[str], cols: list[str] | None = None)
     return {"key": key, "shape": full, "rows": rows, "cols": cols, "values": _round(t)}
 
 
+# the step-by-step view's matrices in order, with what labels their rows (and columns):
+# "q"/"k" rows are the query/key tokens; a square one has key columns, the rest features
+_STEPS = (("x", "q", False), ("context", "k", False), ("q", "q", False), ("k", "k", False),
+          ("v", "k", False), ("scores", "q", True), ("scaled", "q", True), ("mask", "q", True),
+          ("masked", "q", True), ("weights", "q", True), ("output", "q", False),
+          ("concat", "q", False), ("wo", "q", False))  # fmt: skip
+
+
+def step_matrices(t: dict[str, Tensor | None], q_tokens: list[str],
+                  k_tokens: list[str]) -> list[dict]:  # fmt: skip
+    """The ``matrices`` of a step answer from 2-D tensors by key (see ``_STEPS``); a key that
+    is missing or None is left out (no cross context, no output projection)."""
+    tokens = {"q": q_tokens, "k": k_tokens}
+    return [_matrix(key, t[key].double() if key == "mask" else t[key], tokens[rows],
+                    k_tokens if square else None)
+            for key, rows, square in _STEPS if t.get(key) is not None]  # fmt: skip
+
+
 def step_detail(
     module: MultiHeadAttention, call: Call, head: int, q_tokens: list[str], k_tokens: list[str]
 ) -> dict:
@@ -141,21 +159,13 @@ def step_detail(
         mask = mask.expand(s.scores.shape)[0, head]  # (Tq, Tk)
     h = head
     kind = "cross" if context is not None else "causal" if kwargs.get("causal") else "self"
-    mats = [
-        _matrix("x", x[0], q_tokens),
-        *([_matrix("context", context[0], k_tokens)] if context is not None else []),
-        _matrix("q", s.q[0, h], q_tokens),
-        _matrix("k", s.k[0, h], k_tokens),
-        _matrix("v", s.v[0, h], k_tokens),
-        _matrix("scores", s.scores[0, h], q_tokens, k_tokens),
-        _matrix("scaled", s.scaled[0, h], q_tokens, k_tokens),
-        _matrix("mask", mask.double(), q_tokens, k_tokens),
-        _matrix("masked", s.masked[0, h], q_tokens, k_tokens),
-        _matrix("weights", s.weights[0, h], q_tokens, k_tokens),
-        _matrix("output", out[0, h], q_tokens),
-        _matrix("concat", concat[0], q_tokens),
-        _matrix("wo", y[0], q_tokens),
-    ]
+    mats = step_matrices(
+        {"x": x[0], "context": None if context is None else context[0], "q": s.q[0, h],
+         "k": s.k[0, h], "v": s.v[0, h], "scores": s.scores[0, h], "scaled": s.scaled[0, h],
+         "mask": mask, "masked": s.masked[0, h], "weights": s.weights[0, h],
+         "output": out[0, h], "concat": concat[0], "wo": y[0]},
+        q_tokens, k_tokens,
+    )  # fmt: skip
     return {
         "kind": kind, "head": head, "n_heads": module.n_heads, "d_k": module.d_k,
         "d_model": module.d_model, "scale": _num(s.scale, 6), "matrices": mats,

@@ -20,13 +20,13 @@ from __future__ import annotations
 import torch
 
 from qkv.apps.serve.compute import (
-    _matrix,
     _num,
     _pick_layer,
     _probe,
     _stats,
     cut_to_limit,
     maps_json,
+    step_matrices,
 )
 from qkv.apps.serve.limits import (
     AttentionRequest,
@@ -47,8 +47,10 @@ STEP_UNAVAILABLE = ("transformers computed this call itself (qkv's adapter does 
                     "shown instead.")  # fmt: skip
 
 
-STEP_NOTE = ("Q, K and V as the model hands them to its attention function: after its own "
-             "projections, and rotary positions where it uses them")
+STEP_NOTE = (
+    "Q, K and V as the model hands them to its attention function: after its own "
+    "projections, and rotary positions where it uses them"
+)
 
 
 def hf_step(calls, layer: str, kind: str, head: int, q_tokens: list[str], k_tokens: list[str],
@@ -59,20 +61,9 @@ def hf_step(calls, layer: str, kind: str, head: int, q_tokens: list[str], k_toke
         return None
     w = walk(calls[0], head)
     call = calls[0]
-    mask = w["mask"] if w["mask"] is not None else torch.ones_like(w["scores"], dtype=torch.bool)
-    mats = [
-        *([_matrix("x", w["hidden"], q_tokens)] if w["hidden"] is not None else []),
-        *([_matrix("context", w["context"], k_tokens)] if w["context"] is not None else []),
-        _matrix("q", w["q"], q_tokens), _matrix("k", w["k"], k_tokens),
-        _matrix("v", w["v"], k_tokens),
-        _matrix("scores", w["scores"], q_tokens, k_tokens),
-        _matrix("scaled", w["scaled"], q_tokens, k_tokens),
-        _matrix("mask", mask.double(), q_tokens, k_tokens),
-        _matrix("masked", w["masked"], q_tokens, k_tokens),
-        _matrix("weights", w["weights"], q_tokens, k_tokens),
-        _matrix("output", w["output"], q_tokens), _matrix("concat", w["concat"], q_tokens),
-        *([_matrix("wo", w["wo"], q_tokens)] if w["wo"] is not None else []),
-    ]  # fmt: skip
+    if w["mask"] is None:
+        w["mask"] = torch.ones_like(w["scores"], dtype=torch.bool)
+    mats = step_matrices({**w, "x": w["hidden"]}, q_tokens, k_tokens)
     h, d = call.query.shape[1], call.query.shape[-1]
     return {"layer": layer, "kind": kind, "head": head, "n_heads": h, "d_k": d,
             "d_model": int(w["hidden"].shape[-1]) if w["hidden"] is not None else h * d,
