@@ -1052,6 +1052,18 @@ static int64_t row_groups(const Structure& st, const BlockView& bv, int32_t bst,
   return ng;
 }
 
+// f(r0, nr, c, nc) for each of the ng row groups that sees a key: rows [r0, r0 + nr) and
+// key columns [c, c + nc) of the block (one group of all rows when ng == 1)
+template <typename F>
+static inline void for_each_group(int64_t ng, int64_t rows, const int64_t* glo,
+                                  const int64_t* ghi, F&& f) {
+  for (int64_t gi = 0; gi < ng; ++gi) {
+    const int64_t r0 = gi * kGroup, nr = ng == 1 ? rows : std::min(kGroup, rows - r0);
+    const int64_t c = glo[gi], nc = ghi[gi] - c;
+    if (nc > 0) f(r0, nr, c, nc);  // else every row of the group sees no key here: p = 0
+  }
+}
+
 template <typename T>
 static void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
                          Tensor& lse, double scale_d, const Structure& st, int64_t bq,
@@ -1106,20 +1118,13 @@ static void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tens
         // only the union of its rows' key ranges, 16-aligned ([glo, ghi)); S and P outside it
         // are never read. Not on the VNNI path (its packs are whole 64-key chunks).
         const int64_t ng = vnni ? 1 : row_groups(st, bv, bst, qs, rows, ks, nk, glo, ghi);
-        auto group = [&](int64_t gi, int64_t& r0, int64_t& nr) {
-          r0 = gi * kGroup, nr = ng == 1 ? rows : std::min(kGroup, rows - r0);
-        };
         if (vnni) {
           const int64_t rnk = (nk + kPack - 1) / kPack * kPack;
           for (int64_t c = 0; c < rnk; c += kPack)
             cpublas::brgemm(rows, kPack, d, d, kPack, rbk, false, Q, kv.k_block(j) + c * d,
                             S + c, true);
         } else {
-          for (int64_t gi = 0; gi < ng; ++gi) {
-            int64_t r0, nr;
-            group(gi, r0, nr);
-            const int64_t c = glo[gi], nc = ghi[gi] - glo[gi];
-            if (nc <= 0) continue;
+          for_each_group(ng, rows, glo, ghi, [&](int64_t r0, int64_t nr, int64_t c, int64_t nc) {
             if (dot) {
               if constexpr (std::is_same_v<T, BFloat16>)
                 dot_mm(nr, nc, d, Q + r0 * d, d, kv.k_dot(j) + (c / 16) * ((d + 1) / 2 * 16), 16,
@@ -1128,7 +1133,7 @@ static void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tens
               mm<T>(nr, nc, d, Q + r0 * d, d, kv.k_block(j) + c, Tk, S + r0 * rbk + c, rbk,
                     false);
             }
-          }
+          });
         }
         const int64_t enk = vnni ? nk + (nk & 1) : nk;  // P's columns the PV matmul reads
         for (int64_t r = 0; r < rows; ++r) {
@@ -1182,11 +1187,7 @@ static void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tens
             cpublas::brgemm(rows, kPack, enk, rbk, kPack, rdv, true, P, kv.v_block(j) + c * enk,
                             acc + c, true);
         } else {
-          for (int64_t gi = 0; gi < ng; ++gi) {
-            int64_t r0, nr;
-            group(gi, r0, nr);
-            const int64_t c = glo[gi], nc = ghi[gi] - glo[gi];
-            if (nc <= 0) continue;  // every row of the group sees no key here: p = 0
+          for_each_group(ng, rows, glo, ghi, [&](int64_t r0, int64_t nr, int64_t c, int64_t nc) {
             if (dot) {
               if constexpr (std::is_same_v<T, BFloat16>)
                 dot_mm(nr, dv, nc, P + r0 * rbk + c, rbk, kv.v_dot(j) + (c / 2) * kv.rdv16,
@@ -1195,7 +1196,7 @@ static void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tens
               mm<T>(nr, dv, nc, P + r0 * rbk + c, rbk, vd + (n * Tk + ks + c) * dv, dv,
                     acc + r0 * rdv, rdv, true);
             }
-          }
+          });
         }
       }
       T* O = od + ((n * G + g) * Tq + qs) * dv;
@@ -1366,14 +1367,7 @@ static void backward_impl(const Tensor& q, const Tensor& k, const Tensor& v, con
             if (bst == -1) continue;  // an empty block of the block mask
             // row groups as in the forward: each group's matmuls cover only its rows' keys
             const int64_t ng = row_groups(st, bv, bst, qs, rows, ks, nk, glo, ghi);
-            auto group = [&](int64_t gi, int64_t& r0, int64_t& nr) {
-              r0 = gi * kGroup, nr = ng == 1 ? rows : std::min(kGroup, rows - r0);
-            };
-            for (int64_t gi = 0; gi < ng; ++gi) {
-              int64_t r0, nr;
-              group(gi, r0, nr);
-              const int64_t c = glo[gi], nc = ghi[gi] - c;
-              if (nc <= 0) continue;
+            for_each_group(ng, rows, glo, ghi, [&](int64_t r0, int64_t nr, int64_t c, int64_t nc) {
               if (dotp) {
                 if constexpr (low) {
                   dot_mm(nr, nc, d, Q + r0 * d, d, kc.data() + j * rbk16 * d2 + (c / 16) * d2 * 16,
@@ -1388,7 +1382,7 @@ static void backward_impl(const Tensor& q, const Tensor& k, const Tensor& v, con
                 mm<T>(nr, nc, dv, dO + r0 * dv, dv, vt.data() + j * dv * bk + c, bk,
                       dP + r0 * bk + c, bk, false);
               }
-            }
+            });
             for (int64_t r = 0; r < rows; ++r) {
               // this row's group computed columns [gc, gc + gn) of S and dP; nothing outside
               // them is read again
@@ -1423,11 +1417,7 @@ static void backward_impl(const Tensor& q, const Tensor& k, const Tensor& v, con
                 pack_row_pairs(dS, rows, nk, bk, dsp, rbk16);
               }
             }
-            for (int64_t gi = 0; gi < ng; ++gi) {
-              int64_t r0, nr;
-              group(gi, r0, nr);
-              const int64_t c = glo[gi], nc = ghi[gi] - c;
-              if (nc <= 0) continue;
+            for_each_group(ng, rows, glo, ghi, [&](int64_t r0, int64_t nr, int64_t c, int64_t nc) {
               if (dotp) {
                 if constexpr (low) {
                   const int64_t pr = (r0 / 2) * rbk16 + c;  // pair row r0/2, column c
@@ -1438,7 +1428,7 @@ static void backward_impl(const Tensor& q, const Tensor& k, const Tensor& v, con
                   dot_mm(nr, d, nc, dS + r0 * bk + c, bk, kp.data() + j * kpblk + (c / 2) * rd16,
                          rd16, 16, dQ + r0 * d, d, true);
                 }
-                continue;
+                return;
               }
               mm<T>(dv, nc, nr, dot + r0, bq, P + r0 * bk + c, bk, dvt.data() + j * dv * bk + c,
                     bk, true);  // dVᵀ
@@ -1446,7 +1436,7 @@ static void backward_impl(const Tensor& q, const Tensor& k, const Tensor& v, con
                     bk, true);  // dKᵀ
               mm<T>(nr, d, nc, dS + r0 * bk + c, bk, K + (ks + c) * d, d, dQ + r0 * d, d,
                     true);  // dQ
-            }
+            });
           }
           for (int64_t i = 0; i < rows * d; ++i) dQ[i] *= scale;
         }
