@@ -154,10 +154,15 @@ def _prepared(*linears: nn.Module, activation: str = "none"):
     return SmallBatchLinear(*_fuse(*linears), activation)
 
 
-def unsupported(model: nn.Module, attention: list[MultiHeadAttention] | None = None) -> str | None:
+def unsupported(
+    model: nn.Module,
+    attention: list[MultiHeadAttention] | None = None,
+    modules: list[nn.Module] | None = None,
+) -> str | None:
     """Why :class:`IncrementalDecoder` cannot run ``model`` (``None``: it can).
 
-    ``attention``: the model's attention modules when already known (saves a walk).
+    ``attention``, ``modules``: the model's attention modules and all its submodules when
+    already known (each saves a walk of the model).
     """
     from qkv.models.seq2seq import Seq2SeqTransformer
 
@@ -175,7 +180,7 @@ def unsupported(model: nn.Module, attention: list[MultiHeadAttention] | None = N
     w = model.decoder.embed.embedding.weight
     if w.dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
         return f"weights of dtype {w.dtype}"
-    int8 = {isinstance(m, Int8Linear) for m in model.modules()
+    int8 = {isinstance(m, Int8Linear) for m in (model.modules() if modules is None else modules)
             if isinstance(m, (nn.Linear, Int8Linear))}  # fmt: skip
     if len(int8) > 1:
         return "int8 and float linear layers mixed (quantize_linears with skip=)"
@@ -334,21 +339,15 @@ class IncrementalDecoder:
         held = _PREPARED.get(model)
         if held is not None:
             children, attention, key, made = held
-            if unsupported(model, attention) is None and _weights_key([model, *children]) == key:
+            if (unsupported(model, attention, children) is None
+                    and _weights_key([model, *children]) == key):  # fmt: skip
                 return made
         children = list(model.modules())[1:]  # not the model itself: the entry must not keep it
         attention = [m for m in children if isinstance(m, MultiHeadAttention)]
-        if unsupported(model, attention) is not None:
+        if unsupported(model, attention, children) is not None:
             return None
         made = cls(model)
         _PREPARED[model] = (children, attention, _weights_key([model, *children]), made)
-        return made
-        modules = list(model.modules())
-        attention = [m for m in modules if isinstance(m, MultiHeadAttention)]
-        if unsupported(model, attention) is not None:
-            return None
-        made = cls(model)
-        _PREPARED[model] = (modules, attention, _weights_key(modules), made)
         return made
 
     # --- per call -------------------------------------------------------------------------
