@@ -25,7 +25,8 @@ from collections.abc import Iterable
 __all__ = ["present_tense_pairs", "simple_present", "third_person", "word_counts"]
 
 _PROGRESSIVE = re.compile(r"\b(is|are) ([a-z]+)ing\b")
-_SKIP = {"be", "go", "bring"}  # "is being pulled", "are going to", "bring" is handled below
+# not rewritten: "is being pulled" (a passive), "are going to" (a future), and "bring"
+_SKIP = {"be", "go", "bring"}
 _WORD = re.compile(r"[a-z]+")
 
 

@@ -96,7 +96,6 @@ def hf_attention(entry: Entry, req: AttentionRequest, text: str) -> dict:
     hf = loaded.hf
     counts = head_counts(loaded)
     enc = {n: h for n, h in counts.items() if "encoder" in n.split(".")}
-    enc_names = set(enc)
     if req.translate:
         if hf.kind != "encoder-decoder":
             raise BadRequest(f"model {entry.name!r} ({hf.kind}) does not translate; "
@@ -117,10 +116,11 @@ def hf_attention(entry: Entry, req: AttentionRequest, text: str) -> dict:
                 hf.model(input_ids=ids, attention_mask=mask,
                          decoder_input_ids=torch.tensor([d["input_ids"]]))  # fmt: skip
             kind = _kind(loaded, layer)
-            enc = layer in enc_names
-            q_tok = d["source_tokens"] if enc else d["produced"] if kind == "cross" else d["inputs"]
-            k_tok = d["source_tokens"] if (enc or kind == "cross") else d["inputs"]
-            step = hf_step(calls, layer, "self" if enc else kind, req.head, q_tok, k_tok,
+            src_side = layer in enc  # an encoder layer: source tokens on both sides
+            q_tok = (d["source_tokens"] if src_side else d["produced"] if kind == "cross"
+                     else d["inputs"])  # fmt: skip
+            k_tok = d["source_tokens"] if (src_side or kind == "cross") else d["inputs"]
+            step = hf_step(calls, layer, "self" if src_side else kind, req.head, q_tok, k_tok,
                            spec)  # fmt: skip
         maps = d["maps"]
         extra = {"translation": {"source_tokens": d["source_tokens"],
