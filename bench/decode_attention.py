@@ -23,7 +23,9 @@ A peer that is not installed or cannot run a case is skipped with the reason pri
 Every result is also given as a fraction of the machine's read bandwidth, measured in the same
 run at the same thread count: the best of ``amax``/``sum`` over a 1 GiB fp32 tensor that has
 been written first (a fresh ``torch.empty`` maps the kernel's shared zero page and reads at
-about twice the true speed). Bytes moved = K + V (q and the output are a few KiB).
+about twice the true speed), timed inside each case's interleaved rounds like one more
+method, because a shared machine's bandwidth drifts from minute to minute. Bytes moved = K + V
+(q and the output are a few KiB).
 Writes bench/results/decode_attention.{md,csv}.
 """
 
@@ -63,18 +65,11 @@ def isa_flags() -> str:
     return " ".join(sorted(set(keep))) or "none of avx2/avx512/amx"
 
 
-def read_bandwidth(repeats: int = 5) -> float:
-    """Bytes/s of the best streaming read of 1 GiB written memory (amax and sum, best of)."""
-    x = torch.empty(256 * 2**20)  # 1 GiB fp32
-    x.fill_(1.0)  # written: a fresh mapping would read the shared zero page
-    best = float("inf")
-    for op in (torch.amax, torch.sum):
-        op(x)
-        for _ in range(repeats):
-            t = time.perf_counter()
-            op(x)
-            best = min(best, time.perf_counter() - t)
-    return x.numel() * 4 / best
+def written(nbytes: int = 2**30) -> torch.Tensor:
+    """1 GiB of fp32 that has been written (a fresh mapping reads the shared zero page)."""
+    x = torch.empty(nbytes // 4)
+    x.fill_(1.0)
+    return x
 
 
 # ---- peers (each returns a callable, or a string saying why it cannot run)
@@ -224,9 +219,10 @@ def main() -> None:
     rows = []
     for threads in args.threads:
         torch.set_num_threads(threads)
-        bw = read_bandwidth()
-        header.append(f"read bandwidth, {threads} thread(s): {bw / 1e9:.1f} GB/s")
-        print(header[-1], flush=True)
+        # the bandwidth of a shared machine drifts from minute to minute: every case times a
+        # streaming read of 1 GiB in its own interleaved rounds and is compared with that
+        x = written()
+        section = []
         for dname in args.dtypes:
             dtype = DTYPES[dname]
             for Tk in args.Tk:
@@ -238,8 +234,10 @@ def main() -> None:
                     with torch.no_grad():
                         path = explain_dispatch(q, k, v).backend
                         fns = methods(q, k, v, threads)
+                        fns["read"] = x.sum
                         rounds = args.rounds or (5 if nbytes * Tq > 2**28 else 20)
                         best = interleaved(fns, rounds)
+                    bw = x.numel() * 4 / best.pop("read")
                     row = {"threads": threads, "dtype": dname, "Tk": Tk, "Tq": Tq,
                            "path": path, "bw_GBs": bw / 1e9}  # fmt: skip
                     for m in METHODS:
@@ -250,13 +248,19 @@ def main() -> None:
                             row[f"{m} note"] = str(fns[m])
                     peers = [best[m] for m in PEERS if m in best]
                     row["vs fastest peer"] = min(peers) / best["qkv auto"]
-                    rows.append(row)
+                    section.append(row)
                     cells = " ".join(
                         f"{m} {row[f'{m} ms']:.2f}ms/{row[f'{m} %bw']:.0f}%" for m in best
                     )
-                    print(f"{threads}t {dname} Tk={Tk} Tq={Tq} [{path}] {cells} | "
-                          f"qkv vs fastest peer {row['vs fastest peer']:.2f}×", flush=True)  # fmt: skip
+                    print(f"{threads}t {dname} Tk={Tk} Tq={Tq} [{path}] read {bw / 1e9:.1f} GB/s "
+                          f"{cells} | qkv vs fastest peer {row['vs fastest peer']:.2f}×", flush=True)  # fmt: skip
                 del k, v
+        del x
+        bws = [r["bw_GBs"] for r in section]
+        header.append(f"read bandwidth, {threads} thread(s): {min(bws):.1f}-{max(bws):.1f} GB/s "
+                      "(measured in each case's rounds)")  # fmt: skip
+        print(header[-1], flush=True)
+        rows += section
     notes = sorted({f"{m}: {r[f'{m} note']}" for r in rows for m in METHODS if f"{m} note" in r})
     write(rows, header, notes, Path(args.out))
 
@@ -290,16 +294,16 @@ def write(rows: list[dict], header: list[str], notes: list[str], out: Path) -> N
         w.writerows(rows)
     cols = " | ".join(f"{m}" for m in METHODS)
     lines = [*(f"- {h}" for h in header), "",
-             "Each cell: best time (ms) / K+V bytes ÷ time as % of the read bandwidth.", "",
-             f"| threads | dtype | Tk | Tq | path | {cols} | qkv vs fastest peer |",
-             "|" + "---|" * (6 + len(METHODS))]  # fmt: skip
+             "Each cell: best time (ms) / K+V bytes ÷ time as % of the read bandwidth (read: 1 GiB `sum`, best of the same rounds).", "",
+             f"| threads | dtype | Tk | Tq | path | read GB/s | {cols} | qkv vs fastest peer |",
+             "|" + "---|" * (7 + len(METHODS))]  # fmt: skip
     for r in rows:
         cells = " | ".join(
             "—" if r[f"{m} ms"] != r[f"{m} ms"] else f"{r[f'{m} ms']:.2f} / {r[f'{m} %bw']:.0f}%"
             for m in METHODS
         )
         lines.append(f"| {r['threads']} | {r['dtype']} | {r['Tk']} | {r['Tq']} | {r['path']} | "
-                     f"{cells} | **{r['vs fastest peer']:.2f}×** |")  # fmt: skip
+                     f"{r['bw_GBs']:.1f} | {cells} | **{r['vs fastest peer']:.2f}×** |")  # fmt: skip
     lines += ["", "Targets:", "", "| target | met |", "|---|---|", *targets(rows)]
     if notes:
         lines += ["", "Peers that did not run:", "", *(f"- {n}" for n in notes)]
