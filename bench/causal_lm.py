@@ -3,13 +3,15 @@
     PYTHONPATH=src python bench/causal_lm.py                  # prompts 1k, 8k, 32k (slow)
     PYTHONPATH=src python bench/causal_lm.py --quick          # prompts 1k, 8k; 32 new tokens
     PYTHONPATH=src python bench/causal_lm.py --prompts 4096 --threads 1 --cache-dtype bf16
+    PYTHONPATH=src python bench/causal_lm.py --prompts 32768 --random-cache   # decode only
 
 The model: :class:`qkv.models.CausalLM`, 12 layers, d_model 768, 12 query heads over 4
 key/value heads (GQA), RoPE, d_ff 3072, vocab 32000, random weights (speed only). For each
 prompt length: prefill (in chunks of ``--chunk`` tokens, over the KV cache), then
 ``--new`` greedy tokens one at a time. Each runs twice: attention through qkv
 (``backend="auto"``) and through torch SDPA (``backend="torch"``, PyTorch's fused kernel with
-``enable_gqa``), the rest of the model identical.
+``enable_gqa``), the rest of the model identical: its linear layers packed for few-row
+inputs (:func:`qkv.kernels.packed.pack_linears`; ``--no-pack`` keeps ``nn.Linear``).
 
 Printed per row: prefill seconds; decode tokens/s; the share of decode time spent inside
 attention (``qkv.functional.scaled_dot_product_attention`` timed around each call); and the
@@ -30,6 +32,7 @@ import torch
 
 import qkv.functional as qf
 from _measure import cpu_name
+from qkv.kernels.packed import pack_linears
 from qkv.models import CausalLM, TransformerConfig
 
 
@@ -83,15 +86,27 @@ def set_backend(lm: CausalLM, backend: str) -> None:
 
 
 @torch.inference_mode()
-def run(lm: CausalLM, prompt: torch.Tensor, new: int, chunk: int, cache_dtype):
-    """(prefill seconds, decode seconds, attention seconds in decode, mean KV bytes/step)."""
+def run(lm: CausalLM, prompt: torch.Tensor, new: int, chunk: int, cache_dtype,
+        random_cache: bool = False):  # fmt: skip
+    """(prefill seconds, decode seconds, attention seconds in decode, mean KV bytes/step).
+
+    random_cache: no prefill (nan seconds); the cache holds random keys and values of the
+    prompt's length instead (decode reads them all the same; its speed does not depend on
+    their values)."""
     T = prompt.shape[1]
     cache = lm.new_cache(capacity=T + new, dtype=cache_dtype)
     t0 = time.perf_counter()
-    for s in range(0, T, chunk):
-        logits = lm(prompt[:, s : s + chunk], cache=cache)[:, -1]
-    prefill = time.perf_counter() - t0
-    tok = logits.argmax(-1, keepdim=True)  # (1, 1)
+    if random_cache:
+        attn = lm.layers[0].self_attn
+        shape = (1, attn.n_kv_heads, T, attn.d_k)  # (B, h_kv, T, d_k)
+        for c in cache:
+            c.update(torch.randn(shape), torch.randn(shape))
+        tok, prefill = prompt[:, -1:], float("nan")
+    else:
+        for s in range(0, T, chunk):
+            logits = lm(prompt[:, s : s + chunk], cache=cache)[:, -1]
+        prefill = time.perf_counter() - t0
+        tok = logits.argmax(-1, keepdim=True)  # (1, 1)
     timer = AttentionTimer()
     kv_bytes = 0
     with timer.active():
@@ -113,16 +128,22 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--cache-dtype", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--random-cache", action="store_true",
+                   help="skip the prefill: random K/V of the prompt's length (decode only)")  # fmt: skip
+    p.add_argument("--no-pack", action="store_true",
+                   help="keep nn.Linear (default: qkv.kernels.packed.pack_linears, both rows)")  # fmt: skip
     args = p.parse_args()
     prompts = args.prompts or ([1024, 8192] if args.quick else [1024, 8192, 32768])
     new = args.new or (32 if args.quick else 128)
     cache_dtype = torch.bfloat16 if args.cache_dtype == "bf16" else None
     lm = build(args.vocab, args.layers)
+    if not args.no_pack:  # the linears of both rows: only the attention differs between them
+        lm = pack_linears(lm)
     weight_bytes = sum(p.numel() * p.element_size() for p in lm.parameters())  # tied: once
     print(f"{cpu_name()} | torch {torch.__version__} ISA {torch.backends.cpu.get_cpu_capability()}"
           f" | CausalLM {args.layers} layers, d_model 768, 12/4 heads (GQA), RoPE, "
           f"{weight_bytes / 1e6:.0f} MB of weights | KV cache {args.cache_dtype} | "
-          f"{new} new tokens")  # fmt: skip
+          f"linears {'nn.Linear' if args.no_pack else 'packed panels'} | {new} new tokens")  # fmt: skip
     print(f"{'threads':>7} {'prompt':>6} {'attention':>10} {'prefill s':>9} {'tok/s':>7} "
           f"{'attn %':>6} {'limit tok/s':>11} {'of limit':>8}")  # fmt: skip
     run(lm, torch.randint(3, args.vocab, (1, 64)), 2, args.chunk, cache_dtype)  # warm-up
@@ -137,7 +158,8 @@ def main() -> None:
             for label, backend in (("qkv auto", "auto"), ("torch SDPA", "torch")):
                 set_backend(lm, backend)
                 t_start = time.perf_counter()
-                prefill, decode, attn, kv = run(lm, prompt, new, args.chunk, cache_dtype)
+                prefill, decode, attn, kv = run(lm, prompt, new, args.chunk, cache_dtype,
+                                                args.random_cache)  # fmt: skip
                 limit = bw / (weight_bytes + kv)  # tokens/s if every byte is read once
                 speed = new / decode
                 print(f"{threads:>7} {T:>6} {label:>10} {prefill:>9.2f} {speed:>7.2f} "

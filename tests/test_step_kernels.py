@@ -10,7 +10,8 @@ import torch.nn.functional as TF
 
 from native import assert_portable_ok, require_built
 from qkv.kernels._native import decode_ops, native_status
-from qkv.models.incremental import SmallBatchLinear, _gather, _panels
+from qkv.kernels.packed import panels as _panels
+from qkv.models.incremental import SmallBatchLinear, _gather
 
 require_built(decode_ops() is not None, "decode kernel", native_status())
 
@@ -121,7 +122,7 @@ def test_decode_rows_table_out_of_range_is_an_error():
 _PORTABLE_CHECK = """
 import torch
 from qkv.kernels._native import decode_ops, native_status
-from qkv.models.incremental import _panels
+from qkv.kernels.packed import panels as _panels
 assert "decode path portable" in native_status(), native_status()
 torch.manual_seed(0)
 ops = decode_ops()

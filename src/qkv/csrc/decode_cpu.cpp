@@ -318,11 +318,6 @@ template <int kC, bool kPf>
 }
 #endif
 
-// Scores of 4 query rows (row stride qs) for a tile of 16 keys, d = kC chunks: blocks of
-// 4 rows x 4 keys keep 16 accumulators in registers, so each chunk of a key is loaded once
-// for the 4 rows (row by row, every key is loaded 4 times, and those loads, not the FMAs,
-// bound the loop). One reduce16 per block gives lanes 4·row + key; a 4x4 transpose of
-// 128-bit lanes then hands each row its 16 scores in key order.
 // x, kept in a register: GCC otherwise folds a load used by 4 FMAs into each of them as a
 // memory operand, i.e. loads it 4 times, which is what the blocking is meant to avoid.
 template <typename V>
@@ -331,7 +326,8 @@ static inline V in_register(V x) {
   return x;
 }
 
-template <typename Q>
+// v[kg] holds lanes 4·row + key of keys 4kg..4kg+3: a 4x4 transpose of 128-bit lanes gives
+// out[row] with the 16 keys in order.
 static inline void rows_by_lanes(const __m512* v, __m512* out) {
   const __m512 t0 = _mm512_shuffle_f32x4(v[0], v[1], 0x44), t1 = _mm512_shuffle_f32x4(v[2], v[3], 0x44);
   const __m512 t2 = _mm512_shuffle_f32x4(v[0], v[1], 0xee), t3 = _mm512_shuffle_f32x4(v[2], v[3], 0xee);
@@ -339,9 +335,13 @@ static inline void rows_by_lanes(const __m512* v, __m512* out) {
   out[2] = _mm512_shuffle_f32x4(t2, t3, 0x88), out[3] = _mm512_shuffle_f32x4(t2, t3, 0xdd);
 }
 
-template <int kC, bool kPf, typename T>
-[[gnu::noinline]] static void dots16x4(const float* q, int64_t qs, const T* kp, int64_t ks, const T* pf,
-                            __m512* out) {
+// Scores of kR = 3 or 4 query rows (row stride qs) for a tile of 16 keys, d = kC chunks:
+// blocks of kR rows x 4 keys keep their accumulators in registers, so each chunk of a key
+// is loaded once for all kR rows (row by row, every key is loaded kR times, and those loads,
+// not the FMAs, bound the loop). One reduce16 per block gives lanes 4·row + key.
+template <int kR, int kC, bool kPf, typename T>
+[[gnu::noinline]] static void dots16xR(const float* q, int64_t qs, const T* kp, int64_t ks,
+                                       const T* pf, __m512* out) {
   __m512 v[4];
 #pragma GCC unroll 4
   for (int kg = 0; kg < 4; ++kg) {
@@ -354,20 +354,20 @@ template <int kC, bool kPf, typename T>
           for (int j = 0; j < 4; ++j) pf_line(pf + (4 * kg + j) * ks + 16 * c);
       __m512 kv[4];
       for (int j = 0; j < 4; ++j) kv[j] = in_register(load16(kr + j * ks + 16 * c));
-      for (int r = 0; r < 4; ++r) {
+      for (int r = 0; r < kR; ++r) {
         const __m512 qv = in_register(_mm512_loadu_ps(q + r * qs + 16 * c));
         for (int j = 0; j < 4; ++j) a[4 * r + j] = _mm512_fmadd_ps(qv, kv[j], a[4 * r + j]);
       }
     }
     v[kg] = reduce16(a);
   }
-  rows_by_lanes<float>(v, out);
+  rows_by_lanes(v, out);
 }
 
 #ifdef __AVX512BF16__
-template <int kC, bool kPf>
-[[gnu::noinline]] static void dots16x4_bf16(const BFloat16* q, int64_t qs, const BFloat16* kp, int64_t ks,
-                                 const BFloat16* pf, __m512* out) {
+template <int kR, int kC, bool kPf>
+[[gnu::noinline]] static void dots16xR_bf16(const BFloat16* q, int64_t qs, const BFloat16* kp,
+                                            int64_t ks, const BFloat16* pf, __m512* out) {
   __m512 v[4];
 #pragma GCC unroll 4
   for (int kg = 0; kg < 4; ++kg) {
@@ -380,43 +380,53 @@ template <int kC, bool kPf>
       __m512bh kv[4];
       for (int j = 0; j < 4; ++j)
         kv[j] = (__m512bh)in_register(_mm512_loadu_si512(kr + j * ks + 32 * c));
-      for (int r = 0; r < 4; ++r) {
+      for (int r = 0; r < kR; ++r) {
         const __m512bh qv = (__m512bh)in_register(_mm512_loadu_si512(q + r * qs + 32 * c));
         for (int j = 0; j < 4; ++j) a[4 * r + j] = _mm512_dpbf16_ps(a[4 * r + j], qv, kv[j]);
       }
     }
     v[kg] = reduce16(a);
   }
-  rows_by_lanes<float>(v, out);
+  rows_by_lanes(v, out);
 }
 #endif
 
-// Four rows' scores at once where a fixed-size loop exists (d = 64, 128); false: none.
-template <typename T>
-static inline bool qk_tile4(const void* q0, int64_t qs, const T* kp, int64_t ks, int64_t d,
-                            const T* pf, __m512* out) {
+template <int kR, typename T>
+static inline bool qk_rows_fixed(const void* q0, int64_t qs, const T* kp, int64_t ks, int64_t d,
+                                 const T* pf, __m512* out) {
   if constexpr (kPairs<T>) {
 #ifdef __AVX512BF16__
-    const auto* qb = static_cast<const BFloat16*>(q0);
+    const auto* q = static_cast<const BFloat16*>(q0);
     if (d == 128)
-      pf ? dots16x4_bf16<4, true>(qb, qs, kp, ks, pf, out) : dots16x4_bf16<4, false>(qb, qs, kp, ks, pf, out);
+      pf ? dots16xR_bf16<kR, 4, true>(q, qs, kp, ks, pf, out) : dots16xR_bf16<kR, 4, false>(q, qs, kp, ks, pf, out);
     else if (d == 64)
-      pf ? dots16x4_bf16<2, true>(qb, qs, kp, ks, pf, out) : dots16x4_bf16<2, false>(qb, qs, kp, ks, pf, out);
+      pf ? dots16xR_bf16<kR, 2, true>(q, qs, kp, ks, pf, out) : dots16xR_bf16<kR, 2, false>(q, qs, kp, ks, pf, out);
     else
       return false;
     return true;
-#endif
+#else
     return false;
+#endif
   } else {
     const auto* q = static_cast<const float*>(q0);
     if (d == 128)
-      pf ? dots16x4<8, true>(q, qs, kp, ks, pf, out) : dots16x4<8, false>(q, qs, kp, ks, pf, out);
+      pf ? dots16xR<kR, 8, true>(q, qs, kp, ks, pf, out) : dots16xR<kR, 8, false>(q, qs, kp, ks, pf, out);
     else if (d == 64)
-      pf ? dots16x4<4, true>(q, qs, kp, ks, pf, out) : dots16x4<4, false>(q, qs, kp, ks, pf, out);
+      pf ? dots16xR<kR, 4, true>(q, qs, kp, ks, pf, out) : dots16xR<kR, 4, false>(q, qs, kp, ks, pf, out);
     else
       return false;
     return true;
   }
+}
+
+// The scores of nr = 3 or 4 rows at once where a fixed-size loop exists (d = 64, 128);
+// false: none (the caller goes row by row).
+template <typename T>
+static inline bool qk_rows(int64_t nr, const void* q0, int64_t qs, const T* kp, int64_t ks,
+                           int64_t d, const T* pf, __m512* out) {
+  if (nr == 4) return qk_rows_fixed<4>(q0, qs, kp, ks, d, pf, out);
+  if (nr == 3) return qk_rows_fixed<3>(q0, qs, kp, ks, d, pf, out);
+  return false;
 }
 
 // One row's scores for a tile of 16 keys: the fixed-size loops for d = 64 and 128.
@@ -666,8 +676,8 @@ static void run_segment(const Problem<T>& P, int64_t n, int64_t k0, int64_t k1, 
 #ifdef QKV_AVX512
       const T* pf_left = kpf;  // the first dot-product call of the tile prefetches
       __m512 blk[4];
-      int64_t blk_r = -1;  // the rows [blk_r, blk_r + 4) whose scores are in blk
-      const int64_t R4 = R / 4 * 4;
+      int64_t blk_r = -1;  // the rows [blk_r, blk_r + 3 or 4) whose scores are in blk
+      const int64_t R4 = R / 4 * 4, tail = R - R4 == 3 ? 3 : 0;  // blocks of 4, then one of 3
 #endif
       for (int64_t r = 0; r < R; ++r) {
         const int64_t g = r / Tq, i = r % Tq;
@@ -683,10 +693,10 @@ static void run_segment(const Problem<T>& P, int64_t n, int64_t k0, int64_t k1, 
           continue;
         }
         __m512 x;
-        const int64_t r0 = r / 4 * 4;
+        const int64_t r0 = r < R4 ? r / 4 * 4 : R4, nr = r < R4 ? 4 : tail;
         const void* q0 = kBf16Dot ? static_cast<const void*>(reinterpret_cast<const BFloat16*>(sc.qf) + r0 * dqp)
                                   : static_cast<const void*>(sc.qf + r0 * dqp);
-        if (r0 < R4 && (blk_r == r0 || qk_tile4<T>(q0, dqp, kp, ks, d, pf_left, blk))) {
+        if (nr && (blk_r == r0 || qk_rows<T>(nr, q0, dqp, kp, ks, d, pf_left, blk))) {
           if (blk_r != r0) blk_r = r0, pf_left = nullptr;
           x = blk[r - r0];
         } else if constexpr (kBf16Dot) {

@@ -36,6 +36,7 @@ from qkv.cache import KVCache
 from qkv.kernels._native import decode_ops
 from qkv.kernels.decode import _mask_arg
 from qkv.kernels.int8 import Int8Linear, SmallBatchInt8Linear
+from qkv.kernels.packed import SMALL_ROWS, panels
 from qkv.positional import LearnedPositionalEmbedding, RotaryEmbedding, SinusoidalPositionalEncoding
 
 __all__ = ["IncrementalDecoder", "DecodeState", "SmallBatchLinear", "unsupported"]
@@ -43,9 +44,6 @@ __all__ = ["IncrementalDecoder", "DecodeState", "SmallBatchLinear", "unsupported
 # oneDNN packs a weight for a batch size (any other works, a little slower): one packing per
 # power of two of the rows, the last few kept
 _MAX_PACKINGS = 6
-# up to this many rows the compiled small-batch kernel (qkv_decode.small_linear: every weight
-# read once, up to 6 rows per load) beats oneDNN's packed GEMM (measured, 1 thread, M = 1..13)
-_SMALL_ROWS = 256
 
 
 def _mkldnn_linear_available() -> bool:
@@ -94,12 +92,12 @@ class SmallBatchLinear:
             ops = decode_ops()
             if ops is not None:
                 self._small = ops.small_linear
-                self.panels = _panels(self.weight)
+                self.panels = panels(self.weight)
                 self.wt = None  # the panels serve M = 1 too (faster than a GEMV, measured)
 
     def __call__(self, x: Tensor) -> Tensor:
         M = x.shape[0]
-        if M <= _SMALL_ROWS and self.panels is not None:
+        if M <= SMALL_ROWS and self.panels is not None:
             if x.stride(-1) != 1:
                 x = x.contiguous()
             y = self._small(x, self.panels, self.bias, self.out_features, self.activation == "relu")
@@ -119,16 +117,6 @@ class SmallBatchLinear:
                 self._packed.pop(next(iter(self._packed)))
             packed = self._packed[hint] = torch.ops.mkldnn._reorder_linear_weight(self.weight, hint)
         return _LINEAR_POINTWISE(x, packed, self.bias, self._attr, [], self._algo)
-
-
-def _panels(weight: Tensor) -> Tensor:
-    """``weight (out, in)`` as panels of 64 output columns ``(ceil(out/64), in, 64)``, each
-    panel's rows contiguous, zeros past ``out`` (the layout of ``qkv_decode.small_linear``)."""
-    out_f, in_f = weight.shape
-    P = -(-out_f // 64)
-    padded = weight.new_zeros(P * 64, in_f)
-    padded[:out_f] = weight
-    return padded.view(P, 64, in_f).transpose(1, 2).contiguous()
 
 
 def _gather(x: Tensor, rows: Tensor) -> Tensor:
