@@ -4,6 +4,8 @@
 - :mod:`qkv.kernels.varlen`: packed variable-length sequences (``cu_seqlens``).
 - :mod:`qkv.kernels.weights`: attention weights of selected heads from a saved log-sum-exp.
 - :mod:`qkv.kernels.int8`: int8 linear layers for CPU inference (``quantize_linears``).
+- :mod:`qkv.kernels.packed`: linear layers whose few-row calls read panel-packed weights
+  (``pack_linears``), for decoding at the read bandwidth.
 """
 
 from qkv.kernels.flash import flash_attention
