@@ -39,8 +39,6 @@ True
 
 from __future__ import annotations
 
-import copy
-import fnmatch
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -50,6 +48,7 @@ import torch.nn.functional as TF
 from torch import Tensor, nn
 
 from qkv.kernels._native import int8_ops, native_status
+from qkv.kernels._replace import replace_linears
 
 __all__ = [
     "MAX_IN_FEATURES",
@@ -312,28 +311,7 @@ def quantize_linears(model: nn.Module, *, skip: Iterable[str] = ()) -> nn.Module
     linears to keep in float; each must match at least one linear (a typo is an error).
     The original model is left unchanged.
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    if isinstance(skip, str):
-        skip = (skip,)
-    patterns = list(skip)
-    linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
-    for p in patterns:
-        if not isinstance(p, str):
-            raise TypeError(f"skip must hold module names (str), got {type(p).__name__}")
-        if not any(fnmatch.fnmatchcase(name, p) for name in linears):
-            raise ValueError(f"skip={p!r} matches no nn.Linear of the model; its linears: "
-                             f"{', '.join(linears[:8])}{', ...' if len(linears) > 8 else ''}")  # fmt: skip
-    out = copy.deepcopy(model).eval()
-    for name in linears:
-        if any(fnmatch.fnmatchcase(name, p) for p in patterns):
-            continue
-        parent_name, _, child = name.rpartition(".")
-        parent = out.get_submodule(parent_name) if parent_name else out
-        if not child:  # the model itself is an nn.Linear
-            return Int8Linear.from_linear(out)
-        setattr(parent, child, Int8Linear.from_linear(getattr(parent, child)))
-    return out
+    return replace_linears(model, Int8Linear.from_linear, skip).eval()
 
 
 def fuse_packed(*weights: PackedWeight) -> PackedWeight:

@@ -24,8 +24,6 @@ built on first use and rebuilt when the weight changes; they double the layer's 
 
 from __future__ import annotations
 
-import copy
-import fnmatch
 from collections.abc import Iterable
 
 import torch
@@ -33,6 +31,7 @@ import torch.nn.functional as TF
 from torch import Tensor, nn
 
 from qkv.kernels._native import decode_ops
+from qkv.kernels._replace import replace_linears
 
 __all__ = ["PackedLinear", "SMALL_ROWS", "pack_linears", "panels"]
 
@@ -104,23 +103,4 @@ def pack_linears(model: nn.Module, *, skip: Iterable[str] = ()) -> nn.Module:
     ``skip``: module names or ``fnmatch`` patterns of linears to leave as they are; each
     must match at least one linear (a typo is an error). The original model is unchanged.
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    patterns = [skip] if isinstance(skip, str) else list(skip)
-    linears = [n for n, m in model.named_modules() if type(m) is nn.Linear]
-    for p in patterns:
-        if not isinstance(p, str):
-            raise TypeError(f"skip must hold module names (str), got {type(p).__name__}")
-        if not any(fnmatch.fnmatchcase(n, p) for n in linears):
-            raise ValueError(f"skip={p!r} matches no nn.Linear of the model; its linears: "
-                             f"{', '.join(linears[:8])}{', ...' if len(linears) > 8 else ''}")  # fmt: skip
-    out = copy.deepcopy(model)
-    for name in linears:
-        if any(fnmatch.fnmatchcase(name, p) for p in patterns):
-            continue
-        parent_name, _, child = name.rpartition(".")
-        if not child:  # the model itself is an nn.Linear
-            return PackedLinear.from_linear(out)
-        parent = out.get_submodule(parent_name)
-        setattr(parent, child, PackedLinear.from_linear(getattr(parent, child)))
-    return out
+    return replace_linears(model, PackedLinear.from_linear, skip, select=lambda m: type(m) is nn.Linear)
