@@ -16,8 +16,8 @@
 //     4 rows x 64 columns of acc in registers; the tile two blocks ahead is prefetched into
 //     L2 line by line as the current one is read, so that DRAM streams while the arithmetic
 //     runs. Both products are register-blocked because the loads, not the FMAs, bounded the
-//     row-at-a-time loops; with the arithmetic 1.5x faster, the kernel went from 47-58 % to
-//     65-81 % of a core's read bandwidth (bench/decode_attention.py).
+//     row-at-a-time loops; with the arithmetic 1.5x faster, DRAM and arithmetic overlap
+//     (measurements: bench/decode_attention.py, docs/kernels.md).
 //
 // fp32 and bf16 K/V (fp32 accumulation; with AVX512_BF16, vdpbf16ps for both products, P
 // rounded to bf16 for P·V as in PyTorch's bf16 kernels). Causal and sliding-window structure (queries aligned bottom-right: query i sits at
@@ -529,7 +529,8 @@ template <int kRows, int kCols, bool kPf, typename T>
   for (int i = 0; i < kRows; ++i)
     for (int u = 0; u < kCols; ++u) a[i][u] = _mm512_loadu_ps(o + i * dvp + c + 16 * u);
   for (int j = 0; j < 16; ++j) {
-    if constexpr (kPf)  // c is a multiple of 64 columns: chunk u starts a line when...
+    if constexpr (kPf)  // c is a multiple of 64 columns: chunk u starts a new 64-byte line
+                        // exactly when 16·u·sizeof(T) is a multiple of 64
       for (int u = 0; u < kCols; ++u)
         if ((16 * u * sizeof(T)) % 64 == 0) pf_line(pf + j * vs + c + 16 * u);
     __m512 v[kCols];

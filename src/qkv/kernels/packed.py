@@ -79,21 +79,22 @@ class PackedLinear(nn.Linear):
     def forward(self, x: Tensor) -> Tensor:
         w = self.weight
         rows = x.numel() // max(x.shape[-1], 1) if x.dim() else 0
+        ops = decode_ops()
         if (
-            rows == 0
+            ops is None
+            or rows == 0
             or rows > SMALL_ROWS
             or w.dtype != torch.float32
             or x.dtype != torch.float32
             or w.device.type != "cpu"
             or x.device.type != "cpu"
             or (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad))
-            or decode_ops() is None
         ):
             return TF.linear(x, w, self.bias)
         x2 = x.reshape(rows, x.shape[-1])
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
-        y = decode_ops().small_linear(x2, self._packed(), self.bias, self.out_features, False)
+        y = ops.small_linear(x2, self._packed(), self.bias, self.out_features, False)
         return y.view(*x.shape[:-1], self.out_features)
 
 
