@@ -290,3 +290,34 @@ def test_greedy_drops_finished_sentences_and_still_equals_uncached(fast):
         assert torch.equal(cached, greedy_search(model, src, use_cache=False))
         ended_at |= set(((cached != 0).sum(1)).tolist())
     assert len(ended_at) >= 3  # sentences did finish at different steps
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_beam_drops_finished_sentences_and_still_equals_uncached(fast, monkeypatch):
+    """Beam search: a sentence whose search ended leaves the batch (its beams are no longer
+    computed); the result equals uncached decoding and each sentence searched alone."""
+    src = torch.tensor([[5, 6, 7, 8, 9, 2], [10, 11, 2, 0, 0, 0], [12, 13, 14, 2, 0, 0],
+                        [7, 2, 0, 0, 0, 0], [9, 8, 7, 6, 5, 2]])  # fmt: skip
+    rows_per_step = []
+    step = IncrementalDecoder.step
+    monkeypatch.setattr(IncrementalDecoder, "step",
+                        lambda self, state, tokens: rows_per_step.append(len(tokens))
+                        or step(self, state, tokens))  # fmt: skip
+    shrank = 0
+    for seed in range(4):
+        model = model_(seed=seed)
+        with torch.no_grad():  # </s> likely enough to end some sentences early
+            model.decoder.embed.embedding.weight.data[2] *= 1.5 + seed
+        if not fast:
+            model.decoder.layers[0].self_attn.head_mask = torch.ones(model.cfg.n_heads)
+        rows_per_step.clear()
+        cached = beam_search(model, src, beam_size=3, max_new_tokens=14)
+        if fast:
+            shrank += len(set(rows_per_step[1:])) > 1  # fewer rows once sentences finished
+        assert torch.equal(cached, beam_search(model, src, beam_size=3, max_new_tokens=14,
+                                               use_cache=False))  # fmt: skip
+        for b in range(src.shape[0]):
+            one = beam_search(model, src[b : b + 1], beam_size=3, max_new_tokens=14)
+            n = one.shape[1]
+            assert torch.equal(cached[b, :n], one[0]) and bool((cached[b, n:] == 0).all())
+    assert not fast or shrank >= 2

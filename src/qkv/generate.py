@@ -82,13 +82,19 @@ class _Steps:
         else:
             self.cache.reorder(rows)
 
-    def keep(self, rows: Tensor) -> None:
-        """Greedy: only the sentences ``rows`` still run."""
+    def keep(self, sentences: Tensor) -> None:
+        """Only the sentences ``sentences (B',)`` still run, with all their beams."""
         if self.fast is not None:
-            self.state.keep(rows)
+            self.state.keep(sentences)
         else:
+            rows = _hypotheses(sentences, self.beams)
             self.cache.reorder(rows)
             self.memory, self.mask = self.memory[rows], self.mask[rows]
+
+
+def _hypotheses(sentences: Tensor, beams: int) -> Tensor:
+    """Batch rows of the ``beams`` hypotheses of each of ``sentences (B',)``: ``(B'·beams,)``."""
+    return (sentences[:, None] * beams + torch.arange(beams, device=sentences.device)).view(-1)
 
 
 @torch.inference_mode()
@@ -225,51 +231,63 @@ def beam_search(
     best_tokens: list[Tensor | None] = [None] * B
     ended: list[list[tuple[float, Tensor]]] = [[] for _ in range(B)]  # (score, ids) per sentence
     n_final = torch.zeros(B, dtype=torch.long, device=dev)
+    # a finished sentence leaves the batch: ys, scores, limits and the decoder's state hold
+    # only the sentences still running, alive[i] is row block i's sentence
+    alive, alive_limits = torch.arange(B, device=dev), limits
     offsets = (torch.arange(B, device=dev) * K)[:, None]  # (B, 1)
     first_k = (torch.arange(2 * K, device=dev) < K)[None, :]  # (1, 2K)
     n = 0
     for t in range(T_max):
         if use_cache:
-            logits = steps(ys[:, t])  # (B·K, V)
+            logits = steps(ys[:, t])  # (B_alive·K, V)
         else:
             logits = model.decode(ys[:, : t + 1], memory, mask)[:, -1]
         V = logits.shape[-1]
         block = cfg.eos_id if t < min_new_tokens else -1
-        top, idx = _candidates(logits, scores.view(B * K), K, 2 * K, block)  # (B, 2K)
+        top, idx = _candidates(logits, scores.view(-1), K, 2 * K, block)  # (B_alive, 2K)
         beam, tok = idx // V, idx % V
         is_eos = (tok == cfg.eos_id) & first_k & (top > float("-inf"))
         norm = top / float(t + 1) ** length_penalty
-        for b, j in is_eos.nonzero().tolist():
+        for i, j in is_eos.nonzero().tolist():
+            b = int(alive[i])
             if n_final[b] >= K:
                 continue
             n_final[b] += 1
-            row = int(offsets[b, 0] + beam[b, j])
-            hyp = torch.cat([ys[row, 1 : t + 1], tok[b, j : j + 1]])  # a copy: ys is reused
-            ended[b].append((float(norm[b, j]), hyp))
-            if norm[b, j] > best[b]:
-                best[b], best_tokens[b] = norm[b, j], hyp
-        for b in (t + 1 >= limits).nonzero().flatten().tolist():
+            hyp = torch.cat([ys[i * K + beam[i, j], 1 : t + 1], tok[i, j : j + 1]])  # a copy
+            ended[b].append((float(norm[i, j]), hyp))
+            if norm[i, j] > best[b]:
+                best[b], best_tokens[b] = norm[i, j], hyp
+        for i in (t + 1 >= alive_limits).nonzero().flatten().tolist():
+            b = int(alive[i])
             if best_tokens[b] is None:  # out of length, nothing finished: the best open beam
-                j = int(top[b].masked_fill(tok[b] == cfg.eos_id, float("-inf")).argmax())
-                best_tokens[b] = torch.cat(
-                    [ys[int(offsets[b, 0] + beam[b, j]), 1 : t + 1], tok[b, j : j + 1]]
-                )
+                j = int(top[i].masked_fill(tok[i] == cfg.eos_id, float("-inf")).argmax())
+                best_tokens[b] = torch.cat([ys[i * K + beam[i, j], 1 : t + 1], tok[i, j : j + 1]])
             n_final[b] = K
         n = t + 1
-        if bool((n_final >= K).all()):
+        finished = n_final[alive] >= K  # (B_alive,)
+        if bool(finished.all()):
             break
         top = top.masked_fill(tok == cfg.eos_id, float("-inf"))
-        keep_scores, keep = top.topk(K, dim=1)  # (B, K) best non-</s> continuations
-        rows = (offsets + beam.gather(1, keep)).view(-1)  # (B·K,)
-        scores = keep_scores.masked_fill((n_final >= K)[:, None], float("-inf"))
+        scores, keep = top.topk(K, dim=1)  # (B_alive, K) best non-</s> continuations
+        rows = (offsets[: len(alive)] + beam.gather(1, keep)).view(-1)  # (B_alive·K,)
         ys[:, : t + 1] = ys[rows, : t + 1]
         ys[:, t + 1] = tok.gather(1, keep).view(-1)
         if use_cache:
             steps.reorder(rows)
+        if bool(finished.any()):
+            live = (~finished).nonzero().flatten()
+            hyps = _hypotheses(live, K)
+            ys, scores = ys[hyps], scores[live]
+            alive, alive_limits = alive[live], alive_limits[live]
+            if use_cache:
+                steps.keep(live)
+            else:
+                memory, mask = memory[hyps], mask[hyps]
     out = []
     for b in range(B):
         if best_tokens[b] is None:  # nothing finished: the best open beam
-            best_tokens[b] = ys[b * K + int(scores[b].argmax()), 1 : n + 1]
+            i = int((alive == b).nonzero()[0, 0])
+            best_tokens[b] = ys[i * K + int(scores[i].argmax()), 1 : n + 1]
         out.append(best_tokens[b])
     if n_best > 1:
         return _n_best(ended, out, n_best, cfg.pad_id)

@@ -219,13 +219,19 @@ class DecodeState:
             c.reorder(rows)
 
     def keep(self, index: Tensor) -> None:
-        """Keep only the sentences ``index`` ``(B',)`` (greedy decoding drops the finished
-        ones, so later steps compute only the rows still running)."""
-        if self.beams != 1 or self.rows is not None:
-            raise ValueError(f"keep() drops sentences of a greedy state, this one has "
-                             f"{self.beams} beams")  # fmt: skip
+        """Keep only the sentences ``index`` ``(B',)``, with all their beams (finished
+        sentences leave the batch, so later steps compute only the rows still running)."""
+        K = self.beams
+        hyps = (index[:, None] * K + torch.arange(K, device=index.device)).view(-1)  # (B'·K,)
         for c in self.caches:
-            c.reorder(index)
+            c.reorder(hyps)
+        if self.rows is not None:  # renumber the table: old batch row -> its new one
+            t, N = self.t, hyps.shape[0]
+            new_row = torch.full((self.rows.shape[0],), -1, dtype=torch.long)
+            new_row[hyps] = torch.arange(N)
+            rows = torch.arange(N)[:, None].expand(N, self.rows.shape[1]).contiguous()
+            rows[:, :t] = new_row[self.rows.index_select(0, hyps)[:, :t]]
+            self.rows = rows
         self.cross = [(k.index_select(0, index), v.index_select(0, index)) for k, v in self.cross]
         if self.cross_mask is not None:
             self.cross_mask = self.cross_mask.index_select(0, index)
