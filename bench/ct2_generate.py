@@ -11,6 +11,10 @@ until the length is reached: ``min_new_tokens`` / ``min_decoding_length``), qkv 
 CTranslate2 float32 and int8, each engine once per round in turn (interleaved), best round
 kept. ``speed`` is CTranslate2's time over qkv's: above 1.0 qkv is faster. Prints the CPU,
 torch's ISA path and the thread counts. Without ctranslate2 it prints why and exits 0.
+
+With a shipped model and Multi30k at hand (``--data``), two more rows translate the first 32
+sentences of test_2016_flickr as a user would: each sentence stops at its own ``</s>`` (both
+engines with the same length limit), so the time follows the real output lengths.
 """
 
 from __future__ import annotations
@@ -33,6 +37,11 @@ ROWS = [
     ("32 sentences, beam 5", 32, 14, 16, 5),
     ("1 sentence, 64 -> 64 tokens, greedy", 1, 64, 64, 1),
 ]
+
+
+# (name, sentences, beam): real test sentences, natural stopping
+NATURAL = [("32 test sentences, greedy, own lengths", 32, 1),
+           ("32 test sentences, beam 5, own lengths", 32, 5)]
 
 
 def random_model():
@@ -83,13 +92,35 @@ def check_agreement(model, translator, vocab, n: int = 64) -> tuple[int, int]:
     return agree, total
 
 
+def test_sources(model, tokenizer, data: str | None, name: str) -> torch.Tensor | None:
+    """The first 32 sentences of test_2016_flickr in the model's source language, ``(32, S)``
+    padded ids ending in ``</s>``; ``None`` without a tokenizer (random weights) or data."""
+    from qkv.data.corpus import default_data_dir, read_lines
+
+    folder = data or default_data_dir()
+    src_lang = str(name).split("-")[0] if str(name) in ("en-fr", "fr-en") else None
+    if tokenizer is None or folder is None or src_lang is None:
+        return None
+    from pathlib import Path
+
+    path = Path(folder) / f"test_2016_flickr.{src_lang}.gz"
+    if not path.exists():
+        return None
+    ids = [tokenizer.encode(s) + [tokenizer.eos_id] for s in read_lines(path)[:32]]
+    src = torch.full((len(ids), max(map(len, ids))), model.cfg.pad_id, dtype=torch.long)
+    for i, x in enumerate(ids):
+        src[i, : len(x)] = torch.tensor(x)
+    return src
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default="en-fr", help="shipped model name or directory")
     p.add_argument("--random", action="store_true", help="random weights, same architecture")
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     p.add_argument("--rounds", type=int, default=7, help="interleaved rounds (best kept)")
-    p.add_argument("--rows", type=int, nargs="+", default=None, help="row numbers (1-5)")
+    p.add_argument("--rows", type=int, nargs="+", default=None, help="row numbers (1-7)")
+    p.add_argument("--data", default=None, help="Multi30k directory (natural-length rows)")
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="wall time, or the process's CPU time (all its threads; steadier on a "
                         "machine shared with other work, meaningful with 1 thread)")  # fmt: skip
@@ -100,12 +131,14 @@ def main() -> int:
         return 0
     import ctranslate2
 
+    tokenizer = None
     if args.random:
         model, name = random_model(), "random weights"
     else:
         from qkv.translate import load_translator
 
-        model, name = load_translator(args.model)[0].eval(), args.model
+        model, tokenizer = load_translator(args.model)
+        model, name = model.eval(), args.model
     cfg = model.cfg
     n_params = sum(p.numel() for p in model.parameters()) / 1e6
     print(f"{cpu_name()} | torch {torch.__version__} ISA {torch.backends.cpu.get_cpu_capability()}"
@@ -129,24 +162,33 @@ def main() -> int:
     if agree != total:
         print("conversion is not exact: nothing timed")
         return 1
-    rows = [ROWS[i - 1] for i in args.rows] if args.rows else ROWS
+    table = [(label, n, S, T, beam, None) for label, n, S, T, beam in ROWS]
+    natural = test_sources(model, tokenizer, args.data, args.model)
+    if natural is not None:
+        table += [(label, n, natural.shape[1], None, beam, natural[:n]) for label, n, beam
+                  in NATURAL]  # fmt: skip
+    else:
+        print("natural-length rows skipped: they need a shipped model and Multi30k (--data)")
+    rows = [table[i - 1] for i in args.rows if i <= len(table)] if args.rows else table
     clock = time.perf_counter if args.clock == "wall" else time.process_time
     print(f"clock: {args.clock} time, best of {args.rounds} interleaved rounds")
     print(f"\n{'':38} {'thr':>3} {'qkv':>9} {'ct2 fp32':>9} {'ct2 int8':>9} "
           f"{'speed/fp32':>10} {'speed/int8':>10}")  # fmt: skip
     for threads in args.threads:
-        for r, (label, n, S, T, beam) in enumerate(rows):
-            src = sources(cfg, n, S, seed=100 + r)
+        for r, (label, n, S, T, beam, real) in enumerate(rows):
+            src = sources(cfg, n, S, seed=100 + r) if real is None else real
             toks = [_ct2.tokens(x, vocab) for x in rows_of(src, cfg)]
+            # fixed rows: exactly T tokens; natural rows: up to 2·S + 10, </s> ends a sentence
+            T_max, T_min = (T, T) if real is None else (2 * S + 10, 0)
 
-            def ours(src=src, T=T, beam=beam):
+            def ours(src=src, T=T_max, m=T_min, beam=beam):
                 if beam == 1:
-                    return greedy_search(model, src, max_new_tokens=T, min_new_tokens=T)
-                return beam_search(model, src, beam_size=beam, max_new_tokens=T, min_new_tokens=T)
+                    return greedy_search(model, src, max_new_tokens=T, min_new_tokens=m)
+                return beam_search(model, src, beam_size=beam, max_new_tokens=T, min_new_tokens=m)
 
-            def theirs(tr, toks=toks, T=T, beam=beam):
+            def theirs(tr, toks=toks, T=T_max, m=T_min, beam=beam):
                 return tr.translate_batch(toks, beam_size=beam, max_decoding_length=T,
-                                          min_decoding_length=T, max_batch_size=0)  # fmt: skip
+                                          min_decoding_length=m, max_batch_size=0)  # fmt: skip
 
             calls = {
                 "qkv": ours,

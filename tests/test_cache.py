@@ -84,8 +84,19 @@ def test_reorder_gathers_filled_rows_into_the_second_buffer():
     k, v = kv(B=4, seed=9)  # appending after a reorder continues the reordered rows
     cache.update(k, v)
     torch.testing.assert_close(cache.keys[:, :, 3:], k, rtol=0, atol=0)
-    cache.reorder(torch.tensor([3, 1]))  # fewer rows: a smaller cache
+    kept = cache.keys.clone()
+    spare_ptr = second if cache.keys.data_ptr() == first else first
+    cache.reorder(torch.tensor([3, 1]))  # fewer rows: the first rows of the spare buffer
     assert cache.batch_size == 2 and len(cache) == 4
+    assert cache.keys.data_ptr() == spare_ptr  # nothing allocated
+    torch.testing.assert_close(cache.keys, kept[[3, 1]], rtol=0, atol=0)
+    k, v = kv(B=2, seed=10)  # the smaller batch appends and reorders like any other
+    cache.update(k, v)
+    cache.reorder(torch.tensor([1, 1, 0]))  # a larger batch again, within the spare's 4 rows
+    want = torch.cat([kept[[3, 1]], k], 2)[[1, 1, 0]]
+    torch.testing.assert_close(cache.keys, want, rtol=0, atol=0)
+    cache.reorder(torch.tensor([2, 0, 1]))
+    torch.testing.assert_close(cache.keys, want[[2, 0, 1]], rtol=0, atol=0)
 
 
 def test_reorder_keeps_gradients():

@@ -17,7 +17,8 @@ and half the bytes read per step); :meth:`update` then returns the bf16 views, a
 
 Beams: :meth:`reorder` gathers only the filled positions, into a second buffer that is
 allocated once and swapped with the first (``index_select(..., out=)``), so a beam step costs
-``B·h_kv·len·d`` copies, never the whole capacity, and no allocation.
+``B·h_kv·len·d`` copies, never the whole capacity, and no allocation; a smaller batch
+(sentences that finished) lives in the first rows of the same buffers.
 
 Shapes: keys and values are ``(B, h_kv, T, d_k)``.
 """
@@ -66,6 +67,8 @@ class KVCache:
         self._k: Tensor | None = None  # (B, h_kv, capacity, d_k)
         self._v: Tensor | None = None  # (B, h_kv, capacity, d_v)
         self._spare: tuple[Tensor, Tensor] | None = None  # reorder's second buffers
+        # the buffers _k/_v are views of (their first rows, after a batch shrank)
+        self._full: tuple[Tensor, Tensor] | None = None
         self._len = 0
 
     def __len__(self) -> int:
@@ -95,7 +98,7 @@ class KVCache:
     def reset(self) -> None:
         """Forget everything, buffers included (a new batch may have another size)."""
         self._k = self._v = None
-        self._spare = None
+        self._spare = self._full = None
         self._len = 0
 
     def _check(self, k: Tensor, v: Tensor) -> None:
@@ -159,6 +162,7 @@ class KVCache:
         B, h, _, d_k = k.shape
         self._k = torch.empty(B, h, capacity, d_k, dtype=dtype, device=k.device)
         self._v = torch.empty(B, h, capacity, v.shape[3], dtype=dtype, device=k.device)
+        self._full = (self._k, self._v)
 
     def _resize(self, capacity: int) -> None:
         if self.max_len is not None:
@@ -169,7 +173,7 @@ class KVCache:
         self._v = old_v.new_empty(B, h, capacity, old_v.shape[3])
         self._k[:, :, : self._len] = old_k[:, :, : self._len]
         self._v[:, :, : self._len] = old_v[:, :, : self._len]
-        self._spare = None
+        self._full, self._spare = (self._k, self._v), None
 
     def set(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Replace the contents (cross-attention: the encoder's keys and values, once)."""
@@ -177,30 +181,34 @@ class KVCache:
         return self.update(k, v)
 
     def reorder(self, index: Tensor) -> None:
-        """Keep batch rows ``index`` ``(B',)`` (beam search: follow the surviving beams).
+        """Keep batch rows ``index`` ``(B',)`` (beam search: follow the surviving beams;
+        finished sentences leave the batch).
 
-        Only the filled positions are gathered. With ``B' == B`` they go into a second buffer
-        kept for the purpose (swapped with the first), so no step allocates.
+        Only the filled positions are gathered, into a second buffer kept for the purpose
+        (swapped with the first); a smaller batch uses the first ``B'`` rows of it, so
+        following beams and dropping sentences allocate nothing once it exists.
         """
         if self._k is None:
             return
         index = index.to(device=self._k.device, dtype=torch.long)
         if index.dim() != 1:
             raise ValueError(f"index must be 1-D (B',), got shape {tuple(index.shape)}")
-        n = self._len
-        grad = torch.is_grad_enabled() and (self._k.requires_grad or self._v.requires_grad)
-        if index.shape[0] != self._k.shape[0] or grad:  # new buffers (autograd: out= has none)
-            self._k = self._k.index_select(0, index)
+        n, B = self._len, index.shape[0]
+        if torch.is_grad_enabled() and (self._k.requires_grad or self._v.requires_grad):
+            self._k = self._k.index_select(0, index)  # new buffers: out= has no autograd
             self._v = self._v.index_select(0, index)
-            self._spare = None
+            self._full, self._spare = (self._k, self._v), None
             return
-        if self._spare is None:
-            self._spare = (torch.empty_like(self._k), torch.empty_like(self._v))
-        k2, v2 = self._spare
+        spare = self._spare
+        if spare is None or spare[0].shape[0] < B:
+            _, h, cap, d_k = self._k.shape
+            spare = (self._k.new_empty(B, h, cap, d_k),
+                     self._v.new_empty(B, h, cap, self._v.shape[3]))  # fmt: skip
+        k2, v2 = spare[0][:B], spare[1][:B]  # (B', h_kv, capacity, d)
         if n:
             torch.index_select(self._k[:, :, :n], 0, index, out=k2[:, :, :n])
             torch.index_select(self._v[:, :, :n], 0, index, out=v2[:, :, :n])
-        self._spare = (self._k, self._v)
+        self._spare, self._full = self._full, spare  # swapped: the old buffers are the spare
         self._k, self._v = k2, v2
 
     def truncate(self, length: int) -> None:

@@ -127,6 +127,24 @@ def _gather(x: Tensor, rows: Tensor) -> Tensor:
     return x.transpose(1, 2)[rows[:, :T], pos].transpose(1, 2)  # (N, h, T, d)
 
 
+def _real_rows(mask: Tensor | None, B: int, S: int) -> Tensor | None:
+    """Flat indices ``(n,)`` of the tokens a padding mask ``(B, 1, 1, S)`` lets through, or
+    ``None`` when there is nothing to skip (no mask, no padding, or another mask shape)."""
+    if mask is None or mask.dtype != torch.bool or mask.shape != (B, 1, 1, S):
+        return None
+    flat = mask.reshape(B * S)
+    if bool(flat.all()):
+        return None
+    return flat.nonzero().flatten()
+
+
+def _unpack(x: Tensor, rows: Tensor | None, n: int) -> Tensor:
+    """Rows ``x (len(rows), w)`` put back in their places ``(n, w)``, zeros elsewhere."""
+    if rows is None:
+        return x
+    return x.new_zeros(n, x.shape[1]).index_copy_(0, rows, x)
+
+
 def _fuse(*linears: nn.Linear) -> tuple[Tensor, Tensor | None]:
     w = torch.cat([lin.weight for lin in linears])
     b = None if linears[0].bias is None else torch.cat([lin.bias for lin in linears])
@@ -346,30 +364,38 @@ class IncrementalDecoder:
 
     # --- per call -------------------------------------------------------------------------
 
-    def encode(self, src: Tensor, src_mask: Tensor) -> Tensor:
-        """``model.encode(src, src_mask)`` with the prepared weights: memory ``(B, S, d)``."""
+    def encode(self, src: Tensor, src_mask: Tensor | None) -> Tensor:
+        """``model.encode(src, src_mask)`` with the prepared weights: memory ``(B, S, d)``.
+
+        The position-wise layers (projections, feed-forward, norms) run on the real tokens
+        only, packed without their padding (a batch of sentences of mixed lengths is
+        mostly padding otherwise); attention sees them in their padded places. The memory's
+        padding positions are zeros: the mask hides them from cross-attention."""
         B, S = src.shape
         d, h, h_kv, d_k = self.d, self.h, self.h_kv, self.d_k
-        x = self.encoder.embed(src)  # (B, S, d)
-        x = x.reshape(B * S, d)
+        x = self.encoder.embed(src).reshape(B * S, d)  # (B·S, d)
+        real = _real_rows(src_mask, B, S)  # (n,) indices of the non-pad tokens, or None
+        if real is not None:
+            x = x.index_select(0, real)  # (n, d)
         kv_w = h_kv * d_k
         for L in self.enc_layers:
-            y = self._sub_in(x, L.norms[0])
-            qkv = L.qkv(y).view(B, S, -1)  # (B, S, (h + 2·h_kv)·d_k)
+            y = L.qkv(self._sub_in(x, L.norms[0]))  # (n, (h + 2·h_kv)·d_k)
+            qkv = _unpack(y, real, B * S).view(B, S, -1)  # (B, S, (h + 2·h_kv)·d_k)
             q = qkv[..., :d].view(B, S, h, d_k).transpose(1, 2)  # (B, h, S, d_k)
             k = qkv[..., d : d + kv_w].view(B, S, h_kv, d_k).transpose(1, 2)  # (B, h_kv, S, d_k)
             v = qkv[..., d + kv_w :].view(B, S, h_kv, d_k).transpose(1, 2)
             if L.rope is not None:
                 q, k = L.rope(q, k)
             a = self._attend("enc", L.backend, q, k, v, src_mask, None)  # (B, h, S, d_k)
-            y = L.o(a.transpose(1, 2).reshape(B * S, d))
+            a = a.transpose(1, 2).reshape(B * S, d)
+            y = L.o(a if real is None else a.index_select(0, real))  # (n, d)
             x = self._sub_out(x, y, L.norms[0])
             y = self._sub_in(x, L.norms[1])
             y = L.w2(L.w1(y))
             x = self._sub_out(x, y, L.norms[1])
         if self.enc_norm is not None:
             x = torch.layer_norm(x, (d,), *self.enc_norm)
-        return x.view(B, S, d)
+        return _unpack(x, real, B * S).view(B, S, d)
 
     def start(
         self,
@@ -387,8 +413,11 @@ class IncrementalDecoder:
         """
         B, S, _ = memory.shape
         cross = []
-        if self.cross_kv is not None:
-            kv = self.cross_kv(memory.reshape(B * S, self.d))  # (B·S, L·2·h_kv·d_k)
+        if self.cross_kv is not None:  # projected for the real tokens only (see encode)
+            real = _real_rows(memory_mask, B, S)
+            x = memory.reshape(B * S, self.d)
+            kv = self.cross_kv(x if real is None else x.index_select(0, real))
+            kv = _unpack(kv, real, B * S)  # (B·S, L·2·h_kv·d_k)
             kv = kv.view(B, S, len(self.layers), 2, self.h_kv, self.d_k)
             kv = kv.permute(2, 3, 0, 4, 1, 5).contiguous()  # (L, 2, B, h_kv, S, d_k)
             cross = [(kv[i, 0], kv[i, 1]) for i in range(len(self.layers))]
