@@ -127,16 +127,36 @@ class RotaryEmbedding(nn.Module):
         self.d_k = d_k
         inv_freq = base ** (-torch.arange(0, d_k, 2, dtype=torch.float64) / d_k)
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        # cos and sin of every position so far, (n, d_k) each, per device: a decode step
+        # slices one row instead of computing arange, products, cos, sin and cats again
+        self._tables: dict[torch.device, tuple[Tensor, Tensor]] = {}
+
+    def _cos_sin(self, offset: int, T: int, device: torch.device) -> tuple[Tensor, Tensor]:
+        """cos and sin ``(T, d_k)`` (fp32) of positions ``offset .. offset + T - 1``."""
+        table = self._tables.get(device)
+        if table is None or table[0].shape[0] < offset + T:
+            n = max(64, 1 << (offset + T - 1).bit_length())  # grown by doubling
+            # plain tensors even when first needed under inference_mode: a later training
+            # step saves them for backward, which inference tensors do not allow
+            with torch.inference_mode(False), torch.no_grad():
+                pos = torch.arange(n, device=device, dtype=torch.float32)
+                angle = pos[:, None] * self.inv_freq.to(device)[None, :]  # (n, d_k/2)
+                cos, sin = angle.cos(), angle.sin()
+                table = (torch.cat([cos, cos], -1), torch.cat([sin, sin], -1))
+            self._tables[device] = table
+        return table[0][offset : offset + T], table[1][offset : offset + T]
+
+    def _apply(self, fn, recurse: bool = True):
+        self._tables = {}  # rebuilt from inv_freq where it now lives
+        return super()._apply(fn, recurse)
 
     def rotate(self, x: Tensor, offset: int = 0) -> Tensor:
         """Rotate ``x (..., T, d_k)`` whose first row sits at position ``offset``."""
         if x.shape[-1] != self.d_k:
             raise ValueError(f"x must end in d_k={self.d_k}, got shape {tuple(x.shape)}")
-        T = x.shape[-2]
-        pos = torch.arange(offset, offset + T, device=x.device, dtype=torch.float32)
-        angle = pos[:, None] * self.inv_freq.to(x.device)[None, :]  # (T, d_k/2)
-        cos = torch.cat([angle.cos(), angle.cos()], dim=-1).to(x.dtype)  # (T, d_k)
-        sin = torch.cat([angle.sin(), angle.sin()], dim=-1).to(x.dtype)
+        cos, sin = self._cos_sin(offset, x.shape[-2], x.device)  # (T, d_k)
+        if x.dtype != torch.float32:
+            cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         x1, x2 = x.chunk(2, dim=-1)
         rotated_half = torch.cat([-x2, x1], dim=-1)
         return x * cos + rotated_half * sin

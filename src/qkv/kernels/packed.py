@@ -77,25 +77,35 @@ class PackedLinear(nn.Linear):
         return self._panels
 
     def forward(self, x: Tensor) -> Tensor:
+        # the checks cheapest first: a decode step calls this ~7 times per layer
         w = self.weight
-        rows = x.numel() // max(x.shape[-1], 1) if x.dim() else 0
-        ops = decode_ops()
         if (
-            ops is None
-            or rows == 0
-            or rows > SMALL_ROWS
+            x.dtype != torch.float32
             or w.dtype != torch.float32
-            or x.dtype != torch.float32
-            or w.device.type != "cpu"
-            or x.device.type != "cpu"
+            or not x.is_cpu
+            or not w.is_cpu
+            or x.dim() == 0
             or (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad))
+            or (op := _small_linear()) is None
         ):
             return TF.linear(x, w, self.bias)
-        x2 = x.reshape(rows, x.shape[-1])
+        x2 = x.reshape(-1, x.shape[-1]) if x.shape[-1] else x.reshape(x.numel(), 0)
+        if not 0 < x2.shape[0] <= SMALL_ROWS:
+            return TF.linear(x, w, self.bias)
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
-        y = ops.small_linear(x2, self._packed(), self.bias, self.out_features, False)
+        y = op(x2, self._packed(), self.bias, self.out_features, False)
         return y.view(*x.shape[:-1], self.out_features)
+
+
+_OP: list = []  # [the compiled small_linear overload, or None], looked up once
+
+
+def _small_linear():
+    if not _OP:
+        ops = decode_ops()
+        _OP.append(None if ops is None else ops.small_linear.default)
+    return _OP[0]
 
 
 def pack_linears(model: nn.Module, *, skip: Iterable[str] = ()) -> nn.Module:
