@@ -8,14 +8,16 @@
 The model: :class:`qkv.models.CausalLM`, 12 layers, d_model 768, 12 query heads over 4
 key/value heads (GQA), RoPE, d_ff 3072, vocab 32000, random weights (speed only). For each
 prompt length: prefill (in chunks of ``--chunk`` tokens, over the KV cache), then
-``--new`` greedy tokens one at a time. Each runs twice: attention through qkv
+``--new`` greedy tokens one at a time, as :func:`qkv.generate.generate` makes them: through
+the prepared decoder (:class:`qkv.models.lm_decoder.LMDecoder`; ``--module-forward`` calls
+the model's own forward per token instead). Each runs twice: attention through qkv
 (``backend="auto"``) and through torch SDPA (``backend="torch"``, PyTorch's fused kernel with
 ``enable_gqa``), the rest of the model identical: its linear layers packed for few-row
 inputs (:func:`qkv.kernels.packed.pack_linears`; ``--no-pack`` keeps ``nn.Linear``).
 
-Printed per row: prefill seconds; decode tokens/s; the share of decode time spent inside
-attention (``qkv.functional.scaled_dot_product_attention`` timed around each call); and the
-decode speed as a fraction of its memory-bound limit: every step must read all the weights
+Printed per row: prefill seconds; decode tokens/s (from the median step); the share of
+decode time spent inside attention (timed around each attention call); and the decode
+speed as a fraction of its memory-bound limit: every step must read all the weights
 plus the whole KV cache once, so the limit is ``(weight bytes + mean KV bytes per step) ÷
 read bandwidth``, with the read bandwidth measured in this run (a sum over 1 GiB written
 first: reading fresh ``torch.empty`` memory hits the kernel's shared zero page and reports
@@ -25,6 +27,7 @@ about twice the truth).
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from contextlib import contextmanager
 
@@ -34,6 +37,8 @@ import qkv.functional as qf
 from _measure import cpu_name
 from qkv.kernels.packed import pack_linears
 from qkv.models import CausalLM, TransformerConfig
+from qkv.models.incremental import PreparedSteps
+from qkv.models.lm_decoder import LMDecoder
 
 
 def read_bandwidth(gib: float = 1.0, repeats: int = 3) -> float:
@@ -48,27 +53,30 @@ def read_bandwidth(gib: float = 1.0, repeats: int = 3) -> float:
 
 
 class AttentionTimer:
-    """Wall time spent inside ``qkv.functional.scaled_dot_product_attention``."""
+    """Wall time spent inside attention: ``qkv.functional.scaled_dot_product_attention``
+    (the model's forward) and the prepared decoders' attention step."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
-        self._orig = qf.scaled_dot_product_attention
 
     @contextmanager
     def active(self):
-        orig = self._orig
+        patched = [(qf, "scaled_dot_product_attention"), (PreparedSteps, "_attend")]
+        originals = [getattr(owner, name) for owner, name in patched]
+        for (owner, name), orig in zip(patched, originals):
 
-        def timed(*args, **kwargs):
-            t0 = time.perf_counter()
-            out = orig(*args, **kwargs)
-            self.seconds += time.perf_counter() - t0
-            return out
+            def timed(*args, orig=orig, **kwargs):
+                t0 = time.perf_counter()
+                out = orig(*args, **kwargs)
+                self.seconds += time.perf_counter() - t0
+                return out
 
-        qf.scaled_dot_product_attention = timed
+            setattr(owner, name, timed)
         try:
             yield self
         finally:
-            qf.scaled_dot_product_attention = orig
+            for (owner, name), orig in zip(patched, originals):
+                setattr(owner, name, orig)
 
 
 def build(vocab: int, layers: int) -> CausalLM:
@@ -87,8 +95,10 @@ def set_backend(lm: CausalLM, backend: str) -> None:
 
 @torch.inference_mode()
 def run(lm: CausalLM, prompt: torch.Tensor, new: int, chunk: int, cache_dtype,
-        random_cache: bool = False):  # fmt: skip
-    """(prefill seconds, decode seconds, attention seconds in decode, mean KV bytes/step).
+        random_cache: bool = False, module_forward: bool = False):  # fmt: skip
+    """(prefill seconds, median seconds per decode step, share of decode time inside
+    attention, mean KV bytes per step). The median step, not the mean: this shared VM's
+    speed drifts within a run, and one slow stretch should not stand for the decoder.
 
     random_cache: no prefill (nan seconds); the cache holds random keys and values of the
     prompt's length instead (decode reads them all the same; its speed does not depend on
@@ -109,13 +119,19 @@ def run(lm: CausalLM, prompt: torch.Tensor, new: int, chunk: int, cache_dtype,
         tok = logits.argmax(-1, keepdim=True)  # (1, 1)
     timer = AttentionTimer()
     kv_bytes = 0
+    dec = None if module_forward else LMDecoder.for_model(lm)  # what generate() decodes with
+    steps = []
     with timer.active():
-        t0 = time.perf_counter()
+        state = dec.start(cache) if dec is not None else None
         for _ in range(new):
             kv_bytes += sum(c.keys.nbytes + c.values.nbytes for c in cache)
-            tok = lm(tok, cache=cache)[:, -1].argmax(-1, keepdim=True)
-        decode = time.perf_counter() - t0
-    return prefill, decode, timer.seconds, kv_bytes / new
+            t0 = time.perf_counter()
+            if dec is not None:
+                tok = dec.step(state, tok.view(-1)).argmax(-1, keepdim=True)  # (1, 1)
+            else:
+                tok = lm(tok, cache=cache)[:, -1].argmax(-1, keepdim=True)
+            steps.append(time.perf_counter() - t0)
+    return prefill, statistics.median(steps), timer.seconds / sum(steps), kv_bytes / new
 
 
 def main() -> None:
@@ -130,6 +146,8 @@ def main() -> None:
     p.add_argument("--cache-dtype", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--random-cache", action="store_true",
                    help="skip the prefill: random K/V of the prompt's length (decode only)")  # fmt: skip
+    p.add_argument("--module-forward", action="store_true",
+                   help="decode through the model's forward, not the prepared decoder")  # fmt: skip
     p.add_argument("--no-pack", action="store_true",
                    help="keep nn.Linear (default: qkv.kernels.packed.pack_linears, both rows)")  # fmt: skip
     args = p.parse_args()
@@ -143,10 +161,12 @@ def main() -> None:
     print(f"{cpu_name()} | torch {torch.__version__} ISA {torch.backends.cpu.get_cpu_capability()}"
           f" | CausalLM {args.layers} layers, d_model 768, 12/4 heads (GQA), RoPE, "
           f"{weight_bytes / 1e6:.0f} MB of weights | KV cache {args.cache_dtype} | "
-          f"linears {'nn.Linear' if args.no_pack else 'packed panels'} | {new} new tokens")  # fmt: skip
+          f"linears {'nn.Linear' if args.no_pack else 'packed panels'} | decode through "
+          f"{'the module forward' if args.module_forward else 'LMDecoder'} | {new} new tokens")  # fmt: skip
     print(f"{'threads':>7} {'prompt':>6} {'attention':>10} {'prefill s':>9} {'tok/s':>7} "
           f"{'attn %':>6} {'limit tok/s':>11} {'of limit':>8}")  # fmt: skip
-    run(lm, torch.randint(3, args.vocab, (1, 64)), 2, args.chunk, cache_dtype)  # warm-up
+    run(lm, torch.randint(3, args.vocab, (1, 64)), 2, args.chunk, cache_dtype,
+        module_forward=args.module_forward)  # warm-up
     for threads in args.threads:
         torch.set_num_threads(threads)
         bw = read_bandwidth()
@@ -158,12 +178,12 @@ def main() -> None:
             for label, backend in (("qkv auto", "auto"), ("torch SDPA", "torch")):
                 set_backend(lm, backend)
                 t_start = time.perf_counter()
-                prefill, decode, attn, kv = run(lm, prompt, new, args.chunk, cache_dtype,
-                                                args.random_cache)  # fmt: skip
+                prefill, step, attn, kv = run(lm, prompt, new, args.chunk, cache_dtype,
+                                              args.random_cache, args.module_forward)  # fmt: skip
                 limit = bw / (weight_bytes + kv)  # tokens/s if every byte is read once
-                speed = new / decode
+                speed = 1 / step
                 print(f"{threads:>7} {T:>6} {label:>10} {prefill:>9.2f} {speed:>7.2f} "
-                      f"{100 * attn / decode:>5.0f}% {limit:>11.2f} {speed / limit:>7.0%}"
+                      f"{100 * attn:>5.0f}% {limit:>11.2f} {speed / limit:>7.0%}"
                       f"   ({time.perf_counter() - t_start:.0f} s)", flush=True)  # fmt: skip
 
 

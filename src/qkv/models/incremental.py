@@ -39,7 +39,7 @@ from qkv.kernels.int8 import Int8Linear, SmallBatchInt8Linear
 from qkv.kernels.packed import SMALL_ROWS, panels
 from qkv.positional import LearnedPositionalEmbedding, RotaryEmbedding, SinusoidalPositionalEncoding
 
-__all__ = ["IncrementalDecoder", "DecodeState", "SmallBatchLinear", "unsupported"]
+__all__ = ["IncrementalDecoder", "DecodeState", "PreparedSteps", "SmallBatchLinear", "unsupported"]
 
 # oneDNN packs a weight for a batch size (any other works, a little slower): one packing per
 # power of two of the rows, the last few kept
@@ -174,6 +174,12 @@ def unsupported(
 
     if not isinstance(model, Seq2SeqTransformer):
         return f"not a Seq2SeqTransformer ({type(model).__name__})"
+    return _unprepared(model, model.decoder.embed.embedding.weight, attention, modules)
+
+
+def _unprepared(model: nn.Module, embedding: Tensor, attention: list | None,
+                modules: list | None) -> str | None:  # fmt: skip
+    """What keeps any prepared decoder from running ``model`` (``None``: nothing)."""
     if model.training:
         return "model in training mode (dropout)"
     if attention is None:
@@ -183,7 +189,7 @@ def unsupported(
             return "an inspection hook (recorder/head_mask) is set"
         if m.position is not None and not isinstance(m.position, RotaryEmbedding):
             return f"position {type(m.position).__name__} inside attention"
-    w = model.decoder.embed.embedding.weight
+    w = embedding
     if w.dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
         return f"weights of dtype {w.dtype}"
     int8 = {isinstance(m, Int8Linear) for m in (model.modules() if modules is None else modules)
@@ -200,12 +206,14 @@ def unsupported(
 _PREPARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _weights_key(modules: list[nn.Module]) -> tuple:
-    """What changes when a weight is replaced or written in place."""
-    return tuple(
-        (id(p), p.data_ptr(), p._version) for m in modules
+def _state_key(model: nn.Module, children: list[nn.Module], attention: list) -> tuple:
+    """What the prepared copy depends on: every weight (replaced or written in place) and
+    each attention's backend."""
+    weights = tuple(
+        (id(p), p.data_ptr(), p._version) for m in (model, *children)
         for p in (*m._parameters.values(), *m._buffers.values()) if p is not None
     )  # fmt: skip
+    return weights, tuple(m.backend for m in attention)
 
 
 class DecodeState:
@@ -218,6 +226,7 @@ class DecodeState:
         self.cross_mask = cross_mask  # (B, 1, 1, S) bool, or None
         self.beams = beams
         self.t = 0  # positions decoded so far
+        self.t0 = 0  # the position of the first step (a prefilled cache's length)
         self.bias: Tensor | None = None  # the mask as an additive float bias (torch path)
         self.positions: Tensor | None = None  # (max_steps, d) added to the embeddings
         self.choices: dict[tuple[str, int], str] = {}  # attention path per (kind, Tk range)
@@ -308,7 +317,105 @@ class _EncoderLayer:
         self.backend = sa.backend
 
 
-class IncrementalDecoder:
+class PreparedSteps:
+    """What the prepared decoders share: residual sub-layers and attention resolved once per
+    kind of call. Subclasses set ``pre_norm`` and ``scale``."""
+
+    pre_norm: bool
+    scale: float
+
+    @staticmethod
+    def unsupported(model: nn.Module, attention: list | None = None,
+                    modules: list | None = None) -> str | None:  # fmt: skip
+        """Why this kind of prepared decoder cannot run ``model`` (``None``: it can)."""
+        raise NotImplementedError
+
+    @classmethod
+    def for_model(cls, model: nn.Module):
+        """The prepared decoder of ``model`` (kept while its weights and attention backends
+        stay the same), or ``None`` where :meth:`unsupported` says it cannot run the model."""
+        held = _PREPARED.get(model)
+        if held is not None:
+            kind, children, attention, key, made = held
+            if (kind is cls and cls.unsupported(model, attention, children) is None
+                    and _state_key(model, children, attention) == key):  # fmt: skip
+                return made
+        children = list(model.modules())[1:]  # not the model itself: the entry must not keep it
+        attention = [m for m in children if isinstance(m, MultiHeadAttention)]
+        if cls.unsupported(model, attention, children) is not None:
+            return None
+        made = cls(model)
+        _PREPARED[model] = (cls, children, attention, _state_key(model, children, attention), made)
+        return made
+
+    def _sub_in(self, x: Tensor, norm: tuple[Tensor, Tensor, float]) -> Tensor:
+        """A sublayer's input: normalised first in pre-LN, as is in post-LN."""
+        return torch.layer_norm(x, x.shape[-1:], *norm) if self.pre_norm else x
+
+    def _sub_out(self, x: Tensor, y: Tensor, norm: tuple[Tensor, Tensor, float]) -> Tensor:
+        """The residual after a sublayer: ``x + y`` in pre-LN, normalised after in post-LN.
+
+        ``x`` is the decoder's own running activation (made by this class, needed no more):
+        the sum is written into it."""
+        x = x.add_(y)
+        return x if self.pre_norm else torch.layer_norm(x, x.shape[-1:], *norm)
+
+    def _attend(self, kind: str, backend: str, q: Tensor, k: Tensor, v: Tensor,
+                mask: Tensor | None, state: DecodeState | None,
+                rows: Tensor | None = None) -> Tensor:  # fmt: skip
+        """Attention as ``qkv.functional`` would run it, its path resolved once per kind and
+        key-length range (``Tk`` up to the next power of two) of a call, not per step.
+
+        ``rows (N, >= Tk)``: batch row ``rows[b, p]`` holds row ``b``'s key/value at position
+        ``p`` (beams reordered without copying the cache): the decode kernel reads them
+        there; any other path gets them gathered first."""
+        if k.dtype != q.dtype:  # a cache stored in another dtype
+            k, v = k.to(q.dtype), v.to(q.dtype)
+        choices = state.choices if state is not None else {}
+        key = (kind, k.shape[-2].bit_length())
+        choice = choices.get(key)
+        if choice is None:  # shapes, dtype and backend are fixed for a state: only Tk grows
+            case = dispatch.describe(q, k, v, mask=mask, causal=kind == "self")
+            choice = choices[key] = dispatch.choose(case, backend).backend
+        if choice == "decode" and k.shape[-2] > 0:
+            return self._decode(q, k, v, mask, kind == "self", state, rows)
+        if rows is not None:
+            k, v = _gather(k, rows), _gather(v, rows)
+        if choice == "torch":  # what qkv's "torch" backend runs, without re-checking per step
+            bias = mask
+            if mask is not None and state is not None:
+                if state.bias is None:  # an additive mask is faster for few rows; a source
+                    # with no visible token keeps the bool mask (zeros, as qkv gives, not NaN)
+                    state.bias = mask
+                    if bool(mask.any(-1).all()):
+                        state.bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device)
+                        state.bias.masked_fill_(~mask, float("-inf"))
+                bias = state.bias
+            return TF.scaled_dot_product_attention(
+                q, k, v, attn_mask=bias, enable_gqa=q.shape[1] != k.shape[1]
+            )
+        return F.scaled_dot_product_attention(
+            q, k, v, mask=mask, causal=kind == "self", backend=choice
+        )
+
+    def _decode(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool,
+                state: DecodeState | None, rows: Tensor | None = None) -> Tensor:  # fmt: skip
+        """The decode kernel's call as :func:`qkv.kernels.decode.run_decode` makes it, its
+        mask view built once per query count of a state."""
+        m5 = None
+        if mask is not None:
+            key = (q.shape[0], q.shape[2], k.shape[2])
+            m5 = state.masks5.get(key) if state is not None else None
+            if m5 is None:
+                shape = AttentionShape((q.shape[0],), q.shape[1], k.shape[1], q.shape[2],
+                                       k.shape[2], q.shape[3], v.shape[3])  # fmt: skip
+                m5 = _mask_arg(mask, shape)  # (B, h_kv, G, Tq, Tk) bool view
+                if state is not None:
+                    state.masks5[key] = m5
+        return decode_ops().fwd(q.contiguous(), k, v, m5, self.scale, causal, -1, 0, rows)[0]
+
+
+class IncrementalDecoder(PreparedSteps):
     """A :class:`~qkv.models.Seq2SeqTransformer`'s decoder prepared for token-by-token use.
 
     Build it with :meth:`for_model` (prepared once, rebuilt when a weight changes).
@@ -344,23 +451,10 @@ class IncrementalDecoder:
         if isinstance(enc.norm, nn.LayerNorm):
             self.enc_norm = (enc.norm.weight.detach(), enc.norm.bias.detach(), enc.norm.eps)
 
-    @classmethod
-    def for_model(cls, model: nn.Module) -> IncrementalDecoder | None:
-        """The prepared decoder of ``model`` (kept while its weights stay the same), or
-        ``None`` where :func:`unsupported` says it cannot run the model."""
-        held = _PREPARED.get(model)
-        if held is not None:
-            children, attention, key, made = held
-            if (unsupported(model, attention, children) is None
-                    and _weights_key([model, *children]) == key):  # fmt: skip
-                return made
-        children = list(model.modules())[1:]  # not the model itself: the entry must not keep it
-        attention = [m for m in children if isinstance(m, MultiHeadAttention)]
-        if unsupported(model, attention, children) is not None:
-            return None
-        made = cls(model)
-        _PREPARED[model] = (children, attention, _weights_key([model, *children]), made)
-        return made
+    @staticmethod
+    def unsupported(model: nn.Module, attention: list | None = None,
+                    modules: list | None = None) -> str | None:  # fmt: skip
+        return unsupported(model, attention, modules)
 
     # --- per call -------------------------------------------------------------------------
 
@@ -435,72 +529,6 @@ class IncrementalDecoder:
                 raise ValueError(f"max_steps={max_steps} > max_len={self.position.max_len}")
             state.positions = self.position.embedding.weight.detach()[:max_steps]
         return state
-
-    def _sub_in(self, x: Tensor, norm: tuple[Tensor, Tensor, float]) -> Tensor:
-        """A sublayer's input: normalised first in pre-LN, as is in post-LN."""
-        return torch.layer_norm(x, x.shape[-1:], *norm) if self.pre_norm else x
-
-    def _sub_out(self, x: Tensor, y: Tensor, norm: tuple[Tensor, Tensor, float]) -> Tensor:
-        """The residual after a sublayer: ``x + y`` in pre-LN, normalised after in post-LN.
-
-        ``x`` is the decoder's own running activation (made by this class, needed no more):
-        the sum is written into it."""
-        x = x.add_(y)
-        return x if self.pre_norm else torch.layer_norm(x, x.shape[-1:], *norm)
-
-    def _attend(self, kind: str, backend: str, q: Tensor, k: Tensor, v: Tensor,
-                mask: Tensor | None, state: DecodeState | None,
-                rows: Tensor | None = None) -> Tensor:  # fmt: skip
-        """Attention as ``qkv.functional`` would run it, its path resolved once per kind and
-        key-length range (``Tk`` up to the next power of two) of a call, not per step.
-
-        ``rows (N, >= Tk)``: batch row ``rows[b, p]`` holds row ``b``'s key/value at position
-        ``p`` (beams reordered without copying the cache): the decode kernel reads them
-        there; any other path gets them gathered first."""
-        if k.dtype != q.dtype:  # a cache stored in another dtype
-            k, v = k.to(q.dtype), v.to(q.dtype)
-        choices = state.choices if state is not None else {}
-        key = (kind, k.shape[-2].bit_length())
-        choice = choices.get(key)
-        if choice is None:  # shapes, dtype and backend are fixed for a state: only Tk grows
-            case = dispatch.describe(q, k, v, mask=mask, causal=kind == "self")
-            choice = choices[key] = dispatch.choose(case, backend).backend
-        if choice == "decode" and k.shape[-2] > 0:
-            return self._decode(q, k, v, mask, kind == "self", state, rows)
-        if rows is not None:
-            k, v = _gather(k, rows), _gather(v, rows)
-        if choice == "torch":  # what qkv's "torch" backend runs, without re-checking per step
-            bias = mask
-            if mask is not None and state is not None:
-                if state.bias is None:  # an additive mask is faster for few rows; a source
-                    # with no visible token keeps the bool mask (zeros, as qkv gives, not NaN)
-                    state.bias = mask
-                    if bool(mask.any(-1).all()):
-                        state.bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device)
-                        state.bias.masked_fill_(~mask, float("-inf"))
-                bias = state.bias
-            return TF.scaled_dot_product_attention(
-                q, k, v, attn_mask=bias, enable_gqa=q.shape[1] != k.shape[1]
-            )
-        return F.scaled_dot_product_attention(
-            q, k, v, mask=mask, causal=kind == "self", backend=choice
-        )
-
-    def _decode(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool,
-                state: DecodeState | None, rows: Tensor | None = None) -> Tensor:  # fmt: skip
-        """The decode kernel's call as :func:`qkv.kernels.decode.run_decode` makes it, its
-        mask view built once per query count of a state."""
-        m5 = None
-        if mask is not None:
-            key = (q.shape[0], q.shape[2], k.shape[2])
-            m5 = state.masks5.get(key) if state is not None else None
-            if m5 is None:
-                shape = AttentionShape((q.shape[0],), q.shape[1], k.shape[1], q.shape[2],
-                                       k.shape[2], q.shape[3], v.shape[3])  # fmt: skip
-                m5 = _mask_arg(mask, shape)  # (B, h_kv, G, Tq, Tk) bool view
-                if state is not None:
-                    state.masks5[key] = m5
-        return decode_ops().fwd(q.contiguous(), k, v, m5, self.scale, causal, -1, 0, rows)[0]
 
     def step(self, state: DecodeState, tokens: Tensor) -> Tensor:
         """Feed one token per hypothesis ``tokens (N,)``; return next-token logits ``(N, V)``."""
