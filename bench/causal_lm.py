@@ -146,6 +146,8 @@ def main() -> None:
     p.add_argument("--cache-dtype", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--random-cache", action="store_true",
                    help="skip the prefill: random K/V of the prompt's length (decode only)")  # fmt: skip
+    p.add_argument("--rounds", type=int, default=1,
+                   help="rounds per prompt, each with its own bandwidth reading")  # fmt: skip
     p.add_argument("--module-forward", action="store_true",
                    help="decode through the model's forward, not the prepared decoder")  # fmt: skip
     p.add_argument("--no-pack", action="store_true",
@@ -169,23 +171,23 @@ def main() -> None:
         module_forward=args.module_forward)  # warm-up
     for threads in args.threads:
         torch.set_num_threads(threads)
-        bw = read_bandwidth()
-        print(f"read bandwidth, {threads} thread(s): {bw / 1e9:.1f} GB/s")
         for T in prompts:
             prompt = torch.randint(
                 3, args.vocab, (1, T), generator=torch.Generator().manual_seed(T)
             )
-            for label, backend in (("qkv auto", "auto"), ("torch SDPA", "torch")):
-                set_backend(lm, backend)
-                t_start = time.perf_counter()
-                prefill, step, attn, kv = run(lm, prompt, new, args.chunk, cache_dtype,
-                                              args.random_cache, args.module_forward)  # fmt: skip
-                limit = bw / (weight_bytes + kv)  # tokens/s if every byte is read once
-                speed = 1 / step
-                print(f"{threads:>7} {T:>6} {label:>10} {prefill:>9.2f} {speed:>7.2f} "
-                      f"{100 * attn:>5.0f}% {limit:>11.2f} {speed / limit:>7.0%}"
-                      f"   ({time.perf_counter() - t_start:.0f} s)", flush=True)  # fmt: skip
-
+            for _ in range(args.rounds):  # the bandwidth is read again in every round
+                bw = read_bandwidth()
+                for label, backend in (("qkv auto", "auto"), ("torch SDPA", "torch")):
+                    set_backend(lm, backend)
+                    t_start = time.perf_counter()
+                    prefill, step, attn, kv = run(lm, prompt, new, args.chunk, cache_dtype,
+                                                  args.random_cache, args.module_forward)  # fmt: skip
+                    limit = bw / (weight_bytes + kv)  # tokens/s if every byte is read once
+                    speed = 1 / step
+                    print(f"{threads:>7} {T:>6} {label:>10} {prefill:>9.2f} {speed:>7.2f} "
+                          f"{100 * attn:>5.0f}% {limit:>11.2f} {speed / limit:>7.0%}"
+                          f"   (read {bw / 1e9:.1f} GB/s, {time.perf_counter() - t_start:.0f} s)",
+                          flush=True)  # fmt: skip
 
 if __name__ == "__main__":
     main()
