@@ -137,3 +137,21 @@ def test_causal_lm_preallocated_caches_decode_like_the_full_forward():
                                                        for t in range(3, 6)], 1)  # fmt: skip
     torch.testing.assert_close(steps, full, atol=1e-5, rtol=1e-5)
     assert all(c.capacity == 6 and len(c) == 6 for c in cache)  # allocated once, never grown
+
+
+def test_update_into_chosen_rows():
+    """rows=: a batch some of whose rows stopped writes only the rows still running."""
+    cache = KVCache(capacity=8)
+    k0, v0 = kv(B=4, seed=1)
+    cache.update(k0, v0)
+    k1, v1 = kv(B=2, seed=2)
+    keys, values = cache.update(k1, v1, rows=torch.tensor([3, 1]))
+    assert keys.shape[0] == 4 and len(cache) == 2 * k0.shape[2]
+    new = slice(k0.shape[2], 2 * k0.shape[2])
+    torch.testing.assert_close(keys[[3, 1], :, new], k1, rtol=0, atol=0)
+    torch.testing.assert_close(values[[3, 1], :, new], v1, rtol=0, atol=0)
+    torch.testing.assert_close(keys[:, :, : k0.shape[2]], k0, rtol=0, atol=0)  # kept
+    with pytest.raises(ValueError, match="one batch row per row of k"):
+        cache.update(k1, v1, rows=torch.tensor([0, 1, 2]))
+    with pytest.raises(ValueError, match="first update"):
+        KVCache().update(k1, v1, rows=torch.tensor([0, 1]))

@@ -103,6 +103,47 @@ def test_decode_reads_reordered_beams_through_the_rows_table(Tk, h, h_kv):
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("Tk", [1, 7, 16, 45, 200])
+@pytest.mark.parametrize("h, h_kv", [(4, 4), (6, 2)])
+def test_decode_reads_a_cache_larger_than_the_batch(Tk, h, h_kv):
+    """Sentences that finished left the batch without compacting the cache: ``kv_batch[b]``
+    (whole rows) or ``rows[b, p]`` (per position) name batch rows of a cache holding more
+    rows than q; both equal attention over the selected rows, fp64 reference, with a mask."""
+    torch.manual_seed(Tk + 3 * h)
+    Nk, N, cap, d = 7, 3, Tk + 5, 32
+    q = torch.randn(N, h, 1, d)
+    kbuf, vbuf = torch.randn(Nk, h_kv, cap, d), torch.randn(Nk, h_kv, cap, d)
+    k, v = kbuf[:, :, :Tk], vbuf[:, :, :Tk]
+    mask = torch.rand(N, 1, 1, Tk) < 0.7
+    mask[..., 0] = True
+    m5 = mask[:, :, None].expand(N, h_kv, h // h_kv, 1, Tk)  # (N, h_kv, G, Tq, Tk)
+    batch = torch.tensor([5, 0, 3])
+    out = decode_ops().fwd(q, k, v, m5, d**-0.5, False, -1, 0, None, batch)[0]
+    ref = TF.scaled_dot_product_attention(q.double(), k[batch].double(), v[batch].double(),
+                                          attn_mask=mask, enable_gqa=h != h_kv)  # fmt: skip
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    rows = torch.randint(0, Nk, (N, cap))
+    out = decode_ops().fwd(q, k, v, None, d**-0.5, True, -1, 0, rows)[0]
+    pos = torch.arange(Tk)
+    kg = k.transpose(1, 2)[rows[:, :Tk], pos].transpose(1, 2).double()  # (N, h_kv, Tk, d)
+    vg = v.transpose(1, 2)[rows[:, :Tk], pos].transpose(1, 2).double()
+    ref = TF.scaled_dot_product_attention(q.double(), kg, vg, enable_gqa=h != h_kv)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_kv_batch_bad_input_is_an_error():
+    q, k = torch.randn(2, 2, 1, 8), torch.randn(4, 2, 5, 8)
+    with pytest.raises(RuntimeError, match="kv_batch out of range"):
+        decode_ops().fwd(q, k, k, None, 0.3, True, -1, 0, None, torch.tensor([1, 4]))
+    with pytest.raises(RuntimeError, match="kv_batch must be"):
+        decode_ops().fwd(q, k, k, None, 0.3, True, -1, 0, None, torch.tensor([1, 2, 3]))
+    with pytest.raises(RuntimeError, match="shapes of q, k, v"):  # more rows need a map
+        decode_ops().fwd(q, k, k, None, 0.3, True, -1)
+    with pytest.raises(RuntimeError, match="not both"):
+        decode_ops().fwd(q, k, k, None, 0.3, True, -1, 0, torch.zeros(2, 5, dtype=torch.long),
+                         torch.tensor([0, 1]))  # fmt: skip
+
+
 def test_gathered_cache_for_other_paths():
     """Paths other than the decode kernel get the reordered beams as one tensor."""
     torch.manual_seed(0)

@@ -101,7 +101,7 @@ class KVCache:
         self._spare = self._full = None
         self._len = 0
 
-    def _check(self, k: Tensor, v: Tensor) -> None:
+    def _check(self, k: Tensor, v: Tensor, rows: Tensor | None = None) -> None:
         if k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3]:
             raise ValueError(
                 "k and v must be (B, h_kv, T, d) with equal B, h_kv, T, got "
@@ -112,7 +112,10 @@ class KVCache:
                 raise TypeError(f"k and v must share a floating dtype, got {k.dtype}, {v.dtype}")
             return
         want_k, want_v = self._k.shape, self._v.shape
-        if k.shape[0] != want_k[0]:
+        if rows is not None and (rows.dim() != 1 or rows.shape[0] != k.shape[0]):
+            raise ValueError(f"rows must be 1-D with one batch row per row of k ({k.shape[0]}), "
+                             f"got shape {tuple(rows.shape)}")  # fmt: skip
+        if rows is None and k.shape[0] != want_k[0]:
             raise ValueError(
                 f"cache holds batch size {want_k[0]}, got k with batch size {k.shape[0]} "
                 "(call reset() for a new batch, or reorder() to select beams)"
@@ -134,15 +137,20 @@ class KVCache:
         elif self._k is None:
             self.capacity_hint = max(capacity, self.capacity_hint or 0)
 
-    def update(self, k: Tensor, v: Tensor, *, check: bool = True) -> tuple[Tensor, Tensor]:
+    def update(self, k: Tensor, v: Tensor, *, check: bool = True,
+               rows: Tensor | None = None) -> tuple[Tensor, Tensor]:  # fmt: skip
         """Append ``k (B, h_kv, T_new, d_k)``, ``v (B, h_kv, T_new, d_v)``; return all cached.
 
         The new positions are written in place; the returned views share the buffers (they
         stay valid until the next ``update``, ``reorder`` or ``reset``). ``check=False``
         skips validating shapes and dtypes: for a decode loop that validated its first step.
+        ``rows (B',)``: write row ``i`` of ``k``/``v`` into batch row ``rows[i]`` of the
+        cache (a batch some of whose rows stopped: nothing is moved, the rest stay stale).
         """
         if check or self._k is None:
-            self._check(k, v)
+            self._check(k, v, rows)
+        if rows is not None and self._k is None:
+            raise ValueError("rows= writes into an existing batch: the first update has none")
         new_len = self._len + k.shape[2]
         if self.max_len is not None and new_len > self.max_len:
             raise ValueError(f"cache overflow: {new_len} positions > max_len={self.max_len}")
@@ -150,8 +158,13 @@ class KVCache:
             self._allocate(k, v, max(new_len, self.capacity_hint or _MIN_CAPACITY))
         elif new_len > self._k.shape[2]:
             self._resize(max(new_len, 2 * self._k.shape[2]))
-        self._k[:, :, self._len : new_len] = k  # cast to the storage dtype, in place
-        self._v[:, :, self._len : new_len] = v
+        if rows is None:
+            self._k[:, :, self._len : new_len] = k  # cast to the storage dtype, in place
+            self._v[:, :, self._len : new_len] = v
+        else:
+            dt = self._k.dtype
+            self._k[:, :, self._len : new_len].index_copy_(0, rows, k.to(dt))
+            self._v[:, :, self._len : new_len].index_copy_(0, rows, v.to(dt))
         self._len = new_len
         return self._k[:, :, :new_len], self._v[:, :, :new_len]
 

@@ -27,6 +27,10 @@
 //   q (Nb, h, Tq, d) contiguous   k (Nb, h_kv, Tk, d), v (Nb, h_kv, Tk, dv): any strides
 //   but a unit one over the head dim (a slice of a preallocated cache is read in place)
 //   out (Nb, h, Tq, dv) in q's dtype, lse (Nb, h, Tq) fp32;  query head = kv head · G + g.
+//   Generation: rows (Nb, >= Tk) int64 names the k/v batch row of each query row's key at
+//   each position (beams reordered without copying); kv_batch (Nb,) the k/v batch row of
+//   each query row (sentences that finished left the batch without copying the cache); with
+//   either, k and v may hold more batch rows than q.
 // Built with -march=native: AVX-512 where the machine has it, plain C++ loops otherwise
 // (QKV_NATIVE_PORTABLE=1 builds those on any machine; the tests check both).
 #include <ATen/ATen.h>
@@ -155,8 +159,11 @@ struct Problem {
   // position t live in batch row rows[b·rows_s + t] (each tile is then gathered row by row)
   const int64_t* rows = nullptr;
   int64_t rows_s = 0;
+  // sentences that left a batch (null: none): query batch row b reads keys and values of
+  // batch row kv_batch[b] (whole rows: tiles stay contiguous)
+  const int64_t* kv_batch = nullptr;
   int64_t batch_row(int64_t n, int64_t t) const {
-    return rows ? rows[(n / h_kv) * rows_s + t] : n / h_kv;
+    return rows ? rows[(n / h_kv) * rows_s + t] : kv_batch ? kv_batch[n / h_kv] : n / h_kv;
   }
   const T* krow(int64_t n, int64_t t) const {
     return k + batch_row(n, t) * k0s + (n % h_kv) * k1s + t * k2s;
@@ -956,7 +963,8 @@ static void decode_impl(const Problem<T>& P, T* out, float* lse, int64_t splits)
 std::tuple<Tensor, Tensor> decode_fwd(const Tensor& q, const Tensor& k, const Tensor& v,
                                       const std::optional<Tensor>& mask, double scale,
                                       bool causal, int64_t window, int64_t splits,
-                                      const std::optional<Tensor>& rows) {
+                                      const std::optional<Tensor>& rows,
+                                      const std::optional<Tensor>& kv_batch) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
               "qkv decode: q, k, v must be 4-D (Nb, heads, T, d)");
   TORCH_CHECK(q.is_contiguous(), "qkv decode: q must be contiguous");
@@ -970,8 +978,14 @@ std::tuple<Tensor, Tensor> decode_fwd(const Tensor& q, const Tensor& k, const Te
               "qkv decode: scale must be finite and > 0 in fp32");
   const int64_t Nb = q.size(0), h = q.size(1), Tq = q.size(2), d = q.size(3);
   const int64_t h_kv = k.size(1), Tk = k.size(2), dv = v.size(3);
-  TORCH_CHECK(k.size(0) == Nb && v.size(0) == Nb && v.size(1) == h_kv && v.size(2) == Tk &&
-                  k.size(3) == d && d > 0 && h_kv > 0 && h % h_kv == 0,
+  const bool gather = rows.has_value() && rows->defined();
+  const bool mapped = kv_batch.has_value() && kv_batch->defined();
+  TORCH_CHECK(!(gather && mapped), "qkv decode: pass rows or kv_batch, not both");
+  // with rows or kv_batch, k and v may hold more batch rows than q (sentences that left)
+  const int64_t Nk = k.size(0);
+  TORCH_CHECK((gather || mapped ? Nb == 0 || Nk >= 1 : Nk == Nb) && v.size(0) == Nk &&
+                  v.size(1) == h_kv && v.size(2) == Tk && k.size(3) == d && d > 0 && h_kv > 0 &&
+                  h % h_kv == 0,
               "qkv decode: shapes of q, k, v do not match");
   Tensor out = at::empty({Nb, h, Tq, dv}, q.options());
   Tensor lse = at::empty({Nb, h, Tq}, q.options().dtype(at::kFloat));
@@ -987,7 +1001,6 @@ std::tuple<Tensor, Tensor> decode_fwd(const Tensor& q, const Tensor& k, const Te
     mk.h_kv = h_kv, mk.s0 = t.stride(0), mk.s1 = t.stride(1), mk.s2 = t.stride(2);
     mk.s3 = t.stride(3);
   }
-  const bool gather = rows.has_value() && rows->defined();
   if (gather) {
     TORCH_CHECK(rows->scalar_type() == at::kLong && rows->dim() == 2 && rows->size(0) == Nb &&
                     rows->size(1) >= Tk && rows->stride(1) == 1,
@@ -996,8 +1009,16 @@ std::tuple<Tensor, Tensor> decode_fwd(const Tensor& q, const Tensor& k, const Te
     for (int64_t b = 0; b < Nb; ++b)
       for (int64_t t = 0; t < Tk; ++t) {
         const int64_t x = r[b * rows->stride(0) + t];
-        TORCH_CHECK(x >= 0 && x < Nb, "qkv decode: rows out of range");
+        TORCH_CHECK(x >= 0 && x < Nk, "qkv decode: rows out of range");
       }
+  }
+  if (mapped) {
+    TORCH_CHECK(kv_batch->scalar_type() == at::kLong && kv_batch->dim() == 1 &&
+                    kv_batch->size(0) == Nb && kv_batch->is_contiguous(),
+                "qkv decode: kv_batch must be a contiguous int64 (Nb,) tensor");
+    const int64_t* r = kv_batch->const_data_ptr<int64_t>();
+    for (int64_t b = 0; b < Nb; ++b)
+      TORCH_CHECK(r[b] >= 0 && r[b] < Nk, "qkv decode: kv_batch out of range");
   }
   const Structure st{Tq, Tk, causal, window};
   const float c2 = static_cast<float>(scale) * kLog2e;
@@ -1008,6 +1029,7 @@ std::tuple<Tensor, Tensor> decode_fwd(const Tensor& q, const Tensor& k, const Te
                  k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
                  v.stride(2), st, mk, c2};
     if (gather) P.rows = rows->const_data_ptr<int64_t>(), P.rows_s = rows->stride(0);
+    if (mapped) P.kv_batch = kv_batch->const_data_ptr<int64_t>();
     decode_impl<T>(P, out.data_ptr<T>(), lse.data_ptr<float>(), splits);
   };
   if (q.scalar_type() == at::kFloat) run(float{});
@@ -1247,7 +1269,7 @@ std::string decode_isa() {
 
 TORCH_LIBRARY(qkv_decode, m) {
   m.def("fwd(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, bool causal, int window,"
-        " int splits=0, Tensor? rows=None) -> (Tensor, Tensor)");
+        " int splits=0, Tensor? rows=None, Tensor? kv_batch=None) -> (Tensor, Tensor)");
   m.def("isa() -> str", &decode_isa);
   m.def("beam_topk(Tensor logits, Tensor scores, int beams, int k, int block) -> (Tensor, Tensor)");
   m.def("small_linear(Tensor x, Tensor panels, Tensor? bias, int out, bool relu) -> Tensor");

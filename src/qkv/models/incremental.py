@@ -235,6 +235,11 @@ class DecodeState:
         # rows[b, p] is the batch row holding hypothesis b's key/value at position p (N, cap)
         self.gather = False
         self.rows: Tensor | None = None
+        # sentences that finished, with the decode kernel: nothing is compacted; phys[i] is
+        # the cache batch row of hypothesis i (where its new keys/values go), sent[j] the
+        # cross-attention batch row of running sentence j (None: all still run)
+        self.phys: Tensor | None = None
+        self.sent: Tensor | None = None
 
     def reorder(self, rows: Tensor) -> None:
         """Follow the surviving beams: hypothesis ``i`` continues row ``rows[i]`` ``(N,)``."""
@@ -250,15 +255,21 @@ class DecodeState:
         sentences leave the batch, so later steps compute only the rows still running)."""
         K = self.beams
         hyps = (index[:, None] * K + torch.arange(K, device=index.device)).view(-1)  # (B'·K,)
-        for c in self.caches:
+        if self.gather:  # nothing copied: the kernel reads the rows still running in place
+            B = self.sent.shape[0] if self.sent is not None else self._sentences()
+            phys = self.phys if self.phys is not None else torch.arange(B * K)
+            sent = self.sent if self.sent is not None else torch.arange(B)
+            self.phys, self.sent = phys[hyps], sent[index]
+            if self.rows is not None:  # its later positions already hold phys (see step)
+                self.rows = self.rows.index_select(0, hyps)
+            if self.cross_mask is not None:
+                self.cross_mask = self.cross_mask.index_select(0, index)
+            self.bias = None
+            self.choices.clear()
+            self.masks5.clear()
+            return
+        for c in self.caches:  # other paths: the caches compacted to the rows still running
             c.reorder(hyps)
-        if self.rows is not None:  # renumber the table: old batch row -> its new one
-            t, N = self.t, hyps.shape[0]
-            new_row = torch.full((self.rows.shape[0],), -1, dtype=torch.long)
-            new_row[hyps] = torch.arange(N)
-            rows = torch.arange(N)[:, None].expand(N, self.rows.shape[1]).contiguous()
-            rows[:, :t] = new_row[self.rows.index_select(0, hyps)[:, :t]]
-            self.rows = rows
         self.cross = [(k.index_select(0, index), v.index_select(0, index)) for k, v in self.cross]
         if self.cross_mask is not None:
             self.cross_mask = self.cross_mask.index_select(0, index)
@@ -266,12 +277,18 @@ class DecodeState:
         self.choices.clear()  # the attention shapes changed
         self.masks5.clear()
 
+    def _sentences(self) -> int:
+        """How many sentences the caches hold (before any left)."""
+        if self.cross:
+            return self.cross[0][0].shape[0]
+        return (self.caches[0].batch_size or 0) // self.beams if self.caches else 0
+
     def expand(self, beams: int) -> None:
         """From one row per sentence to ``beams`` identical rows each (after a first step
         that all beams share)."""
-        if self.beams != 1:
+        if self.beams != 1 or self.phys is not None:
             raise ValueError(f"expand() needs one row per sentence, the state has {self.beams}")
-        B = self.cross[0][0].shape[0] if self.cross else self.caches[0].batch_size
+        B = self._sentences()
         self.reorder(torch.arange(B).repeat_interleave(beams))
         self.beams = beams
         if self.gather:  # from now on beams are reordered through the table, not copied
@@ -361,26 +378,31 @@ class PreparedSteps:
         return x if self.pre_norm else torch.layer_norm(x, x.shape[-1:], *norm)
 
     def _attend(self, kind: str, backend: str, q: Tensor, k: Tensor, v: Tensor,
-                mask: Tensor | None, state: DecodeState | None,
-                rows: Tensor | None = None) -> Tensor:  # fmt: skip
+                mask: Tensor | None, state: DecodeState | None, rows: Tensor | None = None,
+                batch: Tensor | None = None) -> Tensor:  # fmt: skip
         """Attention as ``qkv.functional`` would run it, its path resolved once per kind and
         key-length range (``Tk`` up to the next power of two) of a call, not per step.
 
-        ``rows (N, >= Tk)``: batch row ``rows[b, p]`` holds row ``b``'s key/value at position
-        ``p`` (beams reordered without copying the cache): the decode kernel reads them
-        there; any other path gets them gathered first."""
+        ``rows (N, >= Tk)``: batch row ``rows[b, p]`` of ``k``/``v`` holds row ``b``'s
+        key/value at position ``p`` (beams reordered without copying the cache); ``batch
+        (N,)``: batch row ``batch[b]`` of ``k``/``v`` is row ``b``'s (sentences that finished
+        left the batch, the cache was not compacted). The decode kernel reads them there;
+        any other path gets them gathered first."""
         if k.dtype != q.dtype:  # a cache stored in another dtype
             k, v = k.to(q.dtype), v.to(q.dtype)
         choices = state.choices if state is not None else {}
         key = (kind, k.shape[-2].bit_length())
         choice = choices.get(key)
         if choice is None:  # shapes, dtype and backend are fixed for a state: only Tk grows
-            case = dispatch.describe(q, k, v, mask=mask, causal=kind == "self")
+            n = q.shape[0]  # k and v may hold more batch rows than q (see rows, batch)
+            case = dispatch.describe(q, k[:n], v[:n], mask=mask, causal=kind == "self")
             choice = choices[key] = dispatch.choose(case, backend).backend
         if choice == "decode" and k.shape[-2] > 0:
-            return self._decode(q, k, v, mask, kind == "self", state, rows)
+            return self._decode(q, k, v, mask, kind == "self", state, rows, batch)
         if rows is not None:
             k, v = _gather(k, rows), _gather(v, rows)
+        elif batch is not None:
+            k, v = k.index_select(0, batch), v.index_select(0, batch)
         if choice == "torch":  # what qkv's "torch" backend runs, without re-checking per step
             bias = mask
             if mask is not None and state is not None:
@@ -399,7 +421,8 @@ class PreparedSteps:
         )
 
     def _decode(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool,
-                state: DecodeState | None, rows: Tensor | None = None) -> Tensor:  # fmt: skip
+                state: DecodeState | None, rows: Tensor | None = None,
+                batch: Tensor | None = None) -> Tensor:  # fmt: skip
         """The decode kernel's call as :func:`qkv.kernels.decode.run_decode` makes it, its
         mask view built once per query count of a state."""
         m5 = None
@@ -412,7 +435,8 @@ class PreparedSteps:
                 m5 = _mask_arg(mask, shape)  # (B, h_kv, G, Tq, Tk) bool view
                 if state is not None:
                     state.masks5[key] = m5
-        return decode_ops().fwd(q.contiguous(), k, v, m5, self.scale, causal, -1, 0, rows)[0]
+        return decode_ops().fwd(q.contiguous(), k, v, m5, self.scale, causal, -1, 0, rows,
+                                batch)[0]  # fmt: skip
 
 
 class IncrementalDecoder(PreparedSteps):
@@ -541,7 +565,8 @@ class IncrementalDecoder(PreparedSteps):
                 raise ValueError(f"target length {t + 1} > max_steps={state.positions.shape[0]}")
             x = x.add_(state.positions[t])
         if state.rows is not None and state.rows.shape[1] <= t:  # a cache grown past its size
-            grown = torch.arange(N)[:, None].expand(N, 2 * (t + 1)).contiguous()
+            phys = state.phys if state.phys is not None else torch.arange(N)
+            grown = phys[:, None].expand(N, 2 * (t + 1)).contiguous()  # later positions: phys
             grown[:, : state.rows.shape[1]] = state.rows
             state.rows = grown
         for i, L in enumerate(self.layers):
@@ -557,8 +582,10 @@ class IncrementalDecoder(PreparedSteps):
                 v = qkv[:, d + kv_w :].view(N, self.h_kv, 1, self.d_k)
             if L.rope is not None:
                 q, k = L.rope.rotate(q, t), L.rope.rotate(k, t)
-            k_all, v_all = state.caches[i].update(k, v, check=t == 0)  # (N, h_kv, t+1, d_k)
-            a = self._attend("self", L.backends[0], q, k_all, v_all, None, state, state.rows)
+            # (N_cache, h_kv, t+1, d_k): with sentences gone, more rows than hypotheses
+            k_all, v_all = state.caches[i].update(k, v, check=t == 0, rows=state.phys)
+            a = self._attend("self", L.backends[0], q, k_all, v_all, None, state, state.rows,
+                             state.phys if state.rows is None else None)  # fmt: skip
             y = L.o(a.reshape(N, d))  # (N, h, 1, d_k) → (N, d)
             x = self._sub_out(x, y, L.norms[0])
             # cross-attention: the K beams of a sentence are K query rows over its memory
@@ -566,11 +593,13 @@ class IncrementalDecoder(PreparedSteps):
             ck, cv = state.cross[i]  # (B, h_kv, S, d_k)
             if K == 1:
                 q = L.cq(h).view(B, self.h, 1, self.d_k)  # (B, h, 1, d_k)
-                a = self._attend("cross", L.backends[1], q, ck, cv, state.cross_mask, state)
+                a = self._attend("cross", L.backends[1], q, ck, cv, state.cross_mask, state,
+                                 None, state.sent)  # fmt: skip
                 y = L.co(a.reshape(N, d))
             else:
                 q = L.cq(h).view(B, K, self.h, self.d_k).transpose(1, 2)  # (B, h, K, d_k)
-                a = self._attend("cross", L.backends[1], q, ck, cv, state.cross_mask, state)
+                a = self._attend("cross", L.backends[1], q, ck, cv, state.cross_mask, state,
+                                 None, state.sent)  # fmt: skip
                 y = L.co(a.transpose(1, 2).reshape(N, d))  # (B, h, K, d_k) → (N, d)
             x = self._sub_out(x, y, L.norms[1])
             # feed-forward
