@@ -341,6 +341,19 @@ class PreparedSteps:
     pre_norm: bool
     scale: float
 
+    def _prepare_ends(self, cfg, embed: nn.Module, norm: nn.Module, out: nn.Module) -> None:
+        """Sizes, the token embedding and positions, the final norm and the output layer."""
+        self.d, self.h, self.h_kv, self.d_k = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.d_k
+        self.pre_norm = cfg.norm_first
+        self.scale = 1.0 / math.sqrt(cfg.d_k)  # the default of qkv's attention
+        # the embedding times √d_model, once: the same products the Embedder takes per token
+        self.embedding = embed.embedding.weight.detach() * math.sqrt(cfg.d_model)  # (V, d)
+        self.position = embed.position  # sinusoidal / learned module, or None (rope)
+        self.final_norm = None
+        if isinstance(norm, nn.LayerNorm):
+            self.final_norm = (norm.weight.detach(), norm.bias.detach(), norm.eps)
+        self.out = _prepared(out)
+
     @staticmethod
     def unsupported(model: nn.Module, attention: list | None = None,
                     modules: list | None = None) -> str | None:  # fmt: skip
@@ -455,19 +468,10 @@ class IncrementalDecoder(PreparedSteps):
             raise ValueError(f"IncrementalDecoder cannot run this model: {why}")
         cfg, dec = model.cfg, model.decoder
         self.cfg = cfg
-        self.d, self.h, self.h_kv, self.d_k = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.d_k
-        self.pre_norm = cfg.norm_first
-        self.scale = 1.0 / math.sqrt(cfg.d_k)  # the default of qkv's attention
-        # the embedding times √d_model, once: the same products the Embedder takes per token
-        self.embedding = dec.embed.embedding.weight.detach() * math.sqrt(cfg.d_model)  # (V, d)
-        self.position = dec.embed.position  # sinusoidal / learned module, or None (rope)
+        self._prepare_ends(cfg, dec.embed, dec.norm, dec.out)
         self.layers = [_Layer(layer, cfg.activation) for layer in dec.layers]
         kv = [lin for layer in dec.layers for lin in (layer.cross_attn.w_k, layer.cross_attn.w_v)]
         self.cross_kv = _prepared(*kv) if kv else None  # (L·2·h_kv·d_k, d)
-        self.final_norm = None
-        if isinstance(dec.norm, nn.LayerNorm):
-            self.final_norm = (dec.norm.weight.detach(), dec.norm.bias.detach(), dec.norm.eps)
-        self.out = _prepared(dec.out)
         enc = model.encoder
         self.encoder = enc
         self.enc_layers = [_EncoderLayer(layer, cfg.activation) for layer in enc.layers]

@@ -16,8 +16,6 @@ Shapes: ``tokens (B,)`` → logits ``(B, V)``; caches ``(B, h_kv, T, d_k)`` per 
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor, nn
 
@@ -26,7 +24,6 @@ from qkv.models.incremental import (
     DecodeState,
     PreparedSteps,
     _EncoderLayer,
-    _prepared,
     _unprepared,
 )
 from qkv.positional import LearnedPositionalEmbedding, SinusoidalPositionalEncoding
@@ -47,17 +44,8 @@ class LMDecoder(PreparedSteps):
         why = self.unsupported(lm)
         if why is not None:  # for_model() returns None instead
             raise ValueError(f"LMDecoder cannot run this model: {why}")
-        cfg = lm.cfg
-        self.d, self.h, self.h_kv, self.d_k = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.d_k
-        self.pre_norm = cfg.norm_first
-        self.scale = 1.0 / math.sqrt(cfg.d_k)  # the default of qkv's attention
-        self.embedding = lm.embed.embedding.weight.detach() * math.sqrt(cfg.d_model)  # (V, d)
-        self.position = lm.embed.position  # sinusoidal / learned module, or None (rope)
-        self.layers = [_EncoderLayer(layer, cfg.activation) for layer in lm.layers]
-        self.final_norm = None
-        if isinstance(lm.norm, nn.LayerNorm):
-            self.final_norm = (lm.norm.weight.detach(), lm.norm.bias.detach(), lm.norm.eps)
-        self.out = _prepared(lm.out)
+        self._prepare_ends(lm.cfg, lm.embed, lm.norm, lm.out)
+        self.layers = [_EncoderLayer(layer, lm.cfg.activation) for layer in lm.layers]
 
     @staticmethod
     def unsupported(lm: nn.Module, attention: list | None = None,
