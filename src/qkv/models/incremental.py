@@ -335,8 +335,10 @@ class _EncoderLayer:
 
 
 class PreparedSteps:
-    """What the prepared decoders share: residual sub-layers and attention resolved once per
-    kind of call. Subclasses set ``pre_norm`` and ``scale``."""
+    """What the prepared decoders (this module's, :class:`~qkv.models.lm_decoder.LMDecoder`)
+    share: the cached preparation per model, the embedding and output ends, residual
+    sub-layers, and attention resolved once per kind of call. A subclass defines
+    :meth:`unsupported` and prepares its layers after :meth:`_prepare_ends`."""
 
     pre_norm: bool
     scale: float
