@@ -190,3 +190,22 @@ print("ok")
 def test_portable_build_without_avx512_code():
     """The plain-C++ fallback (what a CPU without AVX-512 runs) gives the same answers."""
     assert_portable_ok(_PORTABLE_CHECK)
+
+
+@pytest.mark.parametrize("Tk", [1, 33, 300])
+def test_decode_fp32_queries_over_a_bf16_cache(Tk):
+    """An fp32 model with a bf16 cache: the kernel reads the cache as stored, the queries
+    rounded to bf16 (as its bf16 dot products take them), the output in fp32; equals the fp64
+    reference on those inputs within the bf16 kernel's rounding of the weights (2^-8)."""
+    torch.manual_seed(Tk)
+    q = torch.randn(3, 8, 1, 64)
+    k, v = torch.randn(3, 2, Tk, 64).bfloat16(), torch.randn(3, 2, Tk, 64).bfloat16()
+    out, lse = decode_ops().fwd(q, k, v, None, 0.125, False, -1)
+    assert out.dtype == torch.float32 and lse.dtype == torch.float32
+    qd, kd, vd = q.bfloat16().double(), k.double(), v.double()
+    ref = TF.scaled_dot_product_attention(qd, kd, vd, scale=0.125, enable_gqa=True)
+    torch.testing.assert_close(out.double(), ref, atol=2**-8 * float(vd.abs().max()), rtol=0)
+    s = (qd @ kd.repeat_interleave(4, 1).transpose(-1, -2)) * 0.125  # (3, 8, 1, Tk)
+    torch.testing.assert_close(lse.double(), s.logsumexp(-1), atol=1e-4, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="share a dtype"):  # bf16 queries, fp32 cache: no
+        decode_ops().fwd(q.bfloat16(), k.float(), v.float(), None, 0.125, False, -1)

@@ -27,6 +27,7 @@
 //   q (Nb, h, Tq, d) contiguous   k (Nb, h_kv, Tk, d), v (Nb, h_kv, Tk, dv): any strides
 //   but a unit one over the head dim (a slice of a preallocated cache is read in place)
 //   out (Nb, h, Tq, dv) in q's dtype, lse (Nb, h, Tq) fp32;  query head = kv head · G + g.
+//   fp32 q with bf16 k, v (an fp32 model with a bf16 cache): q rounded to bf16, out fp32.
 //   Generation: rows (Nb, >= Tk) int64 names the k/v batch row of each query row's key at
 //   each position (beams reordered without copying); kv_batch (Nb,) the k/v batch row of
 //   each query row (sentences that finished left the batch without copying the cache); with
@@ -852,8 +853,9 @@ static inline void prefetch_segment(const Problem<T>& P, const Segment& g) {
 
 // splits > 0: cut the keys into exactly that many pieces (the tests' way to exercise the
 // merge on small inputs); else one piece per thread, fewer for small calls.
-template <typename T>
-static void decode_impl(const Problem<T>& P, T* out, float* lse, int64_t splits) {
+// O: the output's type, T's or float (fp32 queries over a bf16 cache)
+template <typename T, typename O>
+static void decode_impl(const Problem<T>& P, O* out, float* lse, int64_t splits) {
   const int64_t N = P.N, R = P.R, dv = P.dv;
   const int64_t dvp = kPairs<T> ? (dv + 31) / 32 * 32 : (dv + 15) / 16 * 16;
   // keys any row may see: [lo(0), hi(Tq - 1)) (lo and hi grow with the row)
@@ -918,9 +920,9 @@ static void decode_impl(const Problem<T>& P, T* out, float* lse, int64_t splits)
       float M = kNegInf;
       for (int64_t s = s0; s < s1; ++s)
         if (partial(s)[R + r] > 0.f) M = std::max(M, partial(s)[r]);
-      T* o = out + (h * R + r) * dv;
+      O* o = out + (h * R + r) * dv;
       if (M == kNegInf) {  // no visible key
-        for (int64_t c = 0; c < dv; ++c) o[c] = from_float<T>(0.f);
+        for (int64_t c = 0; c < dv; ++c) o[c] = from_float<O>(0.f);
         lse[h * R + r] = kNegInf;
         continue;
       }
@@ -939,7 +941,7 @@ static void decode_impl(const Problem<T>& P, T* out, float* lse, int64_t splits)
           for (int64_t c = 0; c < dv; ++c) tmp[c] += w * a[c];
         }
       }
-      for (int64_t c = 0; c < dv; ++c) o[c] = from_float<T>(tmp[c] * inv);
+      for (int64_t c = 0; c < dv; ++c) o[c] = from_float<O>(tmp[c] * inv);
       lse[h * R + r] = (M + std::log2(sum)) * kLn2;
     }
   };
@@ -970,9 +972,12 @@ std::tuple<Tensor, Tensor> decode_fwd(const Tensor& q, const Tensor& k, const Te
   TORCH_CHECK(q.is_contiguous(), "qkv decode: q must be contiguous");
   TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1,
               "qkv decode: k and v need a unit stride over the head dim");
-  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
-              "qkv decode: q, k, v must share a dtype");
-  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
+  // fp32 queries over a bf16 cache (an fp32 model storing K/V in bf16): the queries are
+  // rounded to bf16 as the bf16 kernel's dot products take them, the output stays fp32
+  const bool mixed = q.scalar_type() == at::kFloat && k.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(k.scalar_type() == v.scalar_type() && (mixed || q.scalar_type() == k.scalar_type()),
+              "qkv decode: q, k, v must share a dtype (or q float32 over bfloat16 k, v)");
+  TORCH_CHECK(k.scalar_type() == at::kFloat || k.scalar_type() == at::kBFloat16,
               "qkv decode: float32 or bfloat16 only");
   TORCH_CHECK(scale > 0 && std::isfinite(static_cast<float>(scale)),
               "qkv decode: scale must be finite and > 0 in fp32");
@@ -1022,18 +1027,21 @@ std::tuple<Tensor, Tensor> decode_fwd(const Tensor& q, const Tensor& k, const Te
   }
   const Structure st{Tq, Tk, causal, window};
   const float c2 = static_cast<float>(scale) * kLog2e;
-  auto run = [&](auto tag) {
+  const Tensor qk = mixed ? q.to(at::kBFloat16) : q;  // queries in the cache's dtype
+  auto run = [&](auto tag, auto out_tag) {
     using T = decltype(tag);
+    using O = decltype(out_tag);
     Problem<T> P{Nb * h_kv, h_kv, h / h_kv, Tq, (h / h_kv) * Tq, d, dv, Tk,
-                 q.const_data_ptr<T>(), k.const_data_ptr<T>(), v.const_data_ptr<T>(),
+                 qk.const_data_ptr<T>(), k.const_data_ptr<T>(), v.const_data_ptr<T>(),
                  k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
                  v.stride(2), st, mk, c2};
     if (gather) P.rows = rows->const_data_ptr<int64_t>(), P.rows_s = rows->stride(0);
     if (mapped) P.kv_batch = kv_batch->const_data_ptr<int64_t>();
-    decode_impl<T>(P, out.data_ptr<T>(), lse.data_ptr<float>(), splits);
+    decode_impl<T, O>(P, out.data_ptr<O>(), lse.data_ptr<float>(), splits);
   };
-  if (q.scalar_type() == at::kFloat) run(float{});
-  else run(BFloat16{});
+  if (mixed) run(BFloat16{}, float{});
+  else if (q.scalar_type() == at::kFloat) run(float{}, float{});
+  else run(BFloat16{}, BFloat16{});
   return {out, lse};
 }
 

@@ -403,17 +403,22 @@ class PreparedSteps:
         (N,)``: batch row ``batch[b]`` of ``k``/``v`` is row ``b``'s (sentences that finished
         left the batch, the cache was not compacted). The decode kernel reads them there;
         any other path gets them gathered first."""
-        if k.dtype != q.dtype:  # a cache stored in another dtype
-            k, v = k.to(q.dtype), v.to(q.dtype)
         choices = state.choices if state is not None else {}
         key = (kind, k.shape[-2].bit_length())
         choice = choices.get(key)
         if choice is None:  # shapes, dtype and backend are fixed for a state: only Tk grows
             n = q.shape[0]  # k and v may hold more batch rows than q (see rows, batch)
-            case = dispatch.describe(q, k[:n], v[:n], mask=mask, causal=kind == "self")
+            # described as the call they make in q's dtype (only metadata is read)
+            like = [q.new_zeros(()).expand(t[:n].shape) for t in (k, v)]
+            case = dispatch.describe(q, *like, mask=mask, causal=kind == "self")
             choice = choices[key] = dispatch.choose(case, backend).backend
-        if choice == "decode" and k.shape[-2] > 0:
+        if choice == "decode" and k.shape[-2] > 0 and (k.dtype == q.dtype or (
+                q.dtype == torch.float32 and k.dtype == torch.bfloat16)):  # fmt: skip
+            # a bf16 cache for fp32 queries is read as it is stored: the bytes a step reads
+            # halve (widening it first would read it, write it in fp32 and read that again)
             return self._decode(q, k, v, mask, kind == "self", state, rows, batch)
+        if k.dtype != q.dtype:  # a cache stored in another dtype
+            k, v = k.to(q.dtype), v.to(q.dtype)
         if rows is not None:
             k, v = _gather(k, rows), _gather(v, rows)
         elif batch is not None:
