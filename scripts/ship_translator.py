@@ -3,7 +3,7 @@
     python scripts/ship_translator.py /work/runs/enfr en-fr --commit c90958c
 
 Picks the run's ``best/`` or the average of its last epochs (``--average N``), whichever has
-the higher BLEU on all of val (greedy); tunes the length penalty for beam search on val;
+the higher BLEU on all of val (greedy), or the kept epoch ``--epoch N``; tunes the length penalty for beam search on val;
 stores the weights in float16 under ``src/qkv/models/shipped/NAME``; evaluates the shipped
 files themselves (what users load) on val, test_2016_flickr and test_2017_flickr, greedy and
 beam; writes ``README.md`` (the model card) and ``generation.json``.
@@ -63,6 +63,9 @@ def main() -> int:
     p.add_argument("--data", default=None)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--note", default="", help="extra text for the card (what was tried)")
+    p.add_argument("--epoch", type=int, default=None,
+                   help="ship this kept epoch (RUN/epochs/epoch-NNN.safetensors) instead of "
+                   "choosing between best/ and the average; say why in --note")  # fmt: skip
     a = p.parse_args()
     torch.set_num_threads(a.threads)
 
@@ -77,6 +80,17 @@ def main() -> int:
 
     candidates = {"best": load_pretrained(a.run / "best")}
     snaps = sorted((a.run / "epochs").glob("epoch-*.safetensors"))[-a.average :]
+    log = [json.loads(x) for x in (a.run / "log.jsonl").read_text().splitlines() if x.strip()]
+    at_epoch = None  # the log record of the shipped epoch (--epoch)
+    if a.epoch is not None:
+        f = a.run / "epochs" / f"epoch-{a.epoch:03d}.safetensors"
+        kept = [e.stem for e in sorted((a.run / "epochs").glob("epoch-*.safetensors"))]
+        if not f.exists():
+            print(f"ship: {f} not found; kept: {', '.join(kept)}", file=sys.stderr)
+            return 2
+        candidates = {f"epoch {a.epoch}": average_epochs(candidates["best"], [f]).eval()}
+        at_epoch = next(r for r in log if r.get("epoch") == a.epoch and "val_bleu" in r)
+        snaps = []
     if len(snaps) > 1:
         candidates[f"average of {len(snaps)} epochs ({snaps[0].stem}..{snaps[-1].stem})"] = (
             average_epochs(candidates["best"], snaps).eval()
@@ -110,8 +124,14 @@ def main() -> int:
     sub_bleu = score(tr, sub, 1, 1.0)[0]
 
     n_params = sum(p.numel() for p in tr.model.parameters())
-    log = [json.loads(x) for x in (a.run / "log.jsonl").read_text().splitlines() if x.strip()]
     hist = [r for r in log if "val_bleu" in r and "averaged" not in r]
+    if at_epoch is not None:
+        hist = [r for r in hist if r["epoch"] <= a.epoch]
+        trained = (f"{at_epoch['elapsed_min']:.0f} min wall clock, {at_epoch['step']} updates, "
+                   f"{a.epoch} epochs")  # fmt: skip
+    else:
+        trained = (f"{state['elapsed'] / 60:.0f} min wall clock, {state['step']} updates, "
+                   f"{state['epoch']} epochs and {state['pos']} batches")  # fmt: skip
     card = [
         f"# qkv translator {a.name}: {src} → {tgt}",
         "",
@@ -142,8 +162,7 @@ def main() -> int:
         f"- Code: commit `{a.commit}`",
         f"- Data: Multi30k task 1 `train.{src}/{tgt}` (29,000 pairs); validation on `val`",
         f"- Weights: {picked}; stored in float16 ({(out / 'model.safetensors').stat().st_size / 1e6:.1f} MB)",
-        f"- Training time: {state['elapsed'] / 60:.0f} min wall clock, {state['step']} updates, "
-        f"{state['epoch']} epochs and {state['pos']} batches",
+        f"- Training time: {trained}",
         f"- Machine: {cpu_name()}, 2 cores, 1 torch thread, shared with other jobs",
         f"- Length penalty {lenpen} chosen on val among {a.lenpens} (beam {a.beam})",
         f"- Shipped: {time.strftime('%Y-%m-%d')}",
