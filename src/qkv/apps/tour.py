@@ -85,7 +85,9 @@ def translation(name: str, text: str, out: Path, console: Console) -> dict[str, 
     console.print(
         f"{' ' * len(repr(text))} → beam {tr.beam if tr.beam > 1 else 5}: [bold]{beam}[/]"
     )
-    steps = record_translation(tr.model, tr.tokenizer, text).steps
+    # the maps of the translation `qkv translate` prints: the model's own decoding
+    steps = record_translation(tr.model, tr.tokenizer, text, beam=tr.beam,
+                               length_penalty=tr.length_penalty).steps  # fmt: skip
     whole = merge_steps(steps)
     cross = [i for i, k in enumerate(whole.kinds) if k == "cross"][-1]
     w = whole.weights[cross].mean(0)  # (T_tgt, T_src): the last decoder layer, mean of heads
