@@ -163,7 +163,8 @@ def main() -> int:
         f"- Data: Multi30k task 1 `train.{src}/{tgt}` (29,000 pairs); validation on `val`",
         f"- Weights: {picked}; stored in float16 ({(out / 'model.safetensors').stat().st_size / 1e6:.1f} MB)",
         f"- Training time: {trained}",
-        f"- Machine: {cpu_name()}, 2 cores, 1 torch thread, shared with other jobs",
+        f"- Machine: {cpu_name()}, 2 cores, {targs.get('threads') or 'all'} torch thread(s) "
+        "(the run's last setting), shared with other jobs",
         f"- Length penalty {lenpen} chosen on val among {a.lenpens} (beam {a.beam})",
         f"- Shipped: {time.strftime('%Y-%m-%d')}",
         "",
