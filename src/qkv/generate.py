@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from qkv.kernels._native import decode_ops
-from qkv.models.incremental import IncrementalDecoder
+from qkv.models.incremental import IncrementalDecoder, hypothesis_rows
 
 __all__ = ["greedy_search", "beam_search", "translate", "generate"]
 
@@ -88,14 +88,9 @@ class _Steps:
         if self.fast is not None:
             self.state.keep(sentences)
         else:
-            rows = _hypotheses(sentences, self.beams)
+            rows = hypothesis_rows(sentences, self.beams)
             self.cache.reorder(rows)
             self.memory, self.mask = self.memory[rows], self.mask[rows]
-
-
-def _hypotheses(sentences: Tensor, beams: int) -> Tensor:
-    """Batch rows of the ``beams`` hypotheses of each of ``sentences (B',)``: ``(B'·beams,)``."""
-    return (sentences[:, None] * beams + torch.arange(beams, device=sentences.device)).view(-1)
 
 
 @torch.inference_mode()
@@ -277,7 +272,7 @@ def beam_search(
             steps.reorder(rows)
         if bool(finished.any()):
             live = (~finished).nonzero().flatten()
-            hyps = _hypotheses(live, K)
+            hyps = hypothesis_rows(live, K)
             ys, scores = ys[hyps], scores[live]
             alive, alive_limits = alive[live], alive_limits[live]
             if use_cache:

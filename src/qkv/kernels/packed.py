@@ -24,6 +24,7 @@ built on first use and rebuilt when the weight changes; they double the layer's 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 
 import torch
@@ -89,23 +90,21 @@ class PackedLinear(nn.Linear):
             or (op := _small_linear()) is None
         ):
             return TF.linear(x, w, self.bias)
-        x2 = x.reshape(-1, x.shape[-1]) if x.shape[-1] else x.reshape(x.numel(), 0)
-        if not 0 < x2.shape[0] <= SMALL_ROWS:
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        if not 0 < rows <= SMALL_ROWS:
             return TF.linear(x, w, self.bias)
+        x2 = x.reshape(rows, x.shape[-1])
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
         y = op(x2, self._packed(), self.bias, self.out_features, False)
         return y.view(*x.shape[:-1], self.out_features)
 
 
-_OP: list = []  # [the compiled small_linear overload, or None], looked up once
-
-
+@functools.cache
 def _small_linear():
-    if not _OP:
-        ops = decode_ops()
-        _OP.append(None if ops is None else ops.small_linear.default)
-    return _OP[0]
+    """The compiled ``small_linear`` overload (looked up once), or ``None``."""
+    ops = decode_ops()
+    return None if ops is None else ops.small_linear.default
 
 
 def pack_linears(model: nn.Module, *, skip: Iterable[str] = ()) -> nn.Module:

@@ -39,7 +39,8 @@ from qkv.kernels.int8 import Int8Linear, SmallBatchInt8Linear
 from qkv.kernels.packed import SMALL_ROWS, panels
 from qkv.positional import LearnedPositionalEmbedding, RotaryEmbedding, SinusoidalPositionalEncoding
 
-__all__ = ["IncrementalDecoder", "DecodeState", "PreparedSteps", "SmallBatchLinear", "unsupported"]
+__all__ = ["IncrementalDecoder", "DecodeState", "PreparedSteps", "SmallBatchLinear", "hypothesis_rows",
+           "unsupported"]
 
 # oneDNN packs a weight for a batch size (any other works, a little slower): one packing per
 # power of two of the rows, the last few kept
@@ -125,6 +126,12 @@ def _gather(x: Tensor, rows: Tensor) -> Tensor:
     T = x.shape[2]
     pos = torch.arange(T, device=x.device)
     return x.transpose(1, 2)[rows[:, :T], pos].transpose(1, 2)  # (N, h, T, d)
+
+
+def hypothesis_rows(sentences: Tensor, beams: int) -> Tensor:
+    """Batch rows of the ``beams`` hypotheses of each of ``sentences (B',)``: ``(B'·beams,)``
+    (sentence-major, beams inner)."""
+    return (sentences[:, None] * beams + torch.arange(beams, device=sentences.device)).view(-1)
 
 
 def _real_rows(mask: Tensor | None, B: int, S: int) -> Tensor | None:
@@ -254,7 +261,7 @@ class DecodeState:
         """Keep only the sentences ``index`` ``(B',)``, with all their beams (finished
         sentences leave the batch, so later steps compute only the rows still running)."""
         K = self.beams
-        hyps = (index[:, None] * K + torch.arange(K, device=index.device)).view(-1)  # (B'·K,)
+        hyps = hypothesis_rows(index, K)  # (B'·K,)
         if self.gather:  # nothing copied: the kernel reads the rows still running in place
             B = self.sent.shape[0] if self.sent is not None else self._sentences()
             phys = self.phys if self.phys is not None else torch.arange(B * K)
@@ -262,15 +269,11 @@ class DecodeState:
             self.phys, self.sent = phys[hyps], sent[index]
             if self.rows is not None:  # its later positions already hold phys (see step)
                 self.rows = self.rows.index_select(0, hyps)
-            if self.cross_mask is not None:
-                self.cross_mask = self.cross_mask.index_select(0, index)
-            self.bias = None
-            self.choices.clear()
-            self.masks5.clear()
-            return
-        for c in self.caches:  # other paths: the caches compacted to the rows still running
-            c.reorder(hyps)
-        self.cross = [(k.index_select(0, index), v.index_select(0, index)) for k, v in self.cross]
+        else:  # other paths: the caches compacted to the rows still running
+            for c in self.caches:
+                c.reorder(hyps)
+            self.cross = [(k.index_select(0, index), v.index_select(0, index))
+                          for k, v in self.cross]  # fmt: skip
         if self.cross_mask is not None:
             self.cross_mask = self.cross_mask.index_select(0, index)
         self.bias = None  # rebuilt from the mask on the next step
