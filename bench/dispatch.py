@@ -11,7 +11,9 @@ wall time (1 torch thread, so the calls run on this thread). Small shapes, so th
 overhead is not lost in the kernel's own time. Forward calls under ``torch.no_grad()`` unless
 the case says ``grad`` (then the call only builds the graph: no backward). Calls that need
 gradients also pay a check on the values (the scores' bound, to pick the reference backend
-for huge logits), shown separately: it is not a decision that can be cached.
+for huge logits), shown separately: it is not a decision that can be cached. Where "auto"
+picks flash the overhead can be negative: ``flash_attention`` checks its arguments and
+makes its plan on every call, the dispatcher once per signature.
 """
 
 from __future__ import annotations

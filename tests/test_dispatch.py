@@ -204,3 +204,62 @@ def test_cached_signature_still_rejects_bad_arguments():
             scaled_dot_product_attention(q, q, q, window=0)
         with pytest.raises(TypeError, match="dtype"):
             scaled_dot_product_attention(q, q.double(), q)
+    # options that hash alike but mean something else, or are not tensors at all
+    assert scaled_dot_product_attention(q, q, q, window=1).shape == q.shape
+    assert scaled_dot_product_attention(q, q, q, return_weights=True,
+                                        weights_heads=torch.tensor([1]))[1].shape[-3] == 1  # fmt: skip
+    for _ in range(2):
+        with pytest.raises(ValueError, match="window"):
+            scaled_dot_product_attention(q, q, q, window=True)  # == 1 as a dict key
+        with pytest.raises(ValueError, match="weights_heads"):
+            scaled_dot_product_attention(q, q, q, return_weights=True,
+                                         weights_heads=torch.tensor([2]))  # fmt: skip
+        with pytest.raises(TypeError, match="mask"):
+            scaled_dot_product_attention(q, q, q, mask=[[True] * 16] * 16)
+
+
+def test_decide_rejects_unknown_options():
+    from qkv import dispatch
+
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(TypeError, match="casual"):
+        dispatch.decide(q, q, q, casual=True)
+
+
+def test_signature_without_the_compiled_module(monkeypatch):
+    """Without the extension's module (no compiler, QKV_NATIVE=0) the cache key and the
+    scores' bound are computed in Python: same decisions, same checks."""
+    from qkv import dispatch
+
+    q = torch.randn(1, 2, 16, 8, requires_grad=True)
+    mask = torch.rand(16, 16) > 0.2
+    expected = scaled_dot_product_attention(q, q, q, mask=mask, backend="math")
+    monkeypatch.setattr(dispatch, "native_module", lambda: None)
+    for _ in range(2):
+        torch.testing.assert_close(scaled_dot_product_attention(q, q, q, mask=mask), expected)
+        huge = (q.detach() * 1e4).requires_grad_()
+        assert dispatch.decide(huge, huge, huge, mask=mask)[1].backend == "math"
+        with pytest.raises(ValueError, match="mask"):
+            scaled_dot_product_attention(q, q, q, mask=torch.ones(16, 15, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("backend", ["auto", "flash", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_remembered_fast_paths_follow_each_calls_values(backend, dtype):
+    """Calls of one signature reuse the first call's torch arguments or flash plan: each
+    call's own values, mask and bias still decide its output and gradients (vs fp64)."""
+    tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-4)
+    for seed in range(3):
+        g = torch.Generator().manual_seed(seed)
+        q, k, v = (torch.randn(1, 4, 40, 8, generator=g).to(dtype) for _ in range(3))
+        mask = torch.rand(40, 40, generator=g) > 0.3
+        for kw in (dict(causal=True), dict(mask=mask)):
+            inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+            out = scaled_dot_product_attention(*inputs, backend=backend, **kw)
+            ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
+            ref = scaled_dot_product_attention(*ref_in, backend="math", **kw)
+            torch.testing.assert_close(out.double(), ref, **tol)
+            grads = torch.autograd.grad(out.float().square().sum(), inputs)
+            ref_grads = torch.autograd.grad(ref.square().sum(), ref_in)
+            for a, b in zip(grads, ref_grads):
+                torch.testing.assert_close(a.double(), b, **tol)

@@ -58,13 +58,17 @@ which backend a call would use and why each faster one was rejected.
 
 The decision of a call depends on its shapes, dtypes, devices and options only (and, when
 gradients are needed, on whether the scores can exceed ``HUGE_LOGITS``), so
-:func:`decide` remembers it per such signature: a repeated call costs a dictionary lookup
-(``python bench/dispatch.py`` prints the overhead over calling the chosen kernel directly).
+:func:`decide` remembers it per such signature, with how to run it (torch SDPA's keyword
+arguments, flash's plan): a repeated call costs a key of the tensors' metadata (built in C++
+where the fused kernels are), a dictionary lookup and, with gradients, one pass over q and
+k for the bound (``python bench/dispatch.py``: 2-4 µs over calling the chosen kernel
+directly, on a 2-core Zen 4).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -81,6 +85,7 @@ from qkv._validate import (
     check_qkv,
 )
 from qkv.kernels import flash as _flash
+from qkv.kernels._native import native_module
 from qkv.kernels.decode import MAX_TQ, decode_rejects
 from qkv.kernels.flash import fused_kernel_rejects
 
@@ -185,31 +190,44 @@ def describe(
 def _logit_bound(q: Tensor, k: Tensor, scale: float | None) -> float:
     """An upper bound of |scores|: ``|q·k|·scale <= max|q|·max|k|·d_k·scale``.
 
-    One pass of the fused kernel's ``max_abs_product`` over q and k on the CPU (~1 µs), else
+    One pass of the fused kernel's ``max_abs_product`` over q and k on the CPU (~0.5 µs), else
     one ``aminmax`` per tensor (~6 µs for both; abs + amax took 9 µs).
     """
     d_k = q.shape[-1]
     sc = scale if scale is not None else d_k**-0.5
-    ops = _flash.native_ops()
-    if ops is not None:
-        try:  # (registered for CPU tensors only: others raise NotImplementedError)
-            return ops.max_abs_product(q.detach(), k.detach()) * d_k * sc
-        except NotImplementedError:
-            pass
+    if q.is_cpu and k.is_cpu:
+        module = native_module()
+        if module is not None:
+            return module.max_abs_product(q, k) * d_k * sc
     (q_lo, q_hi), (k_lo, k_hi) = torch.aminmax(q.detach()), torch.aminmax(k.detach())
     return max(-float(q_lo), float(q_hi)) * max(-float(k_lo), float(k_hi)) * d_k * sc
 
 
-_DECISIONS: dict[tuple, tuple[Case, Decision]] = {}
+# the options of a call, in the order :func:`_decide` takes them, and their defaults
+OPTIONS = ("mask", "bias", "causal", "window", "scale", "softcap", "dropout_p",
+           "return_weights", "weights_heads")  # fmt: skip
+_DEFAULTS = (None, None, False, None, None, None, 0.0, False, None)
+# signature -> (case, decision, its fast path or None: see _fast_path)
+_DECISIONS: dict[tuple, tuple[Case, Decision, Callable | None]] = {}
 DECISION_CACHE_SIZE = 1024  # signatures remembered (the cache is emptied when full)
-_SIMPLE = frozenset({type(None), bool, int, float, str})  # option types keyed by value
 
 
 def _meta(x: object) -> object:
-    """What of an argument the decision and the checks look at: a tensor's metadata."""
+    """What of a tensor argument the decision and the checks look at: its metadata."""
     if isinstance(x, Tensor):
         return (x.shape, x.dtype, x.device, x.requires_grad)
     return tuple(x) if isinstance(x, list) else x
+
+
+def _signature(q: Tensor, k: Tensor, v: Tensor, mask: object, bias: object) -> object:
+    """The metadata of the tensors (shapes, dtypes, devices, requires_grad), hashable."""
+    module = native_module()
+    if module is not None:
+        try:
+            return module.signature(q, k, v, mask, bias)  # (~0.3 µs, the Python tuple ~1 µs)
+        except TypeError:  # a mask or bias that is not a tensor: the checks will say so
+            pass
+    return (*map(_meta, (q, k, v)), _meta(mask), _meta(bias))
 
 
 def decide(
@@ -222,24 +240,34 @@ def decide(
     Raises what those raise (nothing is remembered then). The cached :class:`Case` is the
     first call's (its ``logit_bound`` too); :func:`explain_dispatch` always recomputes.
     """
-    return _decide(q, k, v, backend, options)
+    unknown = set(options) - set(OPTIONS)
+    if unknown:
+        raise TypeError(f"decide() got unexpected options {sorted(unknown)}; known: {OPTIONS}")
+    call = tuple(options.get(n, d) for n, d in zip(OPTIONS, _DEFAULTS))
+    return _decide(q, k, v, backend, call)[:2]
 
 
-def _decide(q: Tensor, k: Tensor, v: Tensor, backend: str, options: dict) -> tuple[Case, Decision]:
+def _decide(
+    q: Tensor, k: Tensor, v: Tensor, backend: str, call: tuple
+) -> tuple[Case, Decision, Callable | None]:
+    """:func:`decide` with the options as a tuple in :data:`OPTIONS` order; also returns the
+    call's fast path (:func:`_fast_path`), or ``None``."""
+    mask, bias, causal, window, scale, softcap, dropout_p, return_weights, heads = call
     if not (isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)):
         check_qkv(q, k, v)  # raises the clear error
-    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    grad = (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled()
     huge = False
-    if grad and q.numel() and k.numel() and q.dim() >= 3 and q.shape[-1] == k.shape[-1]:
-        huge = _logit_bound(q, k, options.get("scale")) >= HUGE_LOGITS  # values: every call
-    values = tuple(options.values())
-    types = tuple(map(type, values))  # in the key: causal=1 and causal=True hash alike
-    if not _SIMPLE.issuperset(types):  # tensors by their metadata
-        values = tuple([x if t in _SIMPLE else _meta(x) for x, t in zip(values, types)])
+    if grad:
+        try:  # values: checked on every call (a shape error is raised by the checks below)
+            huge = bool(q.numel() and k.numel()) and _logit_bound(q, k, scale) >= HUGE_LOGITS
+        except (IndexError, RuntimeError):
+            pass
+    if isinstance(heads, (list, Tensor)):  # by value (the checks read the indices)
+        heads = tuple(heads.tolist() if isinstance(heads, Tensor) else heads)
+    # window's type too: window=True must not reuse window=1's checks (scalars hash alike)
     key = (
-        backend, grad, huge, _flash.native_ops() is None, tuple(options), values, types,
-        q.shape, q.dtype, q.device, q.requires_grad, k.shape, k.dtype, k.device,
-        v.shape, v.dtype, v.device,
+        backend, grad, huge, _flash.native_ops() is None, causal, window, type(window), scale,
+        softcap, dropout_p, return_weights, heads, _signature(q, k, v, mask, bias),
     )  # fmt: skip
     try:
         hit = _DECISIONS.get(key)
@@ -247,20 +275,19 @@ def _decide(q: Tensor, k: Tensor, v: Tensor, backend: str, options: dict) -> tup
         key, hit = None, None
     if hit is not None:
         return hit
+    options = dict(zip(OPTIONS, call))
     case = describe(q, k, v, **options)  # (also checks q, k, v)
     decision = choose(case, backend)
     if decision.backend != "math":  # math checks its arguments itself
-        check_options(
-            window=options.get("window"), scale=options.get("scale"),
-            softcap=options.get("softcap"), dropout_p=options.get("dropout_p", 0.0),
-        )  # fmt: skip
-        check_mask(options.get("mask"), case.shape, q.device)
-        check_bias(options.get("bias"), case.shape, q.device)
+        check_options(window=window, scale=scale, softcap=softcap, dropout_p=dropout_p)
+        check_mask(mask, case.shape, q.device)
+        check_bias(bias, case.shape, q.device)
+    entry = (case, decision, _fast_path(q, k, v, case, decision, mask, bias))
     if key is not None:
         if len(_DECISIONS) >= DECISION_CACHE_SIZE:
             _DECISIONS.clear()
-        _DECISIONS[key] = (case, decision)
-    return case, decision
+        _DECISIONS[key] = entry
+    return entry
 
 
 def invalid(case: Case) -> dict[str, str]:
@@ -408,6 +435,58 @@ def log_decision(decision: Decision, case: Case) -> None:
         )  # fmt: skip
 
 
+def _fast_path(q, k, v, case: Case, decision: Decision, mask, bias) -> Callable | None:
+    """``run(q, k, v, mask, bias) -> output`` for every call of this signature, worked out
+    once: torch SDPA with its keyword arguments, or flash with its plan (both read only
+    metadata and options). ``None`` where the call needs more (weights, a mask to build)."""
+    if case.return_weights:
+        return None
+    if decision.backend == "torch":
+        kw = _torch_kwargs(case)
+        if kw is None:
+            return None
+        sdpa = TF.scaled_dot_product_attention
+        return lambda q, k, v, mask, bias: sdpa(q, k, v, attn_mask=mask, **kw)
+    if decision.backend == "flash":
+        return _flash.prepared_call(
+            q, k, v, case.shape, mask=mask, bias=bias, causal=case.causal, window=case.window,
+            scale=case.scale, softcap=case.softcap,
+        )  # fmt: skip
+    return None
+
+
+def _passes_through(Tq: int, Tk: int, causal: bool, window, has_mask: bool, has_bias: bool):
+    """``is_causal`` for torch SDPA when our options need no mask built (else ``None``).
+
+    ``is_causal`` is used only when it means the same (``Tq == Tk``, no other mask); its
+    top-left alignment differs from ours when ``Tq != Tk``, so then an explicit bottom-right
+    mask is built (one query, decoding, sees every key: no mask needed).
+    """
+    is_causal = causal and window is None and Tq == Tk and not has_mask and not has_bias
+    if window is None and not has_bias and (is_causal or not causal or Tq == 1):
+        return is_causal
+    return None
+
+
+def _torch_kwargs(case: Case) -> dict | None:
+    """torch SDPA's keyword arguments (other than ``attn_mask``, the call's own mask) for a
+    case that passes straight through to it (else ``None``): only those not at their default,
+    since each keyword costs argument parsing on every call."""
+    s = case.shape
+    is_causal = _passes_through(s.Tq, s.Tk, case.causal, case.window, case.has_mask,
+                                case.has_bias)  # fmt: skip
+    if is_causal is None:
+        return None
+    kw: dict = {"is_causal": True} if is_causal else {}
+    if case.scale is not None:
+        kw["scale"] = case.scale
+    if case.dropout_p:
+        kw["dropout_p"] = case.dropout_p
+    if s.h != s.h_kv:
+        kw["enable_gqa"] = True
+    return kw
+
+
 def torch_sdpa(
     q: Tensor,
     k: Tensor,
@@ -420,17 +499,11 @@ def torch_sdpa(
     scale: float | None,
     dropout_p: float,
 ) -> Tensor:
-    """Our options as PyTorch SDPA arguments (its bool ``attn_mask`` is also True = attend).
-
-    ``is_causal`` is used only when it means the same (``Tq == Tk``, no other mask); its
-    top-left alignment differs from ours when ``Tq != Tk``, so then an explicit bottom-right
-    mask is built.
-    """
+    """Our options as PyTorch SDPA arguments (its bool ``attn_mask`` is also True = attend)."""
     Tq, Tk = q.shape[-2], k.shape[-2]
-    is_causal = causal and window is None and Tq == Tk and mask is None and bias is None
     gqa = q.shape[-3] != k.shape[-3]
-    if window is None and bias is None and (is_causal or not causal or Tq == 1):
-        # the mask as given: nothing to combine it with
+    is_causal = _passes_through(Tq, Tk, causal, window, mask is not None, bias is not None)
+    if is_causal is not None:  # the mask as given: nothing to combine it with
         return TF.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
             enable_gqa=gqa,
@@ -438,7 +511,7 @@ def torch_sdpa(
     structure = None
     if window is not None:
         structure = masks.sliding_window(Tq, Tk, window, causal=causal, device=q.device)
-    elif causal and not is_causal and Tq > 1:  # one query (decoding) sees every key
+    elif causal and Tq > 1:  # (Tq != Tk, or another mask: is_causal would not mean ours)
         structure = masks.causal(Tq, Tk, device=q.device)
     allowed = masks.combine(mask, structure)
     if bias is None:
@@ -448,6 +521,5 @@ def torch_sdpa(
     else:
         attn_mask = torch.where(allowed, bias.to(q.dtype), float("-inf"))
     return TF.scaled_dot_product_attention(
-        q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-        enable_gqa=gqa,
+        q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale, enable_gqa=gqa,
     )  # fmt: skip

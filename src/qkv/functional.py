@@ -262,14 +262,12 @@ def scaled_dot_product_attention(
         mask, bias = _densify(q, block_mask, None if block_mask else mask, bias, alibi_slopes,
                               rel_bias, shape)  # fmt: skip
     # describe + choose + the chosen backend's argument checks, remembered per call signature
-    call = {
-        "mask": mask, "bias": bias, "causal": causal, "window": window, "scale": scale,
-        "softcap": softcap, "dropout_p": dropout_p, "return_weights": return_weights,
-        "weights_heads": weights_heads,
-    }  # fmt: skip
-    case, decision = dispatch._decide(q, k, v, backend, call)
+    call = (mask, bias, causal, window, scale, softcap, dropout_p, return_weights, weights_heads)
+    case, decision, fast = dispatch._decide(q, k, v, backend, call)
     if dispatch.logger.isEnabledFor(logging.DEBUG):
         dispatch.log_decision(decision, case)
+    if fast is not None:  # torch SDPA's arguments or flash's plan, worked out once
+        return fast(q, k, v, mask, bias)
     if decision.backend == "torch":
         return dispatch.torch_sdpa(
             q, k, v, mask=mask, bias=bias, causal=causal, window=window, scale=scale,

@@ -7,7 +7,8 @@ builder (gcc + ninja, ~30 s; cached under ``~/.cache/torch_extensions``, or
 few queries over a long KV cache) and the generation step's ``qkv_decode.small_linear``
 (few-row linears on panel-packed weights) and ``qkv_decode.beam_topk`` (beam search's
 log-softmax + top-k in one pass), ``int8_cpu.cpp`` ``torch.ops.qkv_int8.linear`` (int8
-linear layers, :mod:`qkv.kernels.int8`). Where they cannot be built (no compiler, another OS) the
+linear layers, :mod:`qkv.kernels.int8`); ``module.cpp`` makes the extension a Python module
+too, for the few functions called on every attention call. Where they cannot be built (no compiler, another OS) the
 flash backend keeps working on its PyTorch-ops kernel, the decode backend is not offered,
 and :func:`native_status` says why.
 ``QKV_NATIVE=0`` turns the fused kernel off; ``QKV_NATIVE_PORTABLE=1`` builds it without
@@ -35,13 +36,16 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["decode_ops", "int8_ops", "native_ops", "native_status"]
+__all__ = ["decode_ops", "int8_ops", "native_module", "native_ops", "native_status"]
 
 logger = logging.getLogger("qkv.kernels")
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
-SOURCES = [CSRC / "flash_cpu.cpp", CSRC / "decode_cpu.cpp", CSRC / "int8_cpu.cpp"]
+SOURCES = [
+    CSRC / "flash_cpu.cpp", CSRC / "decode_cpu.cpp", CSRC / "int8_cpu.cpp", CSRC / "module.cpp",
+]  # fmt: skip
 _status = "not loaded yet"
+_module = None  # the extension's Python module (module.cpp): functions on the per-call path
 
 
 def _portable() -> bool:
@@ -102,11 +106,11 @@ def native_ops() -> object | None:
         logger.info("qkv: loading the fused CPU kernel (the first build takes ~15 s)")
         name = "qkv_flash_cpu_portable" if _portable() else "qkv_flash_cpu"
         with _build_lock(name):
-            cpp_extension.load(
+            module = cpp_extension.load(
                 name=name,
                 sources=[str(p) for p in SOURCES],
                 extra_cflags=_flags(),
-                is_python_module=False,
+                is_python_module=True,
                 verbose=False,
             )
         ops = torch.ops.qkv_flash
@@ -117,9 +121,17 @@ def native_ops() -> object | None:
         _status = f"unavailable: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         logger.warning("qkv: fused CPU kernel %s; flash uses its PyTorch-ops kernel", _status)
         return None
+    global _module
+    _module = module
     _status = (f"loaded ({' '.join(_flags())}; decode path {torch.ops.qkv_decode.isa()}; "
                f"int8 path {torch.ops.qkv_int8.isa()})")  # fmt: skip
     return ops
+
+
+def native_module() -> object | None:
+    """The extension's Python module (plain functions for per-call work, e.g.
+    ``max_abs_product``: no operator schema to parse), else ``None``."""
+    return None if native_ops() is None else _module
 
 
 def decode_ops() -> object | None:

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -610,6 +611,17 @@ def flash_attention(
         )  # fmt: skip
         out = out.to(q.dtype)
         return (out, lse) if return_lse else out
+    plan = _make_plan(q, k, v, shape, mask, bias, causal, window, scale, softcap, block_mask,
+                      block_q, block_k)  # fmt: skip
+    out, lse = _FlashFunction.apply(q, k, v, bias, mask, alibi_slopes, rel_bias, plan)
+    return (out, lse) if return_lse else out
+
+
+def _make_plan(q, k, v, shape, mask, bias, causal, window, scale: float, softcap, block_mask,
+               block_q, block_k) -> _Plan:  # fmt: skip
+    """The plan of a call that reached the kernels (checked, non-empty, not fp16). It reads
+    only the arguments' metadata and options, so it holds for every call of the same
+    signature (the dispatcher keeps it: :func:`prepared_call`)."""
     native = _native_ok(q, k, v, mask, bias, softcap, scale)
     if block_mask is not None:  # the kernel's blocks are the mask's
         block_q, block_k = block_mask.block_size
@@ -618,7 +630,7 @@ def flash_attention(
     else:
         default_q = BLOCK_Q if window is None else BLOCK_Q_WINDOW
         default_k = BLOCK_K if q.dtype in (torch.float32, torch.float64) else BLOCK_K_LOW
-    plan = _Plan(
+    return _Plan(
         shape=shape,
         structure=Structure(shape.Tq, shape.Tk, bool(causal), window),
         c=scale if softcap is None else scale / softcap,
@@ -630,8 +642,28 @@ def flash_attention(
         scale=scale,
         block_mask=block_mask,
     )
-    out, lse = _FlashFunction.apply(q, k, v, bias, mask, alibi_slopes, rel_bias, plan)
-    return (out, lse) if return_lse else out
+
+
+def prepared_call(
+    q: Tensor, k: Tensor, v: Tensor, shape: AttentionShape, *, mask: Tensor | None,
+    bias: Tensor | None, causal: bool, window: int | None, scale: float | None,
+    softcap: float | None,
+) -> Callable[[Tensor, Tensor, Tensor, Tensor | None, Tensor | None], Tensor] | None:  # fmt: skip
+    """``flash_attention(q, k, v, mask=, bias=, ...)`` for every call of this signature, its
+    plan made once: ``run(q, k, v, mask, bias) -> out``, for arguments already checked (the
+    dispatcher's). ``None`` where flash_attention takes another route (empty inputs, no
+    value columns, fp16)."""
+    if shape.empty or shape.d_v == 0 or q.dtype == torch.float16:
+        return None
+    scale = 1.0 / math.sqrt(shape.d_k) if scale is None else float(scale)
+    plan = _make_plan(q, k, v, shape, mask, bias, causal, window, scale, softcap, None, None,
+                      None)  # fmt: skip
+    apply = _FlashFunction.apply
+
+    def run(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None) -> Tensor:
+        return apply(q, k, v, bias, mask, None, None, plan)[0]
+
+    return run
 
 
 def check_block_mask(bm: BlockMask, shape: AttentionShape, device: torch.device) -> None:
