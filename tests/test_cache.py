@@ -1,10 +1,11 @@
-"""KVCache: preallocated buffers read as views, growth, storage dtype, beam reorder."""
+"""KVCache: preallocated buffers read as views, growth, storage dtype, beam reorder, pools."""
 
 import pytest
 import torch
 
 from qkv import KVCache, MultiHeadAttention
 from qkv import functional as F
+from qkv.cache import BufferPool
 
 torch.set_num_threads(1)
 
@@ -155,3 +156,51 @@ def test_update_into_chosen_rows():
         cache.update(k1, v1, rows=torch.tensor([0, 1, 2]))
     with pytest.raises(ValueError, match="first update"):
         KVCache().update(k1, v1, rows=torch.tensor([0, 1]))
+
+
+def test_pooled_buffers_are_reused_and_keep_every_behaviour():
+    """With a pool, growth, reorder and reset return the buffers to it, and the next cache
+    takes them instead of new memory: same contents as without a pool."""
+    pool = BufferPool()
+    chunks = [kv(T=t, seed=t) for t in (5, 12, 1)]
+    ptrs = []
+    for _ in range(2):
+        cache, plain = KVCache(pool=pool), KVCache()
+        for k, v in chunks:  # 16 -> 32 positions: the 16-position buffers go back
+            cache.update(k, v)
+            plain.update(k, v)
+        index = torch.tensor([2, 0, 0, 1])
+        cache.reorder(index)
+        plain.reorder(index)
+        torch.testing.assert_close(cache.keys, plain.keys, rtol=0, atol=0)
+        torch.testing.assert_close(cache.values, plain.values, rtol=0, atol=0)
+        ptrs.append({cache.keys.untyped_storage().data_ptr(),
+                     cache.values.untyped_storage().data_ptr()})  # fmt: skip
+        held = pool.nbytes
+        cache.reset()
+        assert pool.nbytes > held and cache.keys is None
+    assert ptrs[1] <= {b.data_ptr() for b in pool._free}  # the second cache's, reused
+    n_free = len(pool._free)
+    KVCache(pool=pool).update(*kv(T=4))  # a smaller one takes the smallest that fits
+    assert len(pool._free) == n_free - 2
+
+
+def test_pool_limits_and_modes():
+    pool = BufferPool(max_bytes=1000)
+    pool.give_back(torch.empty(100))  # 400 bytes
+    pool.give_back(torch.empty(200))  # 800 more: over the limit, dropped
+    assert pool.nbytes == 400
+    assert pool.take(50, torch.float32, "cpu").numel() == 100  # kept one, fits
+    assert pool.take(50, torch.float32, "cpu").numel() == 50  # none left: new, exact size
+    pool = BufferPool()
+    pool.give_back(torch.empty(100, dtype=torch.float64))
+    assert pool.take(10, torch.float32, "cpu").dtype == torch.float32  # not the float64 one
+    with torch.inference_mode():
+        pool.give_back(pool.take(100, torch.float64, "cpu"))  # new: an inference tensor
+        assert pool.take(10, torch.float64, "cpu").is_inference()
+        pool.give_back(torch.empty(100, dtype=torch.float64))
+    assert len(pool._free) == 2  # one inference tensor, one not
+    got = pool.take(10, torch.float64, "cpu")  # outside inference mode: not the inference one
+    assert not got.is_inference()
+    got.add_(1)  # writable here
+    assert pool.take(10, torch.float64, "cpu").is_inference() is False  # new, not the other

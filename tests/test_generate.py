@@ -324,3 +324,21 @@ def test_beam_drops_finished_sentences_and_still_equals_uncached(fast, monkeypat
             n = one.shape[1]
             assert torch.equal(cached[b, :n], one[0]) and bool((cached[b, n:] == 0).all())
     assert not fast or shrank >= 2
+
+
+def test_repeated_searches_reuse_the_cache_memory():
+    """The prepared decoder keeps its caches' buffers between calls (no memory handed back to
+    the OS and faulted in again): later searches take them, of other batch sizes and beam
+    widths too, and give the same tokens as a search on fresh memory."""
+    model = model_(seed=5)
+    expected = {K: beam_search(model, RAGGED, beam_size=K, max_new_tokens=12) for K in (1, 4)}
+    greedy = greedy_search(model, SRC, max_new_tokens=9)
+    pool = IncrementalDecoder.for_model(model).pool
+    held = pool.nbytes
+    assert held > 0
+    for _ in range(2):
+        for K in (4, 1):
+            assert torch.equal(beam_search(model, RAGGED, beam_size=K, max_new_tokens=12),
+                               expected[K])  # fmt: skip
+        assert torch.equal(greedy_search(model, SRC, max_new_tokens=9), greedy)
+    assert pool.nbytes == held  # nothing new was needed: the same buffers went round

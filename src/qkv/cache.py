@@ -20,17 +20,73 @@ allocated once and swapped with the first (``index_select(..., out=)``), so a be
 ``B·h_kv·len·d`` copies, never the whole capacity, and no allocation; a smaller batch
 (sentences that finished) lives in the first rows of the same buffers.
 
+Reused memory: with ``pool=`` (a :class:`BufferPool`) the buffers come from the pool and go
+back to it on :meth:`reset`, so that a generation loop run again and again (a translator
+serving sentences) does not hand its memory back to the OS and fault it in again, zeroed,
+4 KiB at a time.
+
 Shapes: keys and values are ``(B, h_kv, T, d_k)``.
 """
 
 from __future__ import annotations
 
+import math
+import threading
+
 import torch
 from torch import Tensor
 
-__all__ = ["KVCache"]
+__all__ = ["BufferPool", "KVCache"]
 
 _MIN_CAPACITY = 16
+
+
+class BufferPool:
+    """Flat buffers kept between uses, handed out as tensors of any shape that fits.
+
+    A large tensor freed goes back to the OS (glibc gives back the top of its heap beyond a
+    threshold of tens of MB), and the next one of the same size is faulted in again page by
+    page, each page zeroed by the kernel: for a 32-sentence beam search with the shipped
+    translator, ~10,700 page faults (42 MiB) per call, 3-6 % of its time. Buffers given back
+    here are kept (up to ``max_bytes`` in all) and reused by the next :meth:`empty` that
+    fits; thread-safe. Contents of a reused buffer are whatever was left in it.
+    """
+
+    def __init__(self, max_bytes: int = 256 << 20) -> None:
+        self.max_bytes = max_bytes
+        self._free: list[Tensor] = []  # flat, contiguous
+        self._lock = threading.Lock()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held (not in use)."""
+        return sum(b.numel() * b.element_size() for b in self._free)
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device | str) -> Tensor:
+        """A flat, uninitialised buffer of at least ``numel`` elements: the smallest kept one
+        that fits, else a new one of exactly ``numel``.
+
+        Only buffers of the same dtype, device and inference-mode-ness are reused (an
+        inference tensor cannot be written outside ``torch.inference_mode``)."""
+        device = torch.device(device)
+        inference = torch.is_inference_mode_enabled()
+        with self._lock:
+            fits = [
+                i for i, b in enumerate(self._free)
+                if b.numel() >= numel and b.dtype == dtype and b.device == device
+                and b.is_inference() == inference
+            ]  # fmt: skip
+            if fits:
+                return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
+        return torch.empty(numel, dtype=dtype, device=device)
+
+    def give_back(self, flat: Tensor) -> None:
+        """Keep ``flat`` (from :meth:`take`) for later; the caller must not use it, or any
+        view of it, any more. Beyond ``max_bytes`` in all it is simply dropped."""
+        with self._lock:
+            held = sum(b.numel() * b.element_size() for b in self._free)
+            if held + flat.numel() * flat.element_size() <= self.max_bytes:
+                self._free.append(flat)
 
 
 class KVCache:
@@ -41,6 +97,8 @@ class KVCache:
         capacity: positions to allocate on the first ``update`` (default: what that update
             needs, at least 16); grows by doubling beyond it.
         dtype: storage dtype of keys and values (default: that of the first ``update``).
+        pool: a :class:`BufferPool` to take the buffers from; :meth:`reset` gives them
+            back (generation loops that run again and again).
 
     >>> cache = KVCache()
     >>> k, v = cache.update(torch.zeros(2, 4, 3, 8), torch.zeros(2, 4, 3, 8))
@@ -54,6 +112,7 @@ class KVCache:
         *,
         capacity: int | None = None,
         dtype: torch.dtype | None = None,
+        pool: BufferPool | None = None,
     ) -> None:
         if max_len is not None and (not isinstance(max_len, int) or max_len < 1):
             raise ValueError(f"max_len must be a positive int or None, got {max_len!r}")
@@ -64,6 +123,8 @@ class KVCache:
         self.max_len = max_len
         self.capacity_hint = capacity
         self.dtype = dtype
+        self.pool = pool
+        self._taken: list[Tensor] = []  # the pool's flat buffers behind _full and _spare
         self._k: Tensor | None = None  # (B, h_kv, capacity, d_k)
         self._v: Tensor | None = None  # (B, h_kv, capacity, d_v)
         self._spare: tuple[Tensor, Tensor] | None = None  # reorder's second buffers
@@ -96,10 +157,31 @@ class KVCache:
         return None if self._v is None else self._v[:, :, : self._len]
 
     def reset(self) -> None:
-        """Forget everything, buffers included (a new batch may have another size)."""
+        """Forget everything, buffers included (a new batch may have another size); with a
+        pool, the buffers go back to it for another cache."""
+        while self._taken:
+            self.pool.give_back(self._taken.pop())
         self._k = self._v = None
         self._spare = self._full = None
         self._len = 0
+
+    def _empty(self, like: Tensor, *shape: int, dtype: torch.dtype | None = None) -> Tensor:
+        dtype = dtype or like.dtype
+        if self.pool is None:
+            return torch.empty(shape, dtype=dtype, device=like.device)
+        n = math.prod(shape)
+        flat = self.pool.take(n, dtype, like.device)
+        self._taken.append(flat)
+        return flat[:n].view(shape)
+
+    def _give_back(self, *tensors: Tensor) -> None:
+        """Return the pool's buffers behind ``tensors`` (no longer used by this cache)."""
+        for t in tensors:
+            ptr = t.untyped_storage().data_ptr()
+            for i, flat in enumerate(self._taken):
+                if flat.data_ptr() == ptr:
+                    self.pool.give_back(self._taken.pop(i))
+                    break
 
     def _check(self, k: Tensor, v: Tensor, rows: Tensor | None = None) -> None:
         if k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3]:
@@ -173,8 +255,8 @@ class KVCache:
             capacity = min(capacity, self.max_len)
         dtype = self.dtype or k.dtype
         B, h, _, d_k = k.shape
-        self._k = torch.empty(B, h, capacity, d_k, dtype=dtype, device=k.device)
-        self._v = torch.empty(B, h, capacity, v.shape[3], dtype=dtype, device=k.device)
+        self._k = self._empty(k, B, h, capacity, d_k, dtype=dtype)
+        self._v = self._empty(k, B, h, capacity, v.shape[3], dtype=dtype)
         self._full = (self._k, self._v)
 
     def _resize(self, capacity: int) -> None:
@@ -182,10 +264,11 @@ class KVCache:
             capacity = min(capacity, self.max_len)
         old_k, old_v = self._k, self._v
         B, h, _, d_k = old_k.shape
-        self._k = old_k.new_empty(B, h, capacity, d_k)
-        self._v = old_v.new_empty(B, h, capacity, old_v.shape[3])
+        self._k = self._empty(old_k, B, h, capacity, d_k)
+        self._v = self._empty(old_v, B, h, capacity, old_v.shape[3])
         self._k[:, :, : self._len] = old_k[:, :, : self._len]
         self._v[:, :, : self._len] = old_v[:, :, : self._len]
+        self._give_back(*(self._full or ()), *(self._spare or ()))
         self._full, self._spare = (self._k, self._v), None
 
     def set(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -215,8 +298,9 @@ class KVCache:
         spare = self._spare
         if spare is None or spare[0].shape[0] < B:
             _, h, cap, d_k = self._k.shape
-            spare = (self._k.new_empty(B, h, cap, d_k),
-                     self._v.new_empty(B, h, cap, self._v.shape[3]))  # fmt: skip
+            self._give_back(*(spare or ()))
+            spare = (self._empty(self._k, B, h, cap, d_k),
+                     self._empty(self._v, B, h, cap, self._v.shape[3]))  # fmt: skip
         k2, v2 = spare[0][:B], spare[1][:B]  # (B', h_kv, capacity, d)
         if n:
             torch.index_select(self._k[:, :, :n], 0, index, out=k2[:, :, :n])

@@ -83,6 +83,11 @@ class _Steps:
         else:
             self.cache.reorder(rows)
 
+    def close(self) -> None:
+        """The search is over: the incremental decoder's caches go back to its pool."""
+        if self.fast is not None:
+            self.state.release()
+
     def keep(self, sentences: Tensor) -> None:
         """Only the sentences ``sentences (B',)`` still run, with all their beams."""
         if self.fast is not None:
@@ -156,6 +161,8 @@ def greedy_search(
         ys[:, n] = nxt
         if bool(done.all()):
             break
+    if use_cache:
+        steps.close()
     return ys[:, 1 : n + 1]
 
 
@@ -279,6 +286,8 @@ def beam_search(
                 steps.keep(live)
             else:
                 memory, mask = memory[hyps], mask[hyps]
+    if use_cache:
+        steps.close()
     out = []
     for b in range(B):
         if best_tokens[b] is None:  # nothing finished: the best open beam

@@ -32,7 +32,7 @@ from qkv import dispatch
 from qkv import functional as F
 from qkv._validate import AttentionShape
 from qkv.attention import MultiHeadAttention
-from qkv.cache import KVCache
+from qkv.cache import BufferPool, KVCache
 from qkv.kernels._native import decode_ops
 from qkv.kernels.decode import _mask_arg
 from qkv.kernels.int8 import Int8Linear, SmallBatchInt8Linear
@@ -280,6 +280,11 @@ class DecodeState:
         self.choices.clear()  # the attention shapes changed
         self.masks5.clear()
 
+    def release(self) -> None:
+        """The generation is over: the caches' buffers go back to their pool (if any)."""
+        for c in self.caches:
+            c.reset()
+
     def _sentences(self) -> int:
         """How many sentences the caches hold (before any left)."""
         if self.cross:
@@ -488,6 +493,9 @@ class IncrementalDecoder(PreparedSteps):
         self.enc_norm = None
         if isinstance(enc.norm, nn.LayerNorm):
             self.enc_norm = (enc.norm.weight.detach(), enc.norm.bias.detach(), enc.norm.eps)
+        # the self-attention caches' memory, reused from one generation to the next (see
+        # KVCache's pool; given back by DecodeState.release)
+        self.pool = BufferPool()
 
     @staticmethod
     def unsupported(model: nn.Module, attention: list | None = None,
@@ -553,7 +561,8 @@ class IncrementalDecoder(PreparedSteps):
             kv = kv.view(B, S, len(self.layers), 2, self.h_kv, self.d_k)
             kv = kv.permute(2, 3, 0, 4, 1, 5).contiguous()  # (L, 2, B, h_kv, S, d_k)
             cross = [(kv[i, 0], kv[i, 1]) for i in range(len(self.layers))]
-        caches = [KVCache(capacity=max_steps, dtype=cache_dtype) for _ in range(len(self.layers))]
+        caches = [KVCache(capacity=max_steps, dtype=cache_dtype, pool=self.pool)
+                  for _ in range(len(self.layers))]  # fmt: skip
         state = DecodeState(caches, cross, memory_mask, beams)
         backend = self.layers[0].backends[0] if self.layers else "auto"
         state.gather = (decode_ops() is not None and memory.device.type == "cpu"
