@@ -1163,10 +1163,46 @@ std::tuple<Tensor, Tensor> beam_topk(const Tensor& logits, const Tensor& scores,
 // y = act(x Wᵀ + b) for few rows x (M, in) (a decode step: one row per hypothesis), the weight
 // packed once into panels of 64 output columns, each panel's rows contiguous:
 // panels (P, in, 64), P = ceil(out / 64), zero past `out`. Every weight element is read once
-// per call, from one sequential stream per panel; up to 6 rows share each load (6 x 4 vector
-// accumulators). Sums run over `in` in order, in fp32.
+// per call, sequentially within each panel; up to 6 rows share each load (6 x 4 vector
+// accumulators). Sums run over `in` in order, in fp32 (one row: in four interleaved parts).
 constexpr int64_t kPanel = 64;
 constexpr int64_t kRows = 6;
+
+#ifdef QKV_AVX512
+// One row (a decode step of one sequence): pure streaming, so the read rate is all. The
+// panel's rows are read as four streams at once (its quarters, each with its own 4
+// accumulators, added at the end): one core keeps more lines in flight than with one
+// stream. Measured on Zen 4, 1 thread, 1.4 GB of panels (a 12-layer LM's linears): one
+// stream 23.5 GB/s, two 25, four 26 (a sum over the same bytes: 31), six or eight no better.
+static void panel_row1(const float* x, const float* w, int64_t in, const float* b, int64_t c0,
+                       int64_t nc, bool relu, float* y) {
+  constexpr int kS = 4;
+  __m512 a[kS][4];
+  for (int s = 0; s < kS; ++s)
+    for (int q = 0; q < 4; ++q) a[s][q] = _mm512_setzero_ps();
+  const int64_t h = in / kS;
+  for (int64_t i = 0; i < h; ++i)
+    for (int s = 0; s < kS; ++s) {
+      const int64_t r = i + s * h;
+      const float* wr = w + r * kPanel;
+      const __m512 xr = _mm512_set1_ps(x[r]);
+      for (int q = 0; q < 4; ++q) a[s][q] = _mm512_fmadd_ps(xr, _mm512_loadu_ps(wr + 16 * q), a[s][q]);
+    }
+  for (int64_t r = kS * h; r < in; ++r) {  // the last in % 4 rows
+    const float* wr = w + r * kPanel;
+    const __m512 xr = _mm512_set1_ps(x[r]);
+    for (int q = 0; q < 4; ++q) a[0][q] = _mm512_fmadd_ps(xr, _mm512_loadu_ps(wr + 16 * q), a[0][q]);
+  }
+  for (int q = 0; q < 4; ++q) {
+    const __mmask16 cm = lanes(std::max<int64_t>(nc - 16 * q, 0));
+    if (!cm) break;
+    __m512 v = _mm512_add_ps(_mm512_add_ps(a[0][q], a[1][q]), _mm512_add_ps(a[2][q], a[3][q]));
+    if (b) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(cm, b + c0 + 16 * q));
+    if (relu) v = _mm512_max_ps(v, _mm512_setzero_ps());
+    _mm512_mask_storeu_ps(y + c0 + 16 * q, cm, v);
+  }
+}
+#endif
 
 template <int MR>
 static void panel_rows(const float* x, int64_t ldx, const float* w, int64_t in, const float* b,
@@ -1249,7 +1285,13 @@ Tensor small_linear(const Tensor& x, const Tensor& panels, const std::optional<T
         const float* xr = X + m0 * ldx;
         float* yr = Y + m0 * out;
         switch (std::min(kRows, M - m0)) {
-          case 1: panel_rows<1>(xr, ldx, w, in, b, c0, nc, relu, yr, out); break;
+          case 1:
+#ifdef QKV_AVX512
+            panel_row1(xr, w, in, b, c0, nc, relu, yr);
+#else
+            panel_rows<1>(xr, ldx, w, in, b, c0, nc, relu, yr, out);
+#endif
+            break;
           case 2: panel_rows<2>(xr, ldx, w, in, b, c0, nc, relu, yr, out); break;
           case 3: panel_rows<3>(xr, ldx, w, in, b, c0, nc, relu, yr, out); break;
           case 4: panel_rows<4>(xr, ldx, w, in, b, c0, nc, relu, yr, out); break;
