@@ -1169,6 +1169,22 @@ constexpr int64_t kPanel = 64;
 constexpr int64_t kRows = 6;
 
 #ifdef QKV_AVX512
+// Columns 16q.. of a panel's bias (c0: the panel's first column, nc <= 64 of them real), or 0.
+static inline __m512 panel_bias(const float* b, int64_t c0, int64_t nc, int q) {
+  if (!b) return _mm512_setzero_ps();
+  return _mm512_maskz_loadu_ps(lanes(std::max<int64_t>(nc - 16 * q, 0)), b + c0 + 16 * q);
+}
+
+// The first nc (<= 64) columns of a panel's output row from its 4 accumulators, relu'd if asked.
+static inline void store_panel_row(const __m512* acc, int64_t nc, bool relu, float* y) {
+  for (int q = 0; q < 4; ++q) {
+    const __mmask16 cm = lanes(std::max<int64_t>(nc - 16 * q, 0));
+    if (!cm) break;
+    const __m512 v = relu ? _mm512_max_ps(acc[q], _mm512_setzero_ps()) : acc[q];
+    _mm512_mask_storeu_ps(y + 16 * q, cm, v);
+  }
+}
+
 // One row (a decode step of one sequence): pure streaming, so the read rate is all. The
 // panel's rows are read as four streams at once (its quarters, each with its own 4
 // accumulators, added at the end): one core keeps more lines in flight than with one
@@ -1178,8 +1194,10 @@ static void panel_row1(const float* x, const float* w, int64_t in, const float* 
                        int64_t nc, bool relu, float* y) {
   constexpr int kS = 4;
   __m512 a[kS][4];
-  for (int s = 0; s < kS; ++s)
-    for (int q = 0; q < 4; ++q) a[s][q] = _mm512_setzero_ps();
+  for (int q = 0; q < 4; ++q) {
+    a[0][q] = panel_bias(b, c0, nc, q);
+    for (int s = 1; s < kS; ++s) a[s][q] = _mm512_setzero_ps();
+  }
   const int64_t h = in / kS;
   for (int64_t i = 0; i < h; ++i)
     for (int s = 0; s < kS; ++s) {
@@ -1193,14 +1211,10 @@ static void panel_row1(const float* x, const float* w, int64_t in, const float* 
     const __m512 xr = _mm512_set1_ps(x[r]);
     for (int q = 0; q < 4; ++q) a[0][q] = _mm512_fmadd_ps(xr, _mm512_loadu_ps(wr + 16 * q), a[0][q]);
   }
-  for (int q = 0; q < 4; ++q) {
-    const __mmask16 cm = lanes(std::max<int64_t>(nc - 16 * q, 0));
-    if (!cm) break;
-    __m512 v = _mm512_add_ps(_mm512_add_ps(a[0][q], a[1][q]), _mm512_add_ps(a[2][q], a[3][q]));
-    if (b) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(cm, b + c0 + 16 * q));
-    if (relu) v = _mm512_max_ps(v, _mm512_setzero_ps());
-    _mm512_mask_storeu_ps(y + c0 + 16 * q, cm, v);
-  }
+  __m512 sum[4];
+  for (int q = 0; q < 4; ++q)
+    sum[q] = _mm512_add_ps(_mm512_add_ps(a[0][q], a[1][q]), _mm512_add_ps(a[2][q], a[3][q]));
+  store_panel_row(sum, nc, relu, y + c0);
 }
 #endif
 
@@ -1210,8 +1224,7 @@ static void panel_rows(const float* x, int64_t ldx, const float* w, int64_t in, 
 #ifdef QKV_AVX512
   __m512 acc[MR][4];
   for (int q = 0; q < 4; ++q) {
-    const __mmask16 cm = lanes(std::max<int64_t>(nc - 16 * q, 0));
-    const __m512 bq = b ? _mm512_maskz_loadu_ps(cm, b + c0 + 16 * q) : _mm512_setzero_ps();
+    const __m512 bq = panel_bias(b, c0, nc, q);
     for (int m = 0; m < MR; ++m) acc[m][q] = bq;
   }
   for (int64_t i = 0; i < in; ++i) {
@@ -1226,14 +1239,7 @@ static void panel_rows(const float* x, int64_t ldx, const float* w, int64_t in, 
       acc[m][3] = _mm512_fmadd_ps(xm, w3, acc[m][3]);
     }
   }
-  for (int m = 0; m < MR; ++m)
-    for (int q = 0; q < 4; ++q) {
-      const __mmask16 cm = lanes(std::max<int64_t>(nc - 16 * q, 0));
-      if (!cm) break;
-      __m512 v = acc[m][q];
-      if (relu) v = _mm512_max_ps(v, _mm512_setzero_ps());
-      _mm512_mask_storeu_ps(y + m * ldy + c0 + 16 * q, cm, v);
-    }
+  for (int m = 0; m < MR; ++m) store_panel_row(acc[m], nc, relu, y + m * ldy + c0);
 #else
   float acc[MR][kPanel];
   for (int m = 0; m < MR; ++m)

@@ -8,9 +8,9 @@ few queries over a long KV cache) and the generation step's ``qkv_decode.small_l
 (few-row linears on panel-packed weights) and ``qkv_decode.beam_topk`` (beam search's
 log-softmax + top-k in one pass), ``int8_cpu.cpp`` ``torch.ops.qkv_int8.linear`` (int8
 linear layers, :mod:`qkv.kernels.int8`); ``module.cpp`` makes the extension a Python module
-too, for the few functions called on every attention call. Where they cannot be built (no compiler, another OS) the
-flash backend keeps working on its PyTorch-ops kernel, the decode backend is not offered,
-and :func:`native_status` says why.
+too, for the few functions called on every attention call. Where they cannot be built (no
+compiler, another OS) the flash backend keeps working on its PyTorch-ops kernel, the decode
+backend is not offered, and :func:`native_status` says why.
 ``QKV_NATIVE=0`` turns the fused kernel off; ``QKV_NATIVE_PORTABLE=1`` builds it without
 ``-march=native`` (plain C++ loops instead of the AVX-512 ones; used by the tests to check
 that path on machines that have AVX-512).
