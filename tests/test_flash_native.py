@@ -19,7 +19,7 @@ import qkv.kernels.flash as flash_mod
 from native import assert_portable_ok, require_built
 from qkv import masks
 from qkv.functional import attention_steps, explain_dispatch
-from qkv.kernels._native import native_ops, native_status
+from qkv.kernels._native import native_module, native_ops, native_status
 from qkv.kernels.flash import flash_attention
 from strategies import draw_mask_and_bias
 
@@ -222,7 +222,7 @@ def test_auto_grad_rule_follows_no_grad_and_kernel_availability(monkeypatch):
 _PORTABLE_CHECK = """
 import torch
 from qkv.functional import attention_steps
-from qkv.kernels._native import native_status
+from qkv.kernels._native import native_module, native_status
 from qkv.kernels.flash import flash_attention
 assert native_status().startswith("loaded") and "march" not in native_status(), native_status()
 torch.manual_seed(0)
@@ -246,7 +246,7 @@ for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
     ref = attention_steps(*(t.double() for t in (q, k, v)), causal=True).output
     assert (out.double() - ref).abs().max() < tol, dtype
     assert flash_attention(x[:0], x[:0], x[:0]).shape == (0, 4, 64, 32)
-    bound = torch.ops.qkv_flash.max_abs_product(q.detach(), k.detach())
+    bound = native_module().max_abs_product(q.detach(), k.detach())
     assert bound == float(q.detach().double().abs().max() * k.detach().double().abs().max())
 print("ok")
 """
@@ -261,20 +261,20 @@ def test_portable_build_without_avx512_code():
 def test_max_abs_product_is_the_dispatchers_logit_bound(dtype):
     """max|q|·max|k| in one pass (the bound on the scores that picks math for huge logits),
     equal to torch's, NaN when an input holds one, over views and empty tensors too."""
-    ops = native_ops()
+    module = native_module()  # what qkv.dispatch._logit_bound calls
     g = torch.Generator().manual_seed(1)
     q = (torch.randn(2, 3, 37, 8, generator=g) * 7).to(dtype)
     k = (torch.randn(2, 3, 41, 8, generator=g) * 3).to(dtype)
     k.view(-1)[100] = -1e3  # a negative maximum of |k|
     ref = float(q.double().abs().max() * k.double().abs().max())
-    assert ops.max_abs_product(q, k) == ref
-    assert ops.max_abs_product(q.transpose(1, 2), k) == ref  # not contiguous
-    assert ops.max_abs_product(q[:0], k) == 0.0
+    assert module.max_abs_product(q, k) == ref
+    assert module.max_abs_product(q.transpose(1, 2), k) == ref  # not contiguous
+    assert module.max_abs_product(q[:0], k) == 0.0
     inf = q.clone()
     inf.view(-1)[5] = -float("inf")
-    assert ops.max_abs_product(inf, k) == float("inf")
+    assert module.max_abs_product(inf, k) == float("inf")
     inf.view(-1)[6] = float("nan")
-    assert math.isnan(ops.max_abs_product(inf, k))
+    assert math.isnan(module.max_abs_product(inf, k))
 
 
 def test_stale_build_lock_is_removed(tmp_path, monkeypatch):

@@ -1579,8 +1579,9 @@ static double from_bits(U u) {
 namespace qkv {
 // max|q|·max|k|: the dispatcher's bound on the scores (qkv.dispatch._logit_bound) in one
 // call, without the four tensors and float conversions of two aminmax calls (~6 us -> ~1 us).
-// Also bound in module.cpp as a plain Python function: the dispatcher calls it on every call
-// that needs gradients, where torch.ops' argument parsing alone costs ~2 us.
+// Bound in module.cpp as a plain Python function, not a torch.ops operator: the dispatcher
+// calls it on every call that needs gradients, where torch.ops' argument parsing alone costs
+// ~2 us.
 double max_abs_product(const Tensor& q, const Tensor& k) {
   auto one = [](const Tensor& t) -> double {
     if (t.numel() == 0) return 0.0;
@@ -1618,7 +1619,6 @@ double max_abs_product(const Tensor& q, const Tensor& k) {
 // kernels with a query offset for ring attention's blocks.
 TORCH_LIBRARY_FRAGMENT(qkv_flash, m) {
   m.def("bf16_path() -> str", []() { return isa_name(); });
-  m.def("max_abs_product(Tensor q, Tensor k) -> float");
   m.def("fwd_at(Tensor q, Tensor k, Tensor v, float scale, bool causal, int window, "
         "int block_q, int block_k, int shift) -> (Tensor, Tensor)");
   m.def("bwd_at(Tensor q, Tensor k, Tensor v, Tensor out, Tensor dout, Tensor lse, "
@@ -1628,6 +1628,5 @@ TORCH_LIBRARY_FRAGMENT(qkv_flash, m) {
 
 TORCH_LIBRARY_IMPL(qkv_flash, CPU, m) {
   m.impl("fwd_at", &flash_fwd_at);
-  m.impl("max_abs_product", &qkv::max_abs_product);
   m.impl("bwd_at", &flash_bwd_at);
 }
