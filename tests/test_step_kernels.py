@@ -1,8 +1,9 @@
 """The compiled kernels of a generation step: beam search's fused log-softmax + top-k
-(``qkv_decode.beam_topk``), the small-batch linear (``qkv_decode.small_linear``) and the
-decode kernel reading reordered beams through a rows table, against
-references nobody here wrote (torch's ``log_softmax``/``topk``, fp64 matmuls), in the
--march=native build and in the portable one."""
+(``qkv_decode.beam_topk``), greedy search's pick (``qkv_decode.argmax_rows``), the
+small-batch linear (``qkv_decode.small_linear``) and the decode kernel reading reordered
+beams through a rows table, against references nobody here wrote (torch's
+``log_softmax``/``topk``/``argmax``, fp64 matmuls), in the -march=native build and in the
+portable one."""
 
 import pytest
 import torch
@@ -57,6 +58,41 @@ def test_beam_topk_fills_missing_candidates_with_minus_inf():
     assert idx[0, :2].tolist() == [2, 0]
     torch.testing.assert_close(top[0, :2], ref[[2, 0]])
     assert top[0, 2:].tolist() == [float("-inf")] * 2 and idx[0, 2:].tolist() == [1, 3]
+
+
+def _reference_argmax(logits, block):
+    x = logits.clone()
+    if block >= 0:
+        x[:, block] = float("-inf")
+    return x.argmax(-1)
+
+
+@pytest.mark.parametrize("V", [1, 5, 16, 17, 33, 8000])
+@pytest.mark.parametrize("block", [-1, 0, "last", "mid"])
+def test_argmax_rows_equals_torch_argmax_after_blocking(V, block):
+    """Greedy search's pick: torch.argmax after ``logits[:, block] = -inf``, ties (first
+    index), NaN (the first NaN), +inf and rows that are all -inf included."""
+    block = {"last": V - 1, "mid": V // 2}.get(block, block)
+    torch.manual_seed(V)
+    x = torch.randn(9, V)
+    x[1] = torch.randint(0, 3, (V,)).float()  # ties
+    x[2] = float("-inf")  # nothing finite: index 0 (or the blocked token's first -inf)
+    x[3, V // 3] = float("nan")
+    x[3, -1] = float("nan")
+    x[4, V // 2] = float("inf")
+    x[5, :] = 7.0  # all equal
+    x[6, block if block >= 0 else 0] = 100.0  # the maximum is the blocked token
+    x[7, V - 1] = 50.0  # the maximum in the scalar tail
+    got = decode_ops().argmax_rows(x, block)
+    assert torch.equal(got, _reference_argmax(x, block)), (got, _reference_argmax(x, block))
+    assert got.dtype == torch.long and got.shape == (9,)
+
+
+def test_argmax_rows_bad_input_is_an_error():
+    with pytest.raises(RuntimeError, match="contiguous float32"):
+        decode_ops().argmax_rows(torch.randn(2, 5).double(), -1)
+    with pytest.raises(RuntimeError, match="V >= 1"):
+        decode_ops().argmax_rows(torch.randn(2, 0), -1)
 
 
 @pytest.mark.parametrize("M", [1, 2, 5, 6, 7, 13, 40])
@@ -168,6 +204,11 @@ logp = logits.double().log_softmax(-1)
 logp[:, 7] = float("-inf")
 ref_top, ref_idx = (logp + scores.double()[:, None]).view(2, 303).topk(6, dim=1)
 assert torch.equal(idx, ref_idx) and (top.double() - ref_top).abs().max() < 2e-5
+x = torch.randint(0, 4, (5, 77)).float()
+x[1, 9] = float("nan")
+ref = x.clone()
+ref[:, 3] = float("-inf")
+assert torch.equal(ops.argmax_rows(x, 3), ref.argmax(-1))
 for M in (1, 5, 13):
     w, b, x = torch.randn(100, 37), torch.randn(100), torch.randn(M, 37)
     y = ops.small_linear(x, _panels(w), b, 100, True)

@@ -139,9 +139,7 @@ def greedy_search(
             logits = steps(ys[alive, t])  # (B_alive, V)
         else:
             logits = model.decode(ys[:, : t + 1], memory, mask)[:, -1]
-        if t < min_new_tokens:
-            logits[:, cfg.eos_id] = float("-inf")
-        nxt = logits.argmax(-1)  # (B_alive,)
+        nxt = _argmax(logits, cfg.eos_id if t < min_new_tokens else -1)  # (B_alive,)
         n = t + 1
         if ignore_eos:
             ys[:, n] = nxt
@@ -164,6 +162,19 @@ def greedy_search(
     if use_cache:
         steps.close()
     return ys[:, 1 : n + 1]
+
+
+def _argmax(logits: Tensor, block: int) -> Tensor:
+    """The most likely token of each row of ``logits (N, V)``, token ``block`` (if >= 0) never
+    chosen unless every token is ``-inf``: ``argmax`` after ``logits[:, block] = -inf``. On the
+    CPU one pass of the compiled kernel (torch's argmax is ~10x slower over a vocabulary)."""
+    fp32_cpu = logits.device.type == "cpu" and logits.dtype == torch.float32
+    if fp32_cpu and (ops := decode_ops()) is not None:
+        return ops.argmax_rows(logits.contiguous(), block)
+    if block >= 0:
+        logits = logits.clone()
+        logits[:, block] = float("-inf")
+    return logits.argmax(-1)
 
 
 def _candidates(
@@ -422,7 +433,7 @@ def generate(
 
     def pick(logits: Tensor) -> Tensor:  # (B, V) -> (B,)
         if temperature == 0:
-            return logits.argmax(-1)
+            return _argmax(logits, -1)
         logits = logits.float() / temperature
         if top_k is not None and top_k < logits.shape[-1]:
             kth = logits.topk(top_k, dim=-1).values[:, -1:]  # (B, 1)

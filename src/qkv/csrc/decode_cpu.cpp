@@ -1160,6 +1160,69 @@ std::tuple<Tensor, Tensor> beam_topk(const Tensor& logits, const Tensor& scores,
 }
 
 // -------------------------------------------------------------------------------------------
+// Greedy search's choice: the index of each row's largest logit, token `block` (if >= 0)
+// counted as -inf, as torch.argmax gives it after `logits[:, block] = -inf`: the first index
+// of the maximum, the first NaN where a row has one. torch's argmax over (32, 8000) took
+// ~0.37 ms of a ~5 ms decode step (1 thread, Xeon); this reads each row twice from L1/L2.
+Tensor argmax_rows(const Tensor& logits, int64_t block) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous(),
+              "qkv argmax_rows: logits must be a contiguous float32 (N, V) tensor");
+  const int64_t N = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(V >= 1, "qkv argmax_rows: need V >= 1");
+  Tensor idx = at::empty({N}, logits.options().dtype(at::kLong));
+  const float* X = logits.const_data_ptr<float>();
+  int64_t* I = idx.data_ptr<int64_t>();
+  auto value = [&](const float* x, int64_t j) { return j == block ? kNegInf : x[j]; };
+  at::parallel_for(0, N, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* x = X + r * V;
+      float m = kNegInf;
+      bool nan = false;
+      int64_t j = 0;
+#ifdef QKV_AVX512
+      __m512 vm = _mm512_set1_ps(kNegInf);
+      __mmask16 un = 0;
+      for (; j + 16 <= V; j += 16) {
+        __m512 v = _mm512_loadu_ps(x + j);
+        if (block >= j && block < j + 16)
+          v = _mm512_mask_mov_ps(v, __mmask16(1u << (block - j)), _mm512_set1_ps(kNegInf));
+        un |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        vm = _mm512_max_ps(vm, v);
+      }
+      nan = un != 0;
+      m = _mm512_reduce_max_ps(vm);
+#endif
+      for (int64_t t = j; t < V; ++t) {
+        const float v = value(x, t);
+        nan = nan || std::isnan(v);
+        m = v > m ? v : m;
+      }
+      int64_t best = 0;
+      if (nan) {
+        while (!std::isnan(value(x, best))) ++best;
+      } else {
+        int64_t t = 0;
+#ifdef QKV_AVX512
+        const __m512 vmax = _mm512_set1_ps(m);
+        for (; t + 16 <= V; t += 16) {
+          __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + t), vmax, _CMP_EQ_OQ);
+          if (block >= t && block < t + 16) {  // the blocked token counts as -inf
+            const __mmask16 bit = __mmask16(1u << (block - t));
+            hit = m == kNegInf ? __mmask16(hit | bit) : __mmask16(hit & ~bit);
+          }
+          if (hit) break;
+        }
+#endif
+        while (t < V && value(x, t) != m) ++t;
+        best = t < V ? t : 0;
+      }
+      I[r] = best;
+    }
+  });
+  return idx;
+}
+
+// -------------------------------------------------------------------------------------------
 // y = act(x Wᵀ + b) for few rows x (M, in) (a decode step: one row per hypothesis), the weight
 // packed once into panels of 64 output columns, each panel's rows contiguous:
 // panels (P, in, 64), P = ceil(out / 64), zero past `out`. Every weight element is read once
@@ -1218,9 +1281,10 @@ static void panel_row1(const float* x, const float* w, int64_t in, const float* 
 }
 #endif
 
-template <int MR>
+template <int MR, bool kPf = false>
 static void panel_rows(const float* x, int64_t ldx, const float* w, int64_t in, const float* b,
-                       int64_t c0, int64_t nc, bool relu, float* y, int64_t ldy) {
+                       int64_t c0, int64_t nc, bool relu, float* y, int64_t ldy,
+                       const float* pf = nullptr) {
 #ifdef QKV_AVX512
   __m512 acc[MR][4];
   for (int q = 0; q < 4; ++q) {
@@ -1229,6 +1293,8 @@ static void panel_rows(const float* x, int64_t ldx, const float* w, int64_t in, 
   }
   for (int64_t i = 0; i < in; ++i) {
     const float* wr = w + i * kPanel;
+    if constexpr (kPf)
+      for (int q = 0; q < 4; ++q) pf_line(pf + i * kPanel + 16 * q);
     const __m512 w0 = _mm512_loadu_ps(wr), w1 = _mm512_loadu_ps(wr + 16);
     const __m512 w2 = _mm512_loadu_ps(wr + 32), w3 = _mm512_loadu_ps(wr + 48);
     for (int m = 0; m < MR; ++m) {
@@ -1260,6 +1326,14 @@ static void panel_rows(const float* x, int64_t ldx, const float* w, int64_t in, 
 #endif
 }
 
+template <int MR>
+static inline void panel_call(const float* x, int64_t ldx, const float* w, int64_t in,
+                              const float* b, int64_t c0, int64_t nc, bool relu, float* y,
+                              int64_t ldy, const float* pf) {
+  if (pf) panel_rows<MR, true>(x, ldx, w, in, b, c0, nc, relu, y, ldy, pf);
+  else panel_rows<MR, false>(x, ldx, w, in, b, c0, nc, relu, y, ldy);
+}
+
 Tensor small_linear(const Tensor& x, const Tensor& panels, const std::optional<Tensor>& bias,
                     int64_t out, bool relu) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
@@ -1287,22 +1361,30 @@ Tensor small_linear(const Tensor& x, const Tensor& panels, const std::optional<T
     for (int64_t p = p0; p < p1; ++p) {
       const float* w = W + p * in * kPanel;
       const int64_t c0 = p * kPanel, nc = std::min(kPanel, out - c0);
+      // Several rows: the next panel is prefetched into L2 while the first row group reads
+      // this one; the other groups then find their panel there. Weights that live in L3
+      // (the layers of a model together exceed L2) otherwise stall each first pass on its
+      // latency: M = 32 in a decode step, 1 thread, Xeon (AMX machine): 1.17x faster. One
+      // row streams each panel once, where the hardware prefetcher does as well (measured).
+      const float* next = p + 1 < p1 && M > 1 ? W + (p + 1) * in * kPanel : nullptr;
       for (int64_t m0 = 0; m0 < M; m0 += kRows) {
         const float* xr = X + m0 * ldx;
         float* yr = Y + m0 * out;
-        switch (std::min(kRows, M - m0)) {
-          case 1:
+        const float* pf = m0 == 0 ? next : nullptr;
+        const int64_t mr = std::min(kRows, M - m0);
 #ifdef QKV_AVX512
-            panel_row1(xr, w, in, b, c0, nc, relu, yr);
-#else
-            panel_rows<1>(xr, ldx, w, in, b, c0, nc, relu, yr, out);
+        if (mr == 1 && !pf) {
+          panel_row1(xr, w, in, b, c0, nc, relu, yr);
+          continue;
+        }
 #endif
-            break;
-          case 2: panel_rows<2>(xr, ldx, w, in, b, c0, nc, relu, yr, out); break;
-          case 3: panel_rows<3>(xr, ldx, w, in, b, c0, nc, relu, yr, out); break;
-          case 4: panel_rows<4>(xr, ldx, w, in, b, c0, nc, relu, yr, out); break;
-          case 5: panel_rows<5>(xr, ldx, w, in, b, c0, nc, relu, yr, out); break;
-          default: panel_rows<6>(xr, ldx, w, in, b, c0, nc, relu, yr, out); break;
+        switch (mr) {
+          case 1: panel_call<1>(xr, ldx, w, in, b, c0, nc, relu, yr, out, pf); break;
+          case 2: panel_call<2>(xr, ldx, w, in, b, c0, nc, relu, yr, out, pf); break;
+          case 3: panel_call<3>(xr, ldx, w, in, b, c0, nc, relu, yr, out, pf); break;
+          case 4: panel_call<4>(xr, ldx, w, in, b, c0, nc, relu, yr, out, pf); break;
+          case 5: panel_call<5>(xr, ldx, w, in, b, c0, nc, relu, yr, out, pf); break;
+          default: panel_call<6>(xr, ldx, w, in, b, c0, nc, relu, yr, out, pf); break;
         }
       }
     }
@@ -1328,11 +1410,13 @@ TORCH_LIBRARY(qkv_decode, m) {
         " int splits=0, Tensor? rows=None, Tensor? kv_batch=None) -> (Tensor, Tensor)");
   m.def("isa() -> str", &decode_isa);
   m.def("beam_topk(Tensor logits, Tensor scores, int beams, int k, int block) -> (Tensor, Tensor)");
+  m.def("argmax_rows(Tensor logits, int block) -> Tensor");
   m.def("small_linear(Tensor x, Tensor panels, Tensor? bias, int out, bool relu) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(qkv_decode, CPU, m) {
   m.impl("fwd", &decode_fwd);
   m.impl("beam_topk", &beam_topk);
+  m.impl("argmax_rows", &argmax_rows);
   m.impl("small_linear", &small_linear);
 }
