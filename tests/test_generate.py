@@ -342,3 +342,74 @@ def test_repeated_searches_reuse_the_cache_memory():
                                expected[K])  # fmt: skip
         assert torch.equal(greedy_search(model, SRC, max_new_tokens=9), greedy)
     assert pool.nbytes == held  # nothing new was needed: the same buffers went round
+
+
+class _Counted:
+    """The fused step, counting its calls (it is a compiled class: not patchable)."""
+
+    def __init__(self, fused):
+        self.fused, self.calls = fused, 0
+
+    def step(self, *args):
+        self.calls += 1
+        return self.fused.step(*args)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(positional="sinusoidal", norm_first=False),
+        dict(positional="learned", n_kv_heads=2, activation="gelu"),
+        dict(positional="sinusoidal", n_kv_heads=1, activation="relu"),
+    ],
+)
+@pytest.mark.parametrize("cache_dtype", [None, torch.bfloat16])
+@pytest.mark.parametrize("K", [1, 3])
+def test_fused_step_equals_the_python_loop(kw, cache_dtype, K):
+    """The compiled decoder step (one call per step) gives the logits of the Python loop it
+    replaces, step by step: one row per sentence, then (K > 1) beams expanded and reordered
+    through the rows table, and a sentence leaving the batch (the cache rows stay where they
+    are)."""
+    model = model_(seed=12, **kw)
+    dec = IncrementalDecoder.for_model(model)
+    assert dec is not None and dec.fused is not None
+    counted = _Counted(dec.fused)
+    T = 7
+    g = torch.Generator().manual_seed(1)
+    with torch.inference_mode():
+        mask = model.src_mask(RAGGED)
+        memory = dec.encode(RAGGED, mask)
+        states = [dec.start(memory, mask, beams=1, max_steps=T, cache_dtype=cache_dtype)
+                  for _ in range(2)]  # fmt: skip
+        tokens = torch.randint(3, 40, (RAGGED.shape[0],), generator=g)
+        for t in range(T):
+            if t == 1 and K > 1:
+                for s in states:
+                    s.expand(K)
+                tokens = tokens.repeat_interleave(K)
+            if t >= 2 and K > 1:  # follow random beams of each sentence
+                n = tokens.shape[0] // K
+                rows = (torch.arange(n)[:, None] * K + torch.randint(0, K, (n, K), generator=g))
+                for s in states:
+                    s.reorder(rows.view(-1))
+            if t == 4:  # the middle sentence finished
+                keep = torch.tensor([0, 2])
+                for s in states:
+                    s.keep(keep)
+                tokens = tokens.view(-1, K)[keep].reshape(-1)
+            logits = []
+            for s, fused in zip(states, (counted, None)):
+                dec.fused = fused
+                logits.append(dec.step(s, tokens))
+            torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=1e-5)
+            tokens = torch.randint(3, 40, tokens.shape, generator=g)
+    assert counted.calls == T - 1  # every step but the first (which sizes the caches)
+    dec.fused = counted.fused
+
+
+def test_fused_step_is_not_used_where_it_does_not_apply():
+    assert IncrementalDecoder.for_model(model_(positional="rope")).fused is None
+    model = model_()
+    for layer in model.decoder.layers:
+        layer.self_attn.backend = "torch"
+    assert IncrementalDecoder.for_model(model).fused is None

@@ -249,6 +249,21 @@ class KVCache:
         self._len = new_len
         return self._k[:, :, :new_len], self._v[:, :, :new_len]
 
+    def extend(self, n: int = 1) -> tuple[Tensor, Tensor]:
+        """Count ``n`` more positions as filled and return the whole buffers ``(B, h_kv,
+        capacity, d)``: the caller writes positions ``[len - n, len)`` itself (a fused decode
+        step writes them in place). The buffers grow first if needed; the cache must hold a
+        batch already (a first :meth:`update` sets its shape and dtype)."""
+        if self._k is None:
+            raise ValueError("extend() needs a cache that holds a batch: update() it first")
+        new_len = self._len + n
+        if self.max_len is not None and new_len > self.max_len:
+            raise ValueError(f"cache overflow: {new_len} positions > max_len={self.max_len}")
+        if new_len > self._k.shape[2]:
+            self._resize(max(new_len, 2 * self._k.shape[2]))
+        self._len = new_len
+        return self._k, self._v
+
     def _allocate(self, k: Tensor, v: Tensor, capacity: int) -> None:
         if self.max_len is not None:
             capacity = min(capacity, self.max_len)

@@ -133,26 +133,36 @@ def greedy_search(
         mask = model.src_mask(src)
         memory = model.encode(src, mask)  # (B, S, d_model)
     n = 0
-    alive = torch.arange(B, device=dev)  # with the cache: the sentences still running
+    # with the cache: the sentences still running (None: all), their limits, their next input
+    alive, lim, tokens = None, limits, ys[:, 0]
+    lim_min = int(lim.min())
     for t in range(T_max):
         if use_cache:
-            logits = steps(ys[alive, t])  # (B_alive, V)
+            logits = steps(tokens)  # (B_alive, V)
         else:
             logits = model.decode(ys[:, : t + 1], memory, mask)[:, -1]
         nxt = _argmax(logits, cfg.eos_id if t < min_new_tokens else -1)  # (B_alive,)
         n = t + 1
         if ignore_eos:
-            ys[:, n] = nxt
+            ys[:, n] = tokens = nxt
             continue
         if use_cache:  # a finished sentence leaves the batch: later steps skip its rows
-            ys[alive, n] = nxt
-            fin = (nxt == cfg.eos_id) | (n >= limits[alive])
-            if bool(fin.all()):
-                break
+            if alive is None:
+                ys[:, n] = nxt
+            else:
+                ys[alive, n] = nxt
+            fin = nxt == cfg.eos_id
+            if n >= lim_min:
+                fin |= n >= lim
             if bool(fin.any()):
+                if bool(fin.all()):
+                    break
                 keep = (~fin).nonzero().flatten()
                 steps.keep(keep)
-                alive = alive[keep]
+                alive = keep if alive is None else alive[keep]
+                lim, nxt = lim[keep], nxt[keep]
+                lim_min = int(lim.min())
+            tokens = nxt
             continue
         nxt = nxt.masked_fill(done, cfg.pad_id)
         done |= (nxt == cfg.eos_id) | (n >= limits)

@@ -1420,3 +1420,18 @@ TORCH_LIBRARY_IMPL(qkv_decode, CPU, m) {
   m.impl("argmax_rows", &argmax_rows);
   m.impl("small_linear", &small_linear);
 }
+
+// The kernels above as plain functions, for the fused decoder step (step_cpu.cpp).
+namespace qkv {
+std::tuple<Tensor, Tensor> decode_attention(const Tensor& q, const Tensor& k, const Tensor& v,
+                                            const std::optional<Tensor>& mask, double scale,
+                                            bool causal, const std::optional<Tensor>& rows,
+                                            const std::optional<Tensor>& kv_batch) {
+  return decode_fwd(q, k, v, mask, scale, causal, -1, 0, rows, kv_batch);
+}
+
+Tensor panel_linear(const Tensor& x, const Tensor& panels, const std::optional<Tensor>& bias,
+                    int64_t out, bool relu) {
+  return small_linear(x, panels, bias, out, relu);
+}
+}  // namespace qkv

@@ -9,6 +9,7 @@
 
 namespace qkv {
 double max_abs_product(const at::Tensor& q, const at::Tensor& k);
+void register_step(py::module& m);  // step_cpu.cpp
 }
 
 namespace {
@@ -50,4 +51,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       "the metadata of q, k, v, mask, bias (shapes, dtypes, devices, requires_grad) as bytes: "
       "the dispatcher's cache key");
+  qkv::register_step(m);
 }

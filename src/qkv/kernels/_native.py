@@ -42,7 +42,8 @@ logger = logging.getLogger("qkv.kernels")
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 SOURCES = [
-    CSRC / "flash_cpu.cpp", CSRC / "decode_cpu.cpp", CSRC / "int8_cpu.cpp", CSRC / "module.cpp",
+    CSRC / "flash_cpu.cpp", CSRC / "decode_cpu.cpp", CSRC / "int8_cpu.cpp", CSRC / "step_cpu.cpp",
+    CSRC / "module.cpp",
 ]  # fmt: skip
 _status = "not loaded yet"
 _module = None  # the extension's Python module (module.cpp): functions on the per-call path

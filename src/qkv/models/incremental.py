@@ -33,8 +33,8 @@ from qkv import functional as F
 from qkv._validate import AttentionShape
 from qkv.attention import MultiHeadAttention
 from qkv.cache import BufferPool, KVCache
-from qkv.kernels._native import decode_ops
-from qkv.kernels.decode import _mask_arg
+from qkv.kernels._native import decode_ops, native_module
+from qkv.kernels.decode import MAX_TQ, _mask_arg
 from qkv.kernels.int8 import Int8Linear, SmallBatchInt8Linear
 from qkv.kernels.packed import SMALL_ROWS, panels
 from qkv.positional import LearnedPositionalEmbedding, RotaryEmbedding, SinusoidalPositionalEncoding
@@ -453,18 +453,23 @@ class PreparedSteps:
                 batch: Tensor | None = None) -> Tensor:  # fmt: skip
         """The decode kernel's call as :func:`qkv.kernels.decode.run_decode` makes it, its
         mask view built once per query count of a state."""
-        m5 = None
-        if mask is not None:
-            key = (q.shape[0], q.shape[2], k.shape[2])
-            m5 = state.masks5.get(key) if state is not None else None
-            if m5 is None:
-                shape = AttentionShape((q.shape[0],), q.shape[1], k.shape[1], q.shape[2],
-                                       k.shape[2], q.shape[3], v.shape[3])  # fmt: skip
-                m5 = _mask_arg(mask, shape)  # (B, h_kv, G, Tq, Tk) bool view
-                if state is not None:
-                    state.masks5[key] = m5
+        m5 = None if mask is None else self._mask5(mask, state, q.shape, k.shape[1], k.shape[2])
         return decode_ops().fwd(q.contiguous(), k, v, m5, self.scale, causal, -1, 0, rows,
                                 batch)[0]  # fmt: skip
+
+    def _mask5(self, mask: Tensor, state: DecodeState | None, q_shape: torch.Size, h_kv: int,
+               Tk: int) -> Tensor:  # fmt: skip
+        """The decode kernel's view of ``mask``, ``(B, h_kv, G, Tq, Tk)`` bool, built once per
+        query count and key length of a state."""
+        key = (q_shape[0], q_shape[2], Tk)
+        m5 = state.masks5.get(key) if state is not None else None
+        if m5 is None:
+            shape = AttentionShape((q_shape[0],), q_shape[1], h_kv, q_shape[2], Tk, q_shape[3],
+                                   q_shape[3])  # fmt: skip
+            m5 = _mask_arg(mask, shape)  # (B, h_kv, G, Tq, Tk) bool view
+            if state is not None:
+                state.masks5[key] = m5
+        return m5
 
 
 class IncrementalDecoder(PreparedSteps):
@@ -496,6 +501,29 @@ class IncrementalDecoder(PreparedSteps):
         # the self-attention caches' memory, reused from one generation to the next (see
         # KVCache's pool; given back by DecodeState.release)
         self.pool = BufferPool()
+        self.fused = self._fused_step()
+
+    def _fused_step(self):
+        """The whole step in one compiled call (``step_cpu.cpp``: the same operations as
+        :meth:`step`'s loop, without a Python call per operation), or ``None`` where it does
+        not apply: weights that are not fp32 on the CPU in panels, int8 layers, RoPE, an
+        attention backend other than ``auto``/``decode``, no compiled extension."""
+        module = native_module()
+        lins = [m for L in self.layers for m in (L.qkv, L.o, L.cq, L.co, L.w1, L.w2)] + [self.out]
+        norms = [n for L in self.layers for n in L.norms]
+        norms += [self.final_norm] if self.final_norm is not None else []
+        acts = {"none": 0, "relu": 1, "gelu": 2}
+        if (module is None or not hasattr(module, "DecoderStep") or not self.layers
+                or self.embedding.dtype != torch.float32 or self.embedding.device.type != "cpu"
+                or any(not isinstance(m, SmallBatchLinear) or m.panels is None
+                       or m.activation not in acts for m in lins)
+                or any(w is None or b is None for w, b, _ in norms)
+                or any(L.rope is not None or not set(L.backends) <= {"auto", "decode"}
+                       for L in self.layers)):  # fmt: skip
+            return None
+        specs = [(m.panels, m.bias, m.out_features, acts[m.activation]) for m in lins]
+        return module.DecoderStep(self.d, self.h, self.h_kv, self.d_k, self.pre_norm, self.scale,
+                                  specs, norms)  # fmt: skip
 
     @staticmethod
     def unsupported(model: nn.Module, attention: list | None = None,
@@ -592,6 +620,19 @@ class IncrementalDecoder(PreparedSteps):
             grown = phys[:, None].expand(N, 2 * (t + 1)).contiguous()  # later positions: phys
             grown[:, : state.rows.shape[1]] = state.rows
             state.rows = grown
+        if (self.fused is not None and t > 0 and state.gather and K <= MAX_TQ
+                and x.dtype == torch.float32):  # fmt: skip
+            # every cache holds the batch since step 0 (which went through the loop below)
+            bufs = [c.extend(1) for c in state.caches]  # position t, written by the call
+            ck, cv = zip(*state.cross)
+            m5 = None
+            if state.cross_mask is not None:
+                m5 = self._mask5(state.cross_mask, state, (B, self.h, K, self.d_k), self.h_kv,
+                                 ck[0].shape[2])  # fmt: skip
+            logits = self.fused.step(x, t, K, [b[0] for b in bufs], [b[1] for b in bufs],
+                                     list(ck), list(cv), m5, state.rows, state.phys, state.sent)
+            state.t = t + 1
+            return logits
         for i, L in enumerate(self.layers):
             # causal self-attention over the cache
             h = self._sub_in(x, L.norms[0])
