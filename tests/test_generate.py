@@ -401,9 +401,12 @@ def test_fused_step_equals_the_python_loop(kw, cache_dtype, K):
             for s, fused in zip(states, (counted, None)):
                 dec.fused = fused
                 logits.append(dec.step(s, tokens))
-            torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=1e-5)
+            # a bf16 cache rounds keys and values whose fp32 values differ in the last bit
+            # (the norms' summation order) to neighbouring bf16 values (2^-8 apart)
+            tol = 1e-5 if cache_dtype is None else 1e-3
+            torch.testing.assert_close(logits[0], logits[1], atol=tol, rtol=tol)
             tokens = torch.randint(3, 40, tokens.shape, generator=g)
-    assert counted.calls == T - 1  # every step but the first (which sizes the caches)
+    assert counted.calls == T  # every step
     dec.fused = counted.fused
 
 

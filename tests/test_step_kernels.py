@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as TF
 
 from native import assert_portable_ok, require_built
-from qkv.kernels._native import decode_ops, native_status
+from qkv.kernels._native import decode_ops, native_module, native_status
 from qkv.kernels.packed import panels as _panels
 from qkv.models.incremental import SmallBatchLinear, _gather
 
@@ -86,6 +86,25 @@ def test_argmax_rows_equals_torch_argmax_after_blocking(V, block):
     got = decode_ops().argmax_rows(x, block)
     assert torch.equal(got, _reference_argmax(x, block)), (got, _reference_argmax(x, block))
     assert got.dtype == torch.long and got.shape == (9,)
+
+
+def test_greedy_pick_writes_the_argmax_and_counts_eos():
+    """Greedy search's step (the extension module's greedy_pick): the argmax of each row,
+    written into the given row of the output, and how many rows chose </s>."""
+    module = native_module()
+    torch.manual_seed(3)
+    x = torch.randn(6, 50)
+    x[[1, 4], 2] = 9.0  # two rows choose token 2
+    out = torch.full((3, 6), -1, dtype=torch.long)
+    assert module.greedy_pick(x, -1, 2, out[1]) == 2
+    assert torch.equal(out[1], x.argmax(-1)) and bool((out[[0, 2]] == -1).all())
+    assert module.greedy_pick(x, 2, 2, out[2]) == 0  # </s> blocked
+    assert torch.equal(out[2], _reference_argmax(x, 2))
+    assert module.greedy_pick(x, -1, -1, out[0]) == 0  # no </s> to count
+    with pytest.raises(RuntimeError, match="contiguous int64"):
+        module.greedy_pick(x, -1, 2, out[:, 0])  # a strided column
+    with pytest.raises(RuntimeError, match="contiguous int64"):
+        module.greedy_pick(x, -1, 2, torch.zeros(5, dtype=torch.long))
 
 
 def test_argmax_rows_bad_input_is_an_error():
@@ -193,7 +212,7 @@ def test_decode_rows_table_out_of_range_is_an_error():
 
 _PORTABLE_CHECK = """
 import torch
-from qkv.kernels._native import decode_ops, native_status
+from qkv.kernels._native import decode_ops, native_module, native_status
 from qkv.kernels.packed import panels as _panels
 assert "decode path portable" in native_status(), native_status()
 torch.manual_seed(0)

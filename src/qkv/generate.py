@@ -19,7 +19,7 @@ import warnings
 import torch
 from torch import Tensor
 
-from qkv.kernels._native import decode_ops
+from qkv.kernels._native import decode_ops, native_module
 from qkv.models.incremental import IncrementalDecoder, hypothesis_rows
 
 __all__ = ["greedy_search", "beam_search", "translate", "generate"]
@@ -123,55 +123,74 @@ def greedy_search(
     cfg = model.cfg
     limits = _limits(model, src, max_new_tokens)  # (B,)
     T_max = int(limits.max())
+    if use_cache:
+        return _greedy_cached(model, src, limits, T_max, min_new_tokens, ignore_eos, cache_dtype)
     B, dev = src.shape[0], src.device
     ys = torch.full((B, T_max + 1), cfg.pad_id, dtype=torch.long, device=dev)
     ys[:, 0] = cfg.bos_id
     done = torch.zeros(B, dtype=torch.bool, device=dev)
-    if use_cache:
-        steps = _Steps(model, src, 1, T_max, cache_dtype)
-    else:
-        mask = model.src_mask(src)
-        memory = model.encode(src, mask)  # (B, S, d_model)
+    mask = model.src_mask(src)
+    memory = model.encode(src, mask)  # (B, S, d_model)
     n = 0
-    # with the cache: the sentences still running (None: all), their limits, their next input
-    alive, lim, tokens = None, limits, ys[:, 0]
-    lim_min = int(lim.min())
     for t in range(T_max):
-        if use_cache:
-            logits = steps(tokens)  # (B_alive, V)
-        else:
-            logits = model.decode(ys[:, : t + 1], memory, mask)[:, -1]
-        nxt = _argmax(logits, cfg.eos_id if t < min_new_tokens else -1)  # (B_alive,)
+        logits = model.decode(ys[:, : t + 1], memory, mask)[:, -1]
+        nxt = _argmax(logits, cfg.eos_id if t < min_new_tokens else -1)  # (B,)
         n = t + 1
         if ignore_eos:
-            ys[:, n] = tokens = nxt
-            continue
-        if use_cache:  # a finished sentence leaves the batch: later steps skip its rows
-            if alive is None:
-                ys[:, n] = nxt
-            else:
-                ys[alive, n] = nxt
-            fin = nxt == cfg.eos_id
-            if n >= lim_min:
-                fin |= n >= lim
-            if bool(fin.any()):
-                if bool(fin.all()):
-                    break
-                keep = (~fin).nonzero().flatten()
-                steps.keep(keep)
-                alive = keep if alive is None else alive[keep]
-                lim, nxt = lim[keep], nxt[keep]
-                lim_min = int(lim.min())
-            tokens = nxt
+            ys[:, n] = nxt
             continue
         nxt = nxt.masked_fill(done, cfg.pad_id)
         done |= (nxt == cfg.eos_id) | (n >= limits)
         ys[:, n] = nxt
         if bool(done.all()):
             break
-    if use_cache:
-        steps.close()
     return ys[:, 1 : n + 1]
+
+
+def _greedy_cached(model, src: Tensor, limits: Tensor, T_max: int, min_new_tokens: int,
+                   ignore_eos: bool, cache_dtype) -> Tensor:  # fmt: skip
+    """greedy_search with the cache: a sentence that finished leaves the batch (later steps
+    skip its rows). The tokens are kept step-major, so each step's are one contiguous row
+    that the next step reads as it is."""
+    cfg = model.cfg
+    B, dev = src.shape[0], src.device
+    eos = -1 if ignore_eos else cfg.eos_id
+    out = torch.full((T_max + 1, B), cfg.pad_id, dtype=torch.long, device=dev)
+    out[0] = cfg.bos_id
+    module = native_module() if dev.type == "cpu" else None
+    steps = _Steps(model, src, 1, T_max, cache_dtype)
+    # the sentences still running (None: all), their limits, their next input
+    alive, lim, tokens = None, limits, out[0]
+    lim_min = int(lim.min())
+    n = 0
+    try:
+        for t in range(T_max):
+            logits = steps(tokens)  # (B_alive, V)
+            n = t + 1
+            block = cfg.eos_id if t < min_new_tokens else -1
+            if alive is None and module is not None and logits.dtype == torch.float32:
+                tokens = out[n]  # written in place; ended: how many chose </s>
+                ended = module.greedy_pick(logits.contiguous(), block, eos, tokens)
+            else:
+                tokens = _argmax(logits, block)  # (B_alive,)
+                out[n, slice(None) if alive is None else alive] = tokens
+                ended = int((tokens == eos).sum()) if eos >= 0 else 0
+            if ignore_eos or (not ended and n < lim_min):
+                continue
+            fin = tokens == eos
+            if n >= lim_min:
+                fin |= n >= lim
+            if bool(fin.all()):
+                break
+            if bool(fin.any()):
+                keep = (~fin).nonzero().flatten()
+                steps.keep(keep)
+                alive = keep if alive is None else alive[keep]
+                lim, tokens = lim[keep], tokens[keep]
+                lim_min = int(lim.min())
+    finally:
+        steps.close()
+    return out[1 : n + 1].t().contiguous()
 
 
 def _argmax(logits: Tensor, block: int) -> Tensor:

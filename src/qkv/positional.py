@@ -64,7 +64,9 @@ class TokenEmbedding(nn.Module):
 class SinusoidalPositionalEncoding(nn.Module):
     """Adds ``PE[pos, 2i] = sin(pos / 10000^(2i/d))``, ``PE[pos, 2i+1] = cos(...)``.
 
-    Any length works: the table is computed on demand. ``dropout`` follows the paper.
+    Any length works: the table is computed on demand (in float64, kept per device and dtype,
+    grown by doubling; :meth:`table` returns read-only views of it). ``dropout`` follows the
+    paper.
 
     >>> pe = SinusoidalPositionalEncoding(8)
     >>> pe(torch.zeros(1, 3, 8))[0, 0]  # position 0: sin 0 = 0, cos 0 = 1
@@ -77,14 +79,23 @@ class SinusoidalPositionalEncoding(nn.Module):
             raise ValueError(f"d_model must be even for sinusoidal encoding, got {d_model}")
         self.d_model, self.base = d_model, base
         self.dropout = nn.Dropout(dropout)
+        self._tables: dict[tuple[torch.device, torch.dtype], Tensor] = {}
 
     def table(self, T: int, offset: int = 0, *, device=None, dtype=torch.float32) -> Tensor:
-        """The encodings ``(T, d_model)`` of positions ``offset .. offset + T - 1``."""
-        pos = torch.arange(offset, offset + T, device=device, dtype=torch.float64)[:, None]
-        i = torch.arange(0, self.d_model, 2, device=device, dtype=torch.float64)
-        angle = pos / self.base ** (i / self.d_model)  # (T, d_model/2)
-        pe = torch.stack([angle.sin(), angle.cos()], dim=-1).flatten(-2)  # (T, d_model)
-        return pe.to(dtype)
+        """The encodings ``(T, d_model)`` of positions ``offset .. offset + T - 1`` (a view of
+        the kept table: not to be written)."""
+        device = torch.device("cpu") if device is None else torch.device(device)
+        table = self._tables.get((device, dtype))
+        if table is None or table.shape[0] < offset + T:
+            n = max(64, 1 << (offset + T - 1).bit_length())  # grown by doubling
+            # a plain tensor even when first needed under inference_mode (see RotaryEmbedding)
+            with torch.inference_mode(False), torch.no_grad():
+                pos = torch.arange(n, device=device, dtype=torch.float64)[:, None]
+                i = torch.arange(0, self.d_model, 2, device=device, dtype=torch.float64)
+                angle = pos / self.base ** (i / self.d_model)  # (n, d_model/2)
+                pe = torch.stack([angle.sin(), angle.cos()], dim=-1).flatten(-2)  # (n, d_model)
+                table = self._tables[(device, dtype)] = pe.to(dtype)
+        return table[offset : offset + T]
 
     def forward(self, x: Tensor, offset: int = 0) -> Tensor:
         _check_bTd(x, self.d_model)

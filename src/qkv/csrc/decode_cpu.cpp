@@ -1164,14 +1164,7 @@ std::tuple<Tensor, Tensor> beam_topk(const Tensor& logits, const Tensor& scores,
 // counted as -inf, as torch.argmax gives it after `logits[:, block] = -inf`: the first index
 // of the maximum, the first NaN where a row has one. torch's argmax over (32, 8000) took
 // ~0.37 ms of a ~5 ms decode step (1 thread, Xeon); this reads each row twice from L1/L2.
-Tensor argmax_rows(const Tensor& logits, int64_t block) {
-  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous(),
-              "qkv argmax_rows: logits must be a contiguous float32 (N, V) tensor");
-  const int64_t N = logits.size(0), V = logits.size(1);
-  TORCH_CHECK(V >= 1, "qkv argmax_rows: need V >= 1");
-  Tensor idx = at::empty({N}, logits.options().dtype(at::kLong));
-  const float* X = logits.const_data_ptr<float>();
-  int64_t* I = idx.data_ptr<int64_t>();
+static void argmax_core(const float* X, int64_t N, int64_t V, int64_t block, int64_t* I) {
   auto value = [&](const float* x, int64_t j) { return j == block ? kNegInf : x[j]; };
   at::parallel_for(0, N, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
@@ -1219,6 +1212,19 @@ Tensor argmax_rows(const Tensor& logits, int64_t block) {
       I[r] = best;
     }
   });
+}
+
+static void check_logits(const Tensor& logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous(),
+              "qkv argmax_rows: logits must be a contiguous float32 (N, V) tensor");
+  TORCH_CHECK(logits.size(1) >= 1, "qkv argmax_rows: need V >= 1");
+}
+
+Tensor argmax_rows(const Tensor& logits, int64_t block) {
+  check_logits(logits);
+  Tensor idx = at::empty({logits.size(0)}, logits.options().dtype(at::kLong));
+  argmax_core(logits.const_data_ptr<float>(), logits.size(0), logits.size(1), block,
+              idx.data_ptr<int64_t>());
   return idx;
 }
 
@@ -1334,6 +1340,49 @@ static inline void panel_call(const float* x, int64_t ldx, const float* w, int64
   else panel_rows<MR, false>(x, ldx, w, in, b, c0, nc, relu, y, ldy);
 }
 
+// y (M, out) with row stride ldy = act(x Wᵀ + b) for x (M, in) with row stride ldx, W in
+// panels (ceil(out/64), in, 64); the work of small_linear, also called by the fused decoder
+// step on its own buffers.
+static void panel_linear_rows(const float* X, int64_t ldx, int64_t M, int64_t in,
+                              const float* W, const float* b, int64_t out, bool relu, float* Y,
+                              int64_t ldy) {
+  const int64_t P = (out + kPanel - 1) / kPanel;
+  // at least 64k weights (256 KB) per task: a small layer stays on one thread
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, in * kPanel));
+  at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const float* w = W + p * in * kPanel;
+      const int64_t c0 = p * kPanel, nc = std::min(kPanel, out - c0);
+      // Several rows: the next panel is prefetched into L2 while the first row group reads
+      // this one; the other groups then find their panel there. Weights that live in L3
+      // (the layers of a model together exceed L2) otherwise stall each first pass on its
+      // latency: M = 32 in a decode step, 1 thread, Xeon (AMX machine): 1.17x faster. One
+      // row streams each panel once, where the hardware prefetcher does as well (measured).
+      const float* next = p + 1 < p1 && M > 1 ? W + (p + 1) * in * kPanel : nullptr;
+      for (int64_t m0 = 0; m0 < M; m0 += kRows) {
+        const float* xr = X + m0 * ldx;
+        float* yr = Y + m0 * ldy;
+        const float* pf = m0 == 0 ? next : nullptr;
+        const int64_t mr = std::min(kRows, M - m0);
+#ifdef QKV_AVX512
+        if (mr == 1 && !pf) {
+          panel_row1(xr, w, in, b, c0, nc, relu, yr);
+          continue;
+        }
+#endif
+        switch (mr) {
+          case 1: panel_call<1>(xr, ldx, w, in, b, c0, nc, relu, yr, ldy, pf); break;
+          case 2: panel_call<2>(xr, ldx, w, in, b, c0, nc, relu, yr, ldy, pf); break;
+          case 3: panel_call<3>(xr, ldx, w, in, b, c0, nc, relu, yr, ldy, pf); break;
+          case 4: panel_call<4>(xr, ldx, w, in, b, c0, nc, relu, yr, ldy, pf); break;
+          case 5: panel_call<5>(xr, ldx, w, in, b, c0, nc, relu, yr, ldy, pf); break;
+          default: panel_call<6>(xr, ldx, w, in, b, c0, nc, relu, yr, ldy, pf); break;
+        }
+      }
+    }
+  });
+}
+
 Tensor small_linear(const Tensor& x, const Tensor& panels, const std::optional<Tensor>& bias,
                     int64_t out, bool relu) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
@@ -1351,44 +1400,8 @@ Tensor small_linear(const Tensor& x, const Tensor& panels, const std::optional<T
   }
   Tensor y = at::empty({M, out}, x.options());
   if (M == 0 || out == 0) return y;
-  const float* X = x.const_data_ptr<float>();
-  const float* W = panels.const_data_ptr<float>();
-  float* Y = y.data_ptr<float>();
-  const int64_t ldx = x.stride(0);
-  // at least 64k weights (256 KB) per task: a small layer stays on one thread
-  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, in * kPanel));
-  at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) {
-      const float* w = W + p * in * kPanel;
-      const int64_t c0 = p * kPanel, nc = std::min(kPanel, out - c0);
-      // Several rows: the next panel is prefetched into L2 while the first row group reads
-      // this one; the other groups then find their panel there. Weights that live in L3
-      // (the layers of a model together exceed L2) otherwise stall each first pass on its
-      // latency: M = 32 in a decode step, 1 thread, Xeon (AMX machine): 1.17x faster. One
-      // row streams each panel once, where the hardware prefetcher does as well (measured).
-      const float* next = p + 1 < p1 && M > 1 ? W + (p + 1) * in * kPanel : nullptr;
-      for (int64_t m0 = 0; m0 < M; m0 += kRows) {
-        const float* xr = X + m0 * ldx;
-        float* yr = Y + m0 * out;
-        const float* pf = m0 == 0 ? next : nullptr;
-        const int64_t mr = std::min(kRows, M - m0);
-#ifdef QKV_AVX512
-        if (mr == 1 && !pf) {
-          panel_row1(xr, w, in, b, c0, nc, relu, yr);
-          continue;
-        }
-#endif
-        switch (mr) {
-          case 1: panel_call<1>(xr, ldx, w, in, b, c0, nc, relu, yr, out, pf); break;
-          case 2: panel_call<2>(xr, ldx, w, in, b, c0, nc, relu, yr, out, pf); break;
-          case 3: panel_call<3>(xr, ldx, w, in, b, c0, nc, relu, yr, out, pf); break;
-          case 4: panel_call<4>(xr, ldx, w, in, b, c0, nc, relu, yr, out, pf); break;
-          case 5: panel_call<5>(xr, ldx, w, in, b, c0, nc, relu, yr, out, pf); break;
-          default: panel_call<6>(xr, ldx, w, in, b, c0, nc, relu, yr, out, pf); break;
-        }
-      }
-    }
-  });
+  panel_linear_rows(x.const_data_ptr<float>(), x.stride(0), M, in,
+                    panels.const_data_ptr<float>(), b, out, relu, y.data_ptr<float>(), out);
   return y;
 }
 
@@ -1430,8 +1443,22 @@ std::tuple<Tensor, Tensor> decode_attention(const Tensor& q, const Tensor& k, co
   return decode_fwd(q, k, v, mask, scale, causal, -1, 0, rows, kv_batch);
 }
 
-Tensor panel_linear(const Tensor& x, const Tensor& panels, const std::optional<Tensor>& bias,
-                    int64_t out, bool relu) {
-  return small_linear(x, panels, bias, out, relu);
+// argmax_rows written into out (N,) int64; returns how many rows chose token eos (if >= 0)
+int64_t greedy_pick(const Tensor& logits, int64_t block, int64_t eos, const Tensor& out) {
+  check_logits(logits);
+  const int64_t N = logits.size(0);
+  TORCH_CHECK(out.scalar_type() == at::kLong && out.dim() == 1 && out.size(0) == N &&
+                  out.is_contiguous() && out.device().is_cpu(),
+              "qkv greedy_pick: out must be a contiguous int64 (N,) CPU tensor");
+  int64_t* I = out.data_ptr<int64_t>();
+  argmax_core(logits.const_data_ptr<float>(), N, logits.size(1), block, I);
+  int64_t ended = 0;
+  for (int64_t r = 0; r < N; ++r) ended += eos >= 0 && I[r] == eos;
+  return ended;
+}
+
+void panel_linear_into(const float* x, int64_t ldx, int64_t M, int64_t in, const float* panels,
+                       const float* bias, int64_t out, bool relu, float* y, int64_t ldy) {
+  if (M > 0 && out > 0) panel_linear_rows(x, ldx, M, in, panels, bias, out, relu, y, ldy);
 }
 }  // namespace qkv

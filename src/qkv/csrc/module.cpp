@@ -10,6 +10,7 @@
 namespace qkv {
 double max_abs_product(const at::Tensor& q, const at::Tensor& k);
 void register_step(py::module& m);  // step_cpu.cpp
+int64_t greedy_pick(const at::Tensor& logits, int64_t block, int64_t eos, const at::Tensor& out);
 }
 
 namespace {
@@ -51,5 +52,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       "the metadata of q, k, v, mask, bias (shapes, dtypes, devices, requires_grad) as bytes: "
       "the dispatcher's cache key");
+  m.def("greedy_pick", &qkv::greedy_pick,
+        "greedy search's step: each row's argmax of logits (N, V) (token block counted as -inf) "
+        "into out (N,) int64; returns how many rows chose token eos (if eos >= 0)");
   qkv::register_step(m);
 }

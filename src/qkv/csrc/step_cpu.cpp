@@ -1,17 +1,23 @@
-// One decoder step of an encoder-decoder translator, in one call: every layer's norms,
-// projections, cache write, self- and cross-attention and feed-forward for one new token per
-// hypothesis, then the output layer. The same operations, in the same order, as
-// qkv.models.incremental.IncrementalDecoder.step's Python loop (which stays the reference and
-// the path for everything this does not cover); what this saves is the ~80 Python-level
-// operator calls of a step, and with them the time the interpreter's own data takes to come
-// back into cache after each layer's weights have streamed through it (1 sentence, 1 thread:
-// a step's linears read 19 MB, and the rest of the Python step took as long as they did).
+// One decoder step of an encoder-decoder translator, in one call: the tokens' embeddings and
+// positions, every layer's norms, projections, cache write, self- and cross-attention and
+// feed-forward for one new token per hypothesis, then the output layer. The same operations,
+// in the same order, as qkv.models.incremental.IncrementalDecoder.step's Python loop (which
+// stays the reference and the path for everything this does not cover). What this saves is
+// the ~80 Python-level operator calls of a step and their allocations, and with them the time
+// the interpreter's own data takes to come back into cache after each layer's weights have
+// streamed through it (one sentence, 1 thread: a step's linears read 19 MB, and the rest of
+// the Python step took as long as they did).
 //
-// Shapes: x (N, d) with N = B·K hypotheses (sentence-major, beams inner); the self-attention
-// caches k, v (N_cache, h_kv, capacity, d_k), position t written here (batch row phys[i] of
-// hypothesis i, or row i); cross-attention keys/values (B_cache, h_kv, S, d_k) per layer.
+// Shapes: tokens (N,) with N = B·K hypotheses (sentence-major, beams inner); the
+// self-attention caches k, v (N_cache, h_kv, capacity, d_k), position t written here (batch
+// row phys[i] of hypothesis i, else row i); cross-attention keys/values (B_cache, h_kv, S, d_k)
+// per layer. Activations live in one fp32 workspace per call, rows contiguous.
 #include <torch/extension.h>
 
+#include <c10/util/BFloat16.h>
+
+#include <cmath>
+#include <cstring>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -23,8 +29,8 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q, const a
                                                     double scale, bool causal,
                                                     const std::optional<at::Tensor>& rows,
                                                     const std::optional<at::Tensor>& kv_batch);
-at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels,
-                        const std::optional<at::Tensor>& bias, int64_t out, bool relu);
+void panel_linear_into(const float* x, int64_t ldx, int64_t M, int64_t in, const float* panels,
+                       const float* bias, int64_t out, bool relu, float* y, int64_t ldy);
 }  // namespace qkv
 
 namespace {
@@ -37,26 +43,63 @@ enum Activation : int64_t { kNone = 0, kRelu = 1, kGelu = 2 };
 using LinearSpec = std::tuple<Tensor, OptTensor, int64_t, int64_t>;
 using NormSpec = std::tuple<Tensor, Tensor, double>;  // LayerNorm weight, bias, eps
 
+bool defined(const OptTensor& t) { return t.has_value() && t->defined(); }
+
 struct Linear {
   Tensor panels;
   OptTensor bias;
-  int64_t out, act;
+  int64_t in, out, act;
   explicit Linear(const LinearSpec& s)
       : panels(std::get<0>(s)), bias(std::get<1>(s)), out(std::get<2>(s)), act(std::get<3>(s)) {
-    TORCH_CHECK(panels.dim() == 3 && panels.size(2) == 64 && out > 0 && act >= 0 && act <= 2,
-                "qkv DecoderStep: a linear must be panels (P, in, 64), out > 0, act 0/1/2");
+    TORCH_CHECK(panels.dim() == 3 && panels.size(2) == 64 && panels.is_contiguous() &&
+                    panels.scalar_type() == at::kFloat && out > 0 &&
+                    panels.size(0) == (out + 63) / 64 && act >= kNone && act <= kGelu,
+                "qkv DecoderStep: a linear must be float32 panels (ceil(out/64), in, 64), "
+                "activation 0/1/2");
+    TORCH_CHECK(!defined(bias) || (bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
+                                   bias->numel() == out),
+                "qkv DecoderStep: a bias must be a contiguous float32 (out,) tensor");
+    in = panels.size(1);
   }
-  Tensor operator()(const Tensor& x) const {
-    Tensor y = qkv::panel_linear(x, panels, bias, out, act == kRelu);
-    return act == kGelu ? at::gelu(y) : y;
+  // y (M, out) = act(x Wᵀ + b), x (M, in): rows contiguous
+  void operator()(const float* x, int64_t M, float* y) const {
+    qkv::panel_linear_into(x, in, M, in, panels.const_data_ptr<float>(),
+                           defined(bias) ? bias->const_data_ptr<float>() : nullptr, out,
+                           act == kRelu, y, out);
+    if (act == kGelu)  // exact (erf) GELU, as torch.nn.functional.gelu's default
+      for (int64_t i = 0; i < M * out; ++i)
+        y[i] = 0.5f * y[i] * (1.f + std::erf(y[i] * static_cast<float>(M_SQRT1_2)));
   }
 };
 
 struct Norm {
   Tensor w, b;
-  double eps;
-  explicit Norm(const NormSpec& s) : w(std::get<0>(s)), b(std::get<1>(s)), eps(std::get<2>(s)) {}
-  Tensor operator()(const Tensor& x) const { return at::layer_norm(x, {x.size(-1)}, w, b, eps); }
+  float eps;
+  explicit Norm(const NormSpec& s)
+      : w(std::get<0>(s)), b(std::get<1>(s)), eps(static_cast<float>(std::get<2>(s))) {
+    TORCH_CHECK(w.scalar_type() == at::kFloat && b.scalar_type() == at::kFloat &&
+                    w.is_contiguous() && b.is_contiguous() && w.dim() == 1 && b.sizes() == w.sizes(),
+                "qkv DecoderStep: a norm must be float32 LayerNorm weight and bias (d,)");
+  }
+  // out = LayerNorm(x) over rows of d (out may be x); mean and variance summed in double
+  void operator()(const float* x, int64_t N, int64_t d, float* out) const {
+    const float* W = w.const_data_ptr<float>();
+    const float* B = b.const_data_ptr<float>();
+    for (int64_t r = 0; r < N; ++r) {
+      const float* xr = x + r * d;
+      double s = 0.0;
+#pragma omp simd reduction(+ : s)
+      for (int64_t c = 0; c < d; ++c) s += xr[c];
+      const float mean = static_cast<float>(s / d);
+      double ss = 0.0;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t c = 0; c < d; ++c) ss += double(xr[c] - mean) * double(xr[c] - mean);
+      const float rstd = static_cast<float>(1.0 / std::sqrt(ss / d + eps));
+      float* o = out + r * d;
+#pragma omp simd
+      for (int64_t c = 0; c < d; ++c) o[c] = (xr[c] - mean) * rstd * W[c] + B[c];
+    }
+  }
 };
 
 struct Layer {
@@ -64,96 +107,197 @@ struct Layer {
   Norm n_self, n_cross, n_ffn;
 };
 
+// x += y over n values
+void add_into(float* x, const float* y, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) x[i] += y[i];
+}
+
+// rows (B, A, C, dk) -> (B, C, A, dk): the beams of a sentence as query rows of its heads
+// (A = K beams, C = h heads) and back (A = h, C = K)
+void swap_middle(const float* src, float* dst, int64_t B, int64_t A, int64_t C, int64_t dk) {
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t a = 0; a < A; ++a)
+      for (int64_t c = 0; c < C; ++c)
+        std::memcpy(dst + ((b * C + c) * A + a) * dk, src + ((b * A + a) * C + c) * dk,
+                    dk * sizeof(float));
+}
+
 class DecoderStep {
  public:
   // linears: 6 per layer (W_q|W_k|W_v fused, W_o, cross W_q, cross W_o, W_1, W_2), then the
-  // output layer; norms: 3 per layer (self, cross, feed-forward), then the final one if any
+  // output layer; norms: 3 per layer (self, cross, feed-forward), then the final one if any;
+  // embedding (V, d): the token embedding already scaled by √d_model
   DecoderStep(int64_t d, int64_t h, int64_t h_kv, int64_t d_k, bool pre_norm, double scale,
-              const std::vector<LinearSpec>& linears, const std::vector<NormSpec>& norms)
+              const std::vector<LinearSpec>& linears, const std::vector<NormSpec>& norms,
+              Tensor embedding)
       : d_(d), h_(h), h_kv_(h_kv), d_k_(d_k), pre_norm_(pre_norm), scale_(scale),
-        out_(linears.at(linears.size() - 1)) {
+        embedding_(std::move(embedding)), out_(linears.at(linears.size() - 1)) {
     TORCH_CHECK(linears.size() % 6 == 1, "qkv DecoderStep: 6 linears per layer, then the output");
     const size_t L = linears.size() / 6;
     TORCH_CHECK(norms.size() == 3 * L || norms.size() == 3 * L + 1,
                 "qkv DecoderStep: 3 norms per layer, then optionally the final one");
     TORCH_CHECK(h * d_k == d && h_kv > 0 && h % h_kv == 0,
                 "qkv DecoderStep: need n_heads * d_k == d_model and h % h_kv == 0");
+    TORCH_CHECK(embedding_.dim() == 2 && embedding_.size(1) == d && embedding_.is_contiguous() &&
+                    embedding_.scalar_type() == at::kFloat,
+                "qkv DecoderStep: the embedding must be a contiguous float32 (V, d_model)");
+    const int64_t kv_w = h_kv * d_k;
     for (size_t i = 0; i < L; ++i) {
       const LinearSpec* s = &linears[6 * i];
-      layers_.push_back(Layer{Linear(s[0]), Linear(s[1]), Linear(s[2]), Linear(s[3]),
-                              Linear(s[4]), Linear(s[5]), Norm(norms[3 * i]),
-                              Norm(norms[3 * i + 1]), Norm(norms[3 * i + 2])});
+      Layer Ly{Linear(s[0]), Linear(s[1]), Linear(s[2]), Linear(s[3]), Linear(s[4]),
+               Linear(s[5]), Norm(norms[3 * i]), Norm(norms[3 * i + 1]), Norm(norms[3 * i + 2])};
+      TORCH_CHECK(Ly.qkv.in == d && Ly.qkv.out == d + 2 * kv_w && Ly.o.in == d && Ly.o.out == d &&
+                      Ly.cq.in == d && Ly.cq.out == d && Ly.co.in == d && Ly.co.out == d &&
+                      Ly.w1.in == d && Ly.w2.in == Ly.w1.out && Ly.w2.out == d &&
+                      Ly.qkv.act == kNone && Ly.o.act == kNone && Ly.cq.act == kNone &&
+                      Ly.co.act == kNone && Ly.w2.act == kNone,
+                  "qkv DecoderStep: layer ", i, "'s linears do not fit d_model ", d);
+      for (const Norm* n : {&Ly.n_self, &Ly.n_cross, &Ly.n_ffn})
+        TORCH_CHECK(n->w.numel() == d, "qkv DecoderStep: a norm of size ", n->w.numel(),
+                    " in a model of d_model ", d);
+      d_ff_ = std::max(d_ff_, Ly.w1.out);
+      layers_.push_back(std::move(Ly));
     }
-    if (norms.size() == 3 * L + 1) final_.emplace(norms.back());
+    if (norms.size() == 3 * L + 1) {
+      final_.emplace(norms.back());
+      TORCH_CHECK(final_->w.numel() == d, "qkv DecoderStep: the final norm must have size d");
+    }
+    TORCH_CHECK(out_.in == d && out_.act == kNone, "qkv DecoderStep: the output layer must read d");
   }
 
-  // x (N, d): the step's embedded tokens (written over); returns logits (N, V)
-  Tensor step(Tensor x, int64_t t, int64_t beams, const std::vector<Tensor>& kbuf,
-              const std::vector<Tensor>& vbuf, const std::vector<Tensor>& cross_k,
-              const std::vector<Tensor>& cross_v, const OptTensor& cross_mask,
-              const OptTensor& rows, const OptTensor& phys, const OptTensor& sent) const {
+  // logits (N, V) of the next token after tokens (N,) at position t; positions (>= t + 1, d)
+  // added to the embeddings (sinusoidal or learned), or none
+  Tensor step(const Tensor& tokens, const OptTensor& positions, int64_t t, int64_t beams,
+              const std::vector<Tensor>& kbuf, const std::vector<Tensor>& vbuf,
+              const std::vector<Tensor>& cross_k, const std::vector<Tensor>& cross_v,
+              const OptTensor& cross_mask, const OptTensor& rows, const OptTensor& phys,
+              const OptTensor& sent) const {
     const size_t L = layers_.size();
     TORCH_CHECK(kbuf.size() == L && vbuf.size() == L && cross_k.size() == L &&
                     cross_v.size() == L,
                 "qkv DecoderStep: one cache and one cross key/value pair per layer");
-    TORCH_CHECK(x.dim() == 2 && x.size(1) == d_ && x.scalar_type() == at::kFloat &&
-                    x.is_contiguous() && beams >= 1 && x.size(0) % beams == 0,
-                "qkv DecoderStep: x must be a contiguous float32 (N, d_model), N = B * beams");
-    const int64_t N = x.size(0), B = N / beams, kv_w = h_kv_ * d_k_;
-    const bool has_phys = phys.has_value() && phys->defined();
-    const bool has_rows = rows.has_value() && rows->defined();
+    TORCH_CHECK(tokens.dim() == 1 && tokens.scalar_type() == at::kLong &&
+                    tokens.is_contiguous() && beams >= 1 && tokens.size(0) % beams == 0,
+                "qkv DecoderStep: tokens must be a contiguous int64 (N,), N = B * beams");
+    const int64_t N = tokens.size(0), B = N / beams, d = d_, kv_w = h_kv_ * d_k_;
+    const int64_t V = embedding_.size(0), W = d + 2 * kv_w;
+    const bool has_phys = defined(phys), has_rows = defined(rows);
+    if (has_phys)
+      TORCH_CHECK(phys->scalar_type() == at::kLong && phys->is_contiguous() &&
+                      phys->numel() == N,
+                  "qkv DecoderStep: phys must be a contiguous int64 (N,)");
+    // the workspace: x, h (sub-layer input / output), qkv, q, the feed-forward's hidden rows
+    Tensor ws = at::empty({N * (3 * d + W + std::max(d_ff_, d))}, embedding_.options());
+    float* x = ws.data_ptr<float>();
+    float* hb = x + N * d;
+    float* yb = hb + N * d;
+    float* qkv = yb + N * d;
+    float* ff = qkv + N * W;
+    // embeddings (scaled) + positions
+    const int64_t* tok = tokens.const_data_ptr<int64_t>();
+    const float* E = embedding_.const_data_ptr<float>();
+    const float* pos = nullptr;
+    if (defined(positions)) {
+      TORCH_CHECK(positions->dim() == 2 && positions->size(0) > t && positions->size(1) == d &&
+                      positions->scalar_type() == at::kFloat && positions->stride(1) == 1,
+                  "qkv DecoderStep: positions must be float32 (> t, d_model)");
+      pos = positions->const_data_ptr<float>() + t * positions->stride(0);
+    }
+    for (int64_t i = 0; i < N; ++i) {
+      TORCH_CHECK(tok[i] >= 0 && tok[i] < V, "qkv DecoderStep: token ", tok[i],
+                  " out of range for a vocabulary of ", V);
+      std::memcpy(x + i * d, E + tok[i] * d, d * sizeof(float));
+      if (pos) add_into(x + i * d, pos, d);
+    }
+    const auto fopt = embedding_.options();
     for (size_t i = 0; i < L; ++i) {
       const Layer& Ly = layers_[i];
       const Tensor& kc = kbuf[i];
       const Tensor& vc = vbuf[i];
-      TORCH_CHECK(kc.dim() == 4 && vc.dim() == 4 && t >= 0 && t < kc.size(2) &&
-                      t < vc.size(2) && kc.size(1) == h_kv_ && kc.size(3) == d_k_ &&
+      TORCH_CHECK(kc.dim() == 4 && vc.sizes() == kc.sizes() && kc.size(1) == h_kv_ &&
+                      kc.size(3) == d_k_ && t < kc.size(2) && kc.stride(3) == 1 &&
+                      vc.stride(3) == 1 && kc.scalar_type() == vc.scalar_type() &&
+                      (kc.scalar_type() == at::kFloat || kc.scalar_type() == at::kBFloat16) &&
                       (has_phys || kc.size(0) == N),
-                  "qkv DecoderStep: a cache buffer (N_cache, h_kv, capacity > t, d_k) per layer");
+                  "qkv DecoderStep: a float32/bfloat16 cache (N_cache, h_kv, capacity > t, d_k) "
+                  "per layer");
       // causal self-attention over the cache
-      Tensor hdn = pre_norm_ ? Ly.n_self(x) : x;
-      const Tensor qkv = Ly.qkv(hdn);  // (N, (h + 2·h_kv)·d_k)
-      const Tensor q = qkv.narrow(1, 0, d_).view({N, h_, 1, d_k_}).contiguous();
-      const Tensor k = qkv.narrow(1, d_, kv_w).view({N, h_kv_, d_k_});
-      const Tensor v = qkv.narrow(1, d_ + kv_w, kv_w).view({N, h_kv_, d_k_});
-      if (has_phys) {  // rows of finished sentences stay where they are
-        kc.select(2, t).index_copy_(0, *phys, k.to(kc.scalar_type()));
-        vc.select(2, t).index_copy_(0, *phys, v.to(vc.scalar_type()));
-      } else {
-        kc.select(2, t).copy_(k);  // cast to the storage dtype
-        vc.select(2, t).copy_(v);
-      }
-      const Tensor k_all = kc.narrow(2, 0, t + 1), v_all = vc.narrow(2, 0, t + 1);
-      Tensor a = std::get<0>(qkv::decode_attention(q, k_all, v_all, std::nullopt, scale_, true,
-                                                   rows, has_rows ? std::nullopt : phys));
-      x = residual(x, Ly.o(a.view({N, d_})), Ly.n_self);
+      sub_in(Ly.n_self, x, N, hb);
+      Ly.qkv(pre_norm_ ? hb : x, N, qkv);  // (N, (h + 2·h_kv)·d_k)
+      write_cache(kc, qkv + d, W, N, t, has_phys ? phys->const_data_ptr<int64_t>() : nullptr);
+      write_cache(vc, qkv + d + kv_w, W, N, t,
+                  has_phys ? phys->const_data_ptr<int64_t>() : nullptr);
+      Tensor q = at::empty({N, h_, 1, d_k_}, fopt);
+      for (int64_t r = 0; r < N; ++r)
+        std::memcpy(q.data_ptr<float>() + r * d, qkv + r * W, d * sizeof(float));
+      Tensor a = std::get<0>(qkv::decode_attention(q, kc.narrow(2, 0, t + 1),
+                                                   vc.narrow(2, 0, t + 1), std::nullopt, scale_,
+                                                   true, rows, has_rows ? std::nullopt : phys));
+      Ly.o(a.const_data_ptr<float>(), N, yb);
+      residual(Ly.n_self, x, yb, N);
       // cross-attention: the K beams of a sentence are K query rows over its memory
-      hdn = pre_norm_ ? Ly.n_cross(x) : x;
-      Tensor cq = Ly.cq(hdn);  // (N, d)
-      cq = beams == 1 ? cq.view({B, h_, 1, d_k_})
-                      : cq.view({B, beams, h_, d_k_}).transpose(1, 2).contiguous();
+      sub_in(Ly.n_cross, x, N, hb);
+      Ly.cq(pre_norm_ ? hb : x, N, yb);  // (N, d) = (B, K, h, d_k)
+      Tensor cq = at::empty({B, h_, beams, d_k_}, fopt);
+      if (beams == 1) std::memcpy(cq.data_ptr<float>(), yb, N * d * sizeof(float));
+      else swap_middle(yb, cq.data_ptr<float>(), B, beams, h_, d_k_);
       a = std::get<0>(qkv::decode_attention(cq, cross_k[i], cross_v[i], cross_mask, scale_,
-                                            false, std::nullopt, sent));
-      a = beams == 1 ? a.view({N, d_}) : a.transpose(1, 2).reshape({N, d_});
-      x = residual(x, Ly.co(a), Ly.n_cross);
+                                            false, std::nullopt, sent));  // (B, h, K, d_k)
+      const float* ap = a.const_data_ptr<float>();
+      if (beams > 1) {
+        swap_middle(ap, hb, B, h_, beams, d_k_);  // back to (B, K, h, d_k) = (N, d)
+        ap = hb;
+      }
+      Ly.co(ap, N, yb);
+      residual(Ly.n_cross, x, yb, N);
       // feed-forward
-      hdn = pre_norm_ ? Ly.n_ffn(x) : x;
-      x = residual(x, Ly.w2(Ly.w1(hdn)), Ly.n_ffn);
+      sub_in(Ly.n_ffn, x, N, hb);
+      Ly.w1(pre_norm_ ? hb : x, N, ff);
+      Ly.w2(ff, N, yb);
+      residual(Ly.n_ffn, x, yb, N);
     }
-    if (final_) x = (*final_)(x);
-    return out_(x);
+    if (final_) (*final_)(x, N, d, x);
+    Tensor logits = at::empty({N, out_.out}, fopt);
+    out_(x, N, logits.data_ptr<float>());
+    return logits;
   }
 
  private:
-  // x + y, normalised after in post-LN (x is the step's own activation: summed in place)
-  Tensor residual(Tensor& x, const Tensor& y, const Norm& norm) const {
-    x.add_(y);
-    return pre_norm_ ? x : norm(x);
+  // a sub-layer's input: normalised into h in pre-LN (post-LN reads x as it is)
+  void sub_in(const Norm& norm, const float* x, int64_t N, float* h) const {
+    if (pre_norm_) norm(x, N, d_, h);
+  }
+  // x += y, normalised after in post-LN
+  void residual(const Norm& norm, float* x, const float* y, int64_t N) const {
+    add_into(x, y, N * d_);
+    if (!pre_norm_) norm(x, N, d_, x);
+  }
+  // the new position t of every hypothesis' keys (or values): src rows of stride ld, each
+  // (h_kv, d_k); hypothesis r goes to batch row phys[r] (else r), in the cache's dtype
+  void write_cache(const Tensor& c, const float* src, int64_t ld, int64_t N, int64_t t,
+                   const int64_t* phys) const {
+    const int64_t Nc = c.size(0);
+    for (int64_t r = 0; r < N; ++r) {
+      const int64_t row = phys ? phys[r] : r;
+      TORCH_CHECK(row >= 0 && row < Nc, "qkv DecoderStep: phys out of range");
+      for (int64_t hk = 0; hk < h_kv_; ++hk) {
+        const float* s = src + r * ld + hk * d_k_;
+        const int64_t off = row * c.stride(0) + hk * c.stride(1) + t * c.stride(2);
+        if (c.scalar_type() == at::kFloat) {
+          std::memcpy(c.data_ptr<float>() + off, s, d_k_ * sizeof(float));
+        } else {
+          c10::BFloat16* dst = c.data_ptr<c10::BFloat16>() + off;
+          for (int64_t j = 0; j < d_k_; ++j) dst[j] = c10::BFloat16(s[j]);  // round to nearest even
+        }
+      }
+    }
   }
 
-  int64_t d_, h_, h_kv_, d_k_;
+  int64_t d_, h_, h_kv_, d_k_, d_ff_ = 0;
   bool pre_norm_;
   double scale_;
+  Tensor embedding_;
   std::vector<Layer> layers_;
   std::optional<Norm> final_;
   Linear out_;
@@ -165,7 +309,7 @@ void register_step(py::module& m) {
   py::class_<DecoderStep>(m, "DecoderStep",
                           "an encoder-decoder's decoder step in one call (see step_cpu.cpp)")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, bool, double,
-                    const std::vector<LinearSpec>&, const std::vector<NormSpec>&>())
+                    const std::vector<LinearSpec>&, const std::vector<NormSpec>&, Tensor>())
       .def("step", &DecoderStep::step, py::call_guard<py::gil_scoped_release>());
 }
 }  // namespace qkv

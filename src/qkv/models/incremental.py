@@ -247,6 +247,12 @@ class DecodeState:
         # cross-attention batch row of running sentence j (None: all still run)
         self.phys: Tensor | None = None
         self.sent: Tensor | None = None
+        self.fused = False  # steps run IncrementalDecoder's compiled step (its caches sized)
+
+    @property
+    def cross_kv(self) -> tuple[list[Tensor], list[Tensor]]:
+        """The cross-attention keys and the values, one list each (layer order)."""
+        return [k for k, _ in self.cross], [v for _, v in self.cross]
 
     def reorder(self, rows: Tensor) -> None:
         """Follow the surviving beams: hypothesis ``i`` continues row ``rows[i]`` ``(N,)``."""
@@ -523,7 +529,7 @@ class IncrementalDecoder(PreparedSteps):
             return None
         specs = [(m.panels, m.bias, m.out_features, acts[m.activation]) for m in lins]
         return module.DecoderStep(self.d, self.h, self.h_kv, self.d_k, self.pre_norm, self.scale,
-                                  specs, norms)  # fmt: skip
+                                  specs, norms, self.embedding.contiguous())  # fmt: skip
 
     @staticmethod
     def unsupported(model: nn.Module, attention: list | None = None,
@@ -596,6 +602,12 @@ class IncrementalDecoder(PreparedSteps):
         state.gather = (decode_ops() is not None and memory.device.type == "cpu"
                         and memory.dtype in (torch.float32, torch.bfloat16)
                         and backend in ("auto", "decode"))  # fmt: skip
+        if self.fused is not None and state.gather and memory.dtype == torch.float32:
+            # the compiled step writes into the caches' buffers: size them now (B·beams rows)
+            empty = memory.new_empty(B * beams, self.h_kv, 0, self.d_k)
+            for c in caches:
+                c.update(empty, empty)
+            state.fused = True
         if isinstance(self.position, SinusoidalPositionalEncoding):  # (max_steps, d), once
             state.positions = self.position.table(max_steps, device=memory.device,
                                                   dtype=memory.dtype)  # fmt: skip
@@ -610,29 +622,29 @@ class IncrementalDecoder(PreparedSteps):
         N, t, d = tokens.shape[0], state.t, self.d
         K = state.beams
         B = N // K
-        x = TF.embedding(tokens, self.embedding)  # (N, d), scaled by √d_model
-        if state.positions is not None:
-            if t >= state.positions.shape[0]:
-                raise ValueError(f"target length {t + 1} > max_steps={state.positions.shape[0]}")
-            x = x.add_(state.positions[t])
+        if state.positions is not None and t >= state.positions.shape[0]:
+            raise ValueError(f"target length {t + 1} > max_steps={state.positions.shape[0]}")
         if state.rows is not None and state.rows.shape[1] <= t:  # a cache grown past its size
             phys = state.phys if state.phys is not None else torch.arange(N)
             grown = phys[:, None].expand(N, 2 * (t + 1)).contiguous()  # later positions: phys
             grown[:, : state.rows.shape[1]] = state.rows
             state.rows = grown
-        if (self.fused is not None and t > 0 and state.gather and K <= MAX_TQ
-                and x.dtype == torch.float32):  # fmt: skip
-            # every cache holds the batch since step 0 (which went through the loop below)
+        if state.fused and K <= MAX_TQ and self.fused is not None and tokens.dtype == torch.long:
             bufs = [c.extend(1) for c in state.caches]  # position t, written by the call
-            ck, cv = zip(*state.cross)
+            ck, cv = state.cross_kv
             m5 = None
             if state.cross_mask is not None:
                 m5 = self._mask5(state.cross_mask, state, (B, self.h, K, self.d_k), self.h_kv,
                                  ck[0].shape[2])  # fmt: skip
-            logits = self.fused.step(x, t, K, [b[0] for b in bufs], [b[1] for b in bufs],
-                                     list(ck), list(cv), m5, state.rows, state.phys, state.sent)
+            logits = self.fused.step(tokens if tokens.is_contiguous() else tokens.contiguous(),
+                                     state.positions, t, K, [b[0] for b in bufs],
+                                     [b[1] for b in bufs], ck, cv, m5, state.rows, state.phys,
+                                     state.sent)  # fmt: skip
             state.t = t + 1
             return logits
+        x = TF.embedding(tokens, self.embedding)  # (N, d), scaled by √d_model
+        if state.positions is not None:
+            x = x.add_(state.positions[t])
         for i, L in enumerate(self.layers):
             # causal self-attention over the cache
             h = self._sub_in(x, L.norms[0])
