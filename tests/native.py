@@ -21,8 +21,14 @@ def assert_portable_ok(script: str) -> None:
     """Run ``script`` against the portable build (plain C++ loops, what a CPU without AVX-512
     runs) in a fresh process, the build mode being fixed per process; under
     ``QKV_NATIVE_PORTABLE=1`` it must print ``ok`` as its last line."""
-    env = dict(os.environ, QKV_NATIVE_PORTABLE="1")
+    assert_script_ok(script, QKV_NATIVE_PORTABLE="1")
+
+
+def assert_script_ok(script: str, **env: str) -> None:
+    """Run ``script`` in a fresh process with ``env`` added (settings the kernels read once per
+    process); it must print ``ok`` as its last line."""
     res = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
-    )
+        [sys.executable, "-c", script], env=dict(os.environ, **env), capture_output=True,
+        text=True, timeout=600,
+    )  # fmt: skip
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-2000:]

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as TF
 from hypothesis import given, settings
 
-from native import assert_portable_ok, require_built
+from native import assert_portable_ok, assert_script_ok, require_built
 from qkv import masks
 from qkv._validate import check_qkv
 from qkv.functional import attention_steps, explain_dispatch, scaled_dot_product_attention
@@ -290,6 +290,43 @@ for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
         assert (lse.double() - ref.lse).abs().max() < 1e-4, (dtype, kw)
 print("ok")
 """
+
+
+_BF16_PATH_CHECK = """
+import torch
+from qkv.functional import attention_steps
+from qkv.kernels._native import decode_ops
+from qkv.kernels.decode import decode_attention
+g = torch.Generator().manual_seed(1)
+for h, h_kv, Tq, Tk, d in ((8, 2, 1, 1000, 128), (6, 2, 3, 217, 64), (4, 4, 5, 77, 40)):
+    q = torch.randn(2, h, Tq, d, generator=g)
+    k = torch.randn(2, h_kv, Tk + 9, d, generator=g).bfloat16()[:, :, :Tk]
+    v = torch.randn(2, h_kv, Tk, d, generator=g).bfloat16()
+    qd = q.bfloat16().double()
+    for kw in ({}, {"causal": True, "window": 50}, {"mask": torch.rand(Tq, Tk, generator=g) > 0.3}):
+        out, lse = decode_attention(q.bfloat16(), k, v, **kw, return_lse=True)
+        ref = attention_steps(qd, k.double(), v.double(), **kw)
+        assert (out.double() - ref.output).abs().max() < 2e-2, (h, Tq, Tk, d, kw)
+        assert (lse.double() - ref.lse).abs().max() < 1e-3, (h, Tq, Tk, d, kw)
+    # fp32 queries over the bf16 cache (an fp32 model's bf16 cache), causal
+    out, lse = decode_ops().fwd(q, k, v, None, d**-0.5, True, -1)
+    ref = attention_steps(qd, k.double(), v.double(), causal=True)
+    assert out.dtype == torch.float32 and (out.double() - ref.output).abs().max() < 2e-2
+    assert (lse.double() - ref.lse).abs().max() < 1e-3
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("path", ["dot", "widen"])
+def test_both_bf16_paths_match_fp64(path):
+    """bf16 caches go through vdpbf16ps on key pairs or are widened to fp32 for FMAs (the
+    faster one per CPU by default); both equal the fp64 reference within bf16 rounding."""
+    assert_script_ok(_BF16_PATH_CHECK, QKV_DECODE_BF16=path)
+
+
+def test_bad_bf16_path_setting_is_an_error():
+    with pytest.raises(AssertionError, match="QKV_DECODE_BF16 must be auto, dot or widen"):
+        assert_script_ok(_BF16_PATH_CHECK, QKV_DECODE_BF16="fast")
 
 
 def test_portable_build_without_avx512_code():

@@ -38,6 +38,10 @@
 #include <ATen/Parallel.h>  // at::get_num_threads
 #include <torch/library.h>
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <cpuid.h>
+#endif
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define QKV_AVX512 1  // the vector code needs F, BW (16-bit lanes, byte masks) and VL
 #include <immintrin.h>
@@ -50,6 +54,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <optional>
@@ -399,10 +404,10 @@ template <int kR, int kC, bool kPf>
 }
 #endif
 
-template <int kR, typename T>
+template <int kR, bool kDot, typename T>
 static inline bool qk_rows_fixed(const void* q0, int64_t qs, const T* kp, int64_t ks, int64_t d,
                                  const T* pf, __m512* out) {
-  if constexpr (kPairs<T>) {
+  if constexpr (kDot) {
 #ifdef __AVX512BF16__
     const auto* q = static_cast<const BFloat16*>(q0);
     if (d == 128)
@@ -429,11 +434,11 @@ static inline bool qk_rows_fixed(const void* q0, int64_t qs, const T* kp, int64_
 
 // The scores of nr = 3 or 4 rows at once where a fixed-size loop exists (d = 64, 128);
 // false: none (the caller goes row by row).
-template <typename T>
+template <bool kDot, typename T>
 static inline bool qk_rows(int64_t nr, const void* q0, int64_t qs, const T* kp, int64_t ks,
                            int64_t d, const T* pf, __m512* out) {
-  if (nr == 4) return qk_rows_fixed<4>(q0, qs, kp, ks, d, pf, out);
-  if (nr == 3) return qk_rows_fixed<3>(q0, qs, kp, ks, d, pf, out);
+  if (nr == 4) return qk_rows_fixed<4, kDot>(q0, qs, kp, ks, d, pf, out);
+  if (nr == 3) return qk_rows_fixed<3, kDot>(q0, qs, kp, ks, d, pf, out);
   return false;
 }
 
@@ -632,14 +637,15 @@ static inline void copy_row(T* dst, const T* src, int64_t n) {
 // -------------------------------------------------------------------------------------------
 // One segment: kv head n, keys [k0, k1). Leaves m (log2 units), l and the unnormalised acc
 // (R x dvp, zeroed by the caller) of every row.
-template <typename T>
+// kDot: bf16 K/V through vdpbf16ps (kPairs), else widened to fp32 for FMAs
+template <typename T, bool kDot>
 static void run_segment(const Problem<T>& P, int64_t n, int64_t k0, int64_t k1, float* m,
                         float* l, float* acc, int64_t dvp, const Scratch& sc) {
   const int64_t R = P.R, Tq = P.Tq, d = P.d, dv = P.dv;
   const int64_t dqp = (d + 31) / 32 * 32;  // q row stride in the scratch
   // the query rows of this head, unscaled: fp32 (bf16 pairs for the bf16 dot products)
   const T* Q = P.q + n * R * d;
-  constexpr bool kBf16Dot = kPairs<T>;
+  constexpr bool kBf16Dot = kDot;
   for (int64_t r = 0; r < R; ++r) {
     if constexpr (kBf16Dot) {
       BFloat16* qb = reinterpret_cast<BFloat16*>(sc.qf) + r * dqp;
@@ -705,7 +711,7 @@ static void run_segment(const Problem<T>& P, int64_t n, int64_t k0, int64_t k1, 
         const int64_t r0 = r < R4 ? r / 4 * 4 : R4, nr = r < R4 ? 4 : tail;
         const void* q0 = kBf16Dot ? static_cast<const void*>(reinterpret_cast<const BFloat16*>(sc.qf) + r0 * dqp)
                                   : static_cast<const void*>(sc.qf + r0 * dqp);
-        if (nr && (blk_r == r0 || qk_rows<T>(nr, q0, dqp, kp, ks, d, pf_left, blk))) {
+        if (nr && (blk_r == r0 || qk_rows<kDot, T>(nr, q0, dqp, kp, ks, d, pf_left, blk))) {
           if (blk_r != r0) blk_r = r0, pf_left = nullptr;
           x = blk[r - r0];
         } else if constexpr (kBf16Dot) {
@@ -854,10 +860,10 @@ static inline void prefetch_segment(const Problem<T>& P, const Segment& g) {
 // splits > 0: cut the keys into exactly that many pieces (the tests' way to exercise the
 // merge on small inputs); else one piece per thread, fewer for small calls.
 // O: the output's type, T's or float (fp32 queries over a bf16 cache)
-template <typename T, typename O>
+template <typename T, typename O, bool kDot>
 static void decode_impl(const Problem<T>& P, O* out, float* lse, int64_t splits) {
   const int64_t N = P.N, R = P.R, dv = P.dv;
-  const int64_t dvp = kPairs<T> ? (dv + 31) / 32 * 32 : (dv + 15) / 16 * 16;
+  const int64_t dvp = kDot ? (dv + 31) / 32 * 32 : (dv + 15) / 16 * 16;
   // keys any row may see: [lo(0), hi(Tq - 1)) (lo and hi grow with the row)
   const int64_t lo = P.st.lo(0), hi = P.st.hi(P.Tq - 1), L = std::max<int64_t>(hi - lo, 0);
   const int64_t W = N * L;  // (head, key) pairs
@@ -910,7 +916,7 @@ static void decode_impl(const Problem<T>& P, O* out, float* lse, int64_t splits)
       if (s + kAhead < first[t + 1]) prefetch_segment(P, segs[s + kAhead]);
       float* pm = partial(s);
       std::memset(pm + 2 * R, 0, R * dvp * sizeof(float));
-      run_segment<T>(P, segs[s].n, segs[s].k0, segs[s].k1, pm, pm + R, pm + 2 * R, dvp, sc);
+      run_segment<T, kDot>(P, segs[s].n, segs[s].k0, segs[s].k1, pm, pm + R, pm + 2 * R, dvp, sc);
     }
   };
   // merge by log-sum-exp: M = max m_s, L = Σ l_s 2^(m_s - M), out = Σ acc_s 2^(m_s - M) / L
@@ -960,6 +966,32 @@ static void decode_impl(const Problem<T>& P, O* out, float* lse, int64_t splits)
 #endif
   for (int64_t t = 0; t < nt; ++t) work(t);
   for (int64_t h = 0; h < N; ++h) merge(h);
+}
+
+// bf16 K/V: vdpbf16ps on pairs (kPairs), or widened to fp32 for FMAs. QKV_DECODE_BF16=dot|widen
+// forces one; by default widen on CPUs with AMX (Intel server cores): there vdpbf16ps took
+// ~36 ns per key in cache (G = 4, d = 128, 1 thread) against ~29 for the fp32 path, so bf16
+// stayed at 55-65 % of the read bandwidth; on Zen 4 the pairs are the faster path.
+static bool cpu_has_amx_bf16() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  return (d >> 22) & 1u;  // CPUID.(EAX=7, ECX=0):EDX[22] AMX-BF16
+#else
+  return false;
+#endif
+}
+
+static bool bf16_dot() {
+  static const bool dot = [] {
+    const char* e = std::getenv("QKV_DECODE_BF16");
+    const std::string want = e ? e : "auto";
+    TORCH_CHECK(want == "auto" || want == "dot" || want == "widen",
+                "QKV_DECODE_BF16 must be auto, dot or widen; got '", want, "'");
+    if (want != "auto") return want == "dot";
+    return !cpu_has_amx_bf16();
+  }();
+  return dot;
 }
 
 std::tuple<Tensor, Tensor> decode_fwd(const Tensor& q, const Tensor& k, const Tensor& v,
@@ -1037,7 +1069,11 @@ std::tuple<Tensor, Tensor> decode_fwd(const Tensor& q, const Tensor& k, const Te
                  v.stride(2), st, mk, c2};
     if (gather) P.rows = rows->const_data_ptr<int64_t>(), P.rows_s = rows->stride(0);
     if (mapped) P.kv_batch = kv_batch->const_data_ptr<int64_t>();
-    decode_impl<T, O>(P, out.data_ptr<O>(), lse.data_ptr<float>(), splits);
+    if constexpr (kPairs<T>) {
+      if (bf16_dot())
+        return decode_impl<T, O, true>(P, out.data_ptr<O>(), lse.data_ptr<float>(), splits);
+    }
+    decode_impl<T, O, false>(P, out.data_ptr<O>(), lse.data_ptr<float>(), splits);
   };
   if (mixed) run(BFloat16{}, float{});
   else if (q.scalar_type() == at::kFloat) run(float{}, float{});
