@@ -416,3 +416,38 @@ def test_fused_step_is_not_used_where_it_does_not_apply():
     for layer in model.decoder.layers:
         layer.self_attn.backend = "torch"
     assert IncrementalDecoder.for_model(model).fused is None
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(positional="sinusoidal", norm_first=False),
+        dict(positional="learned", n_kv_heads=2, activation="gelu"),
+        dict(positional="sinusoidal", n_kv_heads=1, activation="relu"),
+    ],
+)
+@pytest.mark.parametrize("S", [6, 23])  # the decode kernel (<= 16 queries), PyTorch's SDPA
+def test_fused_encoder_equals_model_encode(kw, S):
+    """The encoder in one compiled call gives model.encode's vectors at the real tokens and
+    zeros at padding; a source with no visible token and bad ids take the Python layers."""
+    model = model_(seed=13, **kw)
+    dec = IncrementalDecoder.for_model(model)
+    assert dec is not None and dec.fused_encoder is not None
+    g = torch.Generator().manual_seed(S)
+    src = torch.randint(3, 40, (3, S), generator=g)
+    src[1, S // 2 :] = 0  # padding
+    src[2, 1:] = 0
+    with torch.inference_mode():
+        mask = model.src_mask(src)
+        got = dec._encode_fused(src, mask)
+        assert got is not None
+        real = mask[:, 0, 0]
+        torch.testing.assert_close(got[real], model.encode(src, mask)[real], atol=1e-5,
+                                   rtol=1e-5)  # fmt: skip
+        assert bool((got[~real] == 0).all())
+        assert torch.equal(dec.encode(src, mask), got)
+        empty = src.clone()
+        empty[0] = 0  # nothing visible in sentence 0
+        assert dec._encode_fused(empty, model.src_mask(empty)) is None
+        with pytest.raises(ValueError, match="ids must lie in"):
+            dec.encode(src + 100, mask)

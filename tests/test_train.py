@@ -148,8 +148,8 @@ def test_sigkill_then_sigint_never_corrupt(tmp_path):
     state = torch.load(last / "trainer.pt", weights_only=True)
     assert state["step"] >= 1
     load_pretrained(last)
+    mtime = (tmp_path / "last").stat().st_mtime  # before the resumed run starts saving
     proc = run_cli(["--resume", str(tmp_path)])
-    mtime = (tmp_path / "last").stat().st_mtime
     while True:  # until the resumed run has saved a newer checkpoint
         try:
             if (tmp_path / "last").stat().st_mtime != mtime:

@@ -302,6 +302,152 @@ class DecoderStep {
   std::optional<Norm> final_;
   Linear out_;
 };
+
+// The encoder's layers in one call: every position-wise operation (projections, norms,
+// residuals, feed-forward) on the real tokens only, packed without their padding, attention
+// on the padded layout (padding rows zero, hidden by the key-padding mask). Attention is the
+// path IncrementalDecoder.encode resolves for the call: the decode kernel (S <= 16 queries)
+// or PyTorch's SDPA; the caller falls back to Python for any other.
+class EncoderStep {
+ public:
+  // linears: 4 per layer (W_q|W_k|W_v fused, W_o, W_1, W_2); norms: 2 per layer (attention,
+  // feed-forward), then the final one if any; embedding (V, d) already scaled by √d_model
+  EncoderStep(int64_t d, int64_t h, int64_t h_kv, int64_t d_k, bool pre_norm, double scale,
+              const std::vector<LinearSpec>& linears, const std::vector<NormSpec>& norms,
+              Tensor embedding)
+      : d_(d), h_(h), h_kv_(h_kv), d_k_(d_k), pre_norm_(pre_norm), scale_(scale),
+        embedding_(std::move(embedding)) {
+    TORCH_CHECK(linears.size() % 4 == 0 && !linears.empty(),
+                "qkv EncoderStep: 4 linears per layer");
+    const size_t L = linears.size() / 4;
+    TORCH_CHECK(norms.size() == 2 * L || norms.size() == 2 * L + 1,
+                "qkv EncoderStep: 2 norms per layer, then optionally the final one");
+    TORCH_CHECK(h * d_k == d && h_kv > 0 && h % h_kv == 0,
+                "qkv EncoderStep: need n_heads * d_k == d_model and h % h_kv == 0");
+    TORCH_CHECK(embedding_.dim() == 2 && embedding_.size(1) == d && embedding_.is_contiguous() &&
+                    embedding_.scalar_type() == at::kFloat,
+                "qkv EncoderStep: the embedding must be a contiguous float32 (V, d_model)");
+    for (size_t i = 0; i < L; ++i) {
+      EncLayer Ly{Linear(linears[4 * i]), Linear(linears[4 * i + 1]), Linear(linears[4 * i + 2]),
+                  Linear(linears[4 * i + 3]), Norm(norms[2 * i]), Norm(norms[2 * i + 1])};
+      TORCH_CHECK(Ly.qkv.in == d && Ly.qkv.out == d + 2 * h_kv * d_k && Ly.qkv.act == kNone &&
+                      Ly.o.in == d && Ly.o.out == d && Ly.o.act == kNone && Ly.w1.in == d &&
+                      Ly.w2.in == Ly.w1.out && Ly.w2.out == d && Ly.w2.act == kNone &&
+                      Ly.n_attn.w.numel() == d && Ly.n_ffn.w.numel() == d,
+                  "qkv EncoderStep: layer ", i, " does not fit d_model ", d);
+      d_ff_ = std::max(d_ff_, Ly.w1.out);
+      layers_.push_back(std::move(Ly));
+    }
+    if (norms.size() == 2 * L + 1) final_.emplace(norms.back());
+  }
+
+  // src (B, S) int64; real (n,) int64: flat indices b·S + s of the real tokens, increasing;
+  // mask (B, 1, 1, S) bool (True = may attend) or none; positions (>= S, d) or none.
+  // Returns memory (B, S, d): the real tokens' vectors, zeros at padding.
+  Tensor forward(const Tensor& src, const Tensor& real, const OptTensor& mask,
+                 const OptTensor& positions, bool use_decode) const {
+    TORCH_CHECK(src.dim() == 2 && src.scalar_type() == at::kLong && src.is_contiguous(),
+                "qkv EncoderStep: src must be a contiguous int64 (B, S)");
+    const int64_t B = src.size(0), S = src.size(1), d = d_, kv_w = h_kv_ * d_k_;
+    const int64_t W = d + 2 * kv_w, V = embedding_.size(0);
+    TORCH_CHECK(real.dim() == 1 && real.scalar_type() == at::kLong && real.is_contiguous() &&
+                    real.numel() <= B * S,
+                "qkv EncoderStep: real must be a contiguous int64 (n,) of token indices");
+    const int64_t n = real.numel();
+    const int64_t* R = real.const_data_ptr<int64_t>();
+    const int64_t* tok = src.const_data_ptr<int64_t>();
+    const float* pos = nullptr;
+    if (defined(positions)) {
+      TORCH_CHECK(positions->dim() == 2 && positions->size(0) >= S && positions->size(1) == d &&
+                      positions->scalar_type() == at::kFloat && positions->is_contiguous(),
+                  "qkv EncoderStep: positions must be a contiguous float32 (>= S, d_model)");
+      pos = positions->const_data_ptr<float>();
+    }
+    const auto fopt = embedding_.options();
+    Tensor ws = at::empty({n * (4 * d + W + std::max(d_ff_, d))}, fopt);
+    float* x = ws.data_ptr<float>();
+    float* hb = x + n * d;
+    float* yb = hb + n * d;
+    float* ab = yb + n * d;
+    float* qkv = ab + n * d;
+    float* ff = qkv + n * W;
+    const float* E = embedding_.const_data_ptr<float>();
+    for (int64_t r = 0; r < n; ++r) {
+      TORCH_CHECK(R[r] >= 0 && R[r] < B * S && (r == 0 || R[r] > R[r - 1]),
+                  "qkv EncoderStep: real must hold increasing indices below B * S");
+      const int64_t t = tok[R[r]];
+      TORCH_CHECK(t >= 0 && t < V, "qkv EncoderStep: token ", t, " out of range for ", V);
+      std::memcpy(x + r * d, E + t * d, d * sizeof(float));
+      if (pos) add_into(x + r * d, pos + (R[r] % S) * d, d);
+    }
+    // the padded layouts attention reads: zero where no real token writes
+    Tensor q = at::zeros({B, h_, S, d_k_}, fopt), k = at::zeros({B, h_kv_, S, d_k_}, fopt);
+    Tensor v = at::zeros({B, h_kv_, S, d_k_}, fopt);
+    OptTensor m5;
+    if (defined(mask)) {
+      TORCH_CHECK(mask->scalar_type() == at::kBool && mask->dim() == 4 && mask->size(0) == B &&
+                      mask->size(1) == 1 && mask->size(2) == 1 && mask->size(3) == S,
+                  "qkv EncoderStep: mask must be a bool (B, 1, 1, S)");
+      if (use_decode)  // the decode kernel's view (B, h_kv, G, Tq, Tk)
+        m5 = mask->view({B, 1, 1, 1, S}).expand({B, h_kv_, h_ / h_kv_, S, S});
+    }
+    for (const EncLayer& Ly : layers_) {
+      if (pre_norm_) Ly.n_attn(x, n, d, hb);
+      Ly.qkv(pre_norm_ ? hb : x, n, qkv);  // (n, (h + 2·h_kv)·d_k)
+      scatter(qkv, W, R, n, S, h_, q.data_ptr<float>());
+      scatter(qkv + d, W, R, n, S, h_kv_, k.data_ptr<float>());
+      scatter(qkv + d + kv_w, W, R, n, S, h_kv_, v.data_ptr<float>());
+      const Tensor a = use_decode
+          ? std::get<0>(qkv::decode_attention(q, k, v, m5, scale_, false, std::nullopt,
+                                              std::nullopt))
+          : at::scaled_dot_product_attention(q, k, v, mask, 0.0, false, scale_, h_ != h_kv_);
+      const Tensor ac = a.contiguous();  // (B, h, S, d_k)
+      const float* A = ac.const_data_ptr<float>();
+      for (int64_t r = 0; r < n; ++r) {  // the real rows back to (n, d)
+        const int64_t b = R[r] / S, s = R[r] % S;
+        for (int64_t hh = 0; hh < h_; ++hh)
+          std::memcpy(ab + r * d + hh * d_k_, A + ((b * h_ + hh) * S + s) * d_k_,
+                      d_k_ * sizeof(float));
+      }
+      Ly.o(ab, n, yb);
+      add_into(x, yb, n * d);
+      if (!pre_norm_) Ly.n_attn(x, n, d, x);
+      if (pre_norm_) Ly.n_ffn(x, n, d, hb);
+      Ly.w1(pre_norm_ ? hb : x, n, ff);
+      Ly.w2(ff, n, yb);
+      add_into(x, yb, n * d);
+      if (!pre_norm_) Ly.n_ffn(x, n, d, x);
+    }
+    if (final_) (*final_)(x, n, d, x);
+    Tensor memory = at::zeros({B, S, d}, fopt);
+    float* M = memory.data_ptr<float>();
+    for (int64_t r = 0; r < n; ++r) std::memcpy(M + R[r] * d, x + r * d, d * sizeof(float));
+    return memory;
+  }
+
+ private:
+  struct EncLayer {
+    Linear qkv, o, w1, w2;
+    Norm n_attn, n_ffn;
+  };
+  // rows of src (stride ld, heads x d_k each) to their padded places dst (B, heads, S, d_k)
+  void scatter(const float* src, int64_t ld, const int64_t* R, int64_t n, int64_t S,
+               int64_t heads, float* dst) const {
+    for (int64_t r = 0; r < n; ++r) {
+      const int64_t b = R[r] / S, s = R[r] % S;
+      for (int64_t hh = 0; hh < heads; ++hh)
+        std::memcpy(dst + ((b * heads + hh) * S + s) * d_k_, src + r * ld + hh * d_k_,
+                    d_k_ * sizeof(float));
+    }
+  }
+
+  int64_t d_, h_, h_kv_, d_k_, d_ff_ = 0;
+  bool pre_norm_;
+  double scale_;
+  Tensor embedding_;
+  std::vector<EncLayer> layers_;
+  std::optional<Norm> final_;
+};
 }  // namespace
 
 namespace qkv {
@@ -311,5 +457,10 @@ void register_step(py::module& m) {
       .def(py::init<int64_t, int64_t, int64_t, int64_t, bool, double,
                     const std::vector<LinearSpec>&, const std::vector<NormSpec>&, Tensor>())
       .def("step", &DecoderStep::step, py::call_guard<py::gil_scoped_release>());
+  py::class_<EncoderStep>(m, "EncoderStep",
+                          "an encoder-decoder's encoder in one call (see step_cpu.cpp)")
+      .def(py::init<int64_t, int64_t, int64_t, int64_t, bool, double,
+                    const std::vector<LinearSpec>&, const std::vector<NormSpec>&, Tensor>())
+      .def("forward", &EncoderStep::forward, py::call_guard<py::gil_scoped_release>());
 }
 }  // namespace qkv

@@ -508,6 +508,7 @@ class IncrementalDecoder(PreparedSteps):
         # KVCache's pool; given back by DecodeState.release)
         self.pool = BufferPool()
         self.fused = self._fused_step()
+        self.fused_encoder = self._fused_encoder()
 
     def _fused_step(self):
         """The whole step in one compiled call (``step_cpu.cpp``: the same operations as
@@ -531,6 +532,63 @@ class IncrementalDecoder(PreparedSteps):
         return module.DecoderStep(self.d, self.h, self.h_kv, self.d_k, self.pre_norm, self.scale,
                                   specs, norms, self.embedding.contiguous())  # fmt: skip
 
+    def _fused_encoder(self):
+        """The encoder in one compiled call (``step_cpu.cpp``'s ``EncoderStep``), or ``None``
+        where it does not apply (as :meth:`_fused_step`; positions must be added to the
+        embeddings, not rotated inside attention)."""
+        module = native_module()
+        emb = self.encoder.embed
+        lins = [m for L in self.enc_layers for m in (L.qkv, L.o, L.w1, L.w2)]
+        norms = [n for L in self.enc_layers for n in L.norms]
+        norms += [self.enc_norm] if self.enc_norm is not None else []
+        acts = {"none": 0, "relu": 1, "gelu": 2}
+        w = emb.embedding.weight
+        if (module is None or not hasattr(module, "EncoderStep") or not self.enc_layers
+                or w.dtype != torch.float32 or w.device.type != "cpu"
+                or not isinstance(emb.position, (SinusoidalPositionalEncoding,
+                                                 LearnedPositionalEmbedding))
+                or any(not isinstance(m, SmallBatchLinear) or m.panels is None
+                       or m.activation not in acts for m in lins)
+                or any(w is None or b is None for w, b, _ in norms)
+                or any(L.rope is not None for L in self.enc_layers)):  # fmt: skip
+            return None
+        scaled = w.detach() * math.sqrt(self.d)  # the products the Embedder takes per token
+        if torch.equal(scaled, self.embedding):  # shared with the decoder: one copy
+            scaled = self.embedding
+        specs = [(m.panels, m.bias, m.out_features, acts[m.activation]) for m in lins]
+        return module.EncoderStep(self.d, self.h, self.h_kv, self.d_k, self.pre_norm, self.scale,
+                                  specs, norms, scaled.contiguous())  # fmt: skip
+
+    def _encode_fused(self, src: Tensor, src_mask: Tensor | None) -> Tensor | None:
+        """:meth:`encode` in one compiled call, or ``None`` where that does not apply to
+        this call (the Python layers then run it, and raise on bad input)."""
+        B, S = src.shape
+        if (src.dtype != torch.long or src.numel() == 0 or int(src.min()) < 0
+                or int(src.max()) >= self.embedding.shape[0]):  # fmt: skip
+            return None
+        if src_mask is not None and (src_mask.dtype != torch.bool
+                                     or src_mask.shape != (B, 1, 1, S)
+                                     or not bool(src_mask.any(-1).all())):  # fmt: skip
+            return None  # another mask, or a source with no visible token
+        backend = self.enc_layers[0].backend
+        if any(L.backend != backend for L in self.enc_layers):
+            return None
+        q = self.embedding.new_zeros(()).expand(B, self.h, S, self.d_k)
+        kv = self.embedding.new_zeros(()).expand(B, self.h_kv, S, self.d_k)
+        choice = dispatch.choose(dispatch.describe(q, kv, kv, mask=src_mask), backend).backend
+        if choice not in ("decode", "torch"):
+            return None
+        real = _real_rows(src_mask, B, S)
+        if real is None:
+            real = torch.arange(B * S)
+        pos = self.encoder.embed.position
+        table = (pos.table(S) if isinstance(pos, SinusoidalPositionalEncoding)
+                 else pos.embedding.weight.detach()[:S])  # fmt: skip
+        if table.shape[0] < S:
+            return None  # past a learned table: the Python layers say so
+        return self.fused_encoder.forward(src.contiguous(), real, src_mask, table.contiguous(),
+                                          choice == "decode")  # fmt: skip
+
     @staticmethod
     def unsupported(model: nn.Module, attention: list | None = None,
                     modules: list | None = None) -> str | None:  # fmt: skip
@@ -545,6 +603,10 @@ class IncrementalDecoder(PreparedSteps):
         only, packed without their padding (a batch of sentences of mixed lengths is
         mostly padding otherwise); attention sees them in their padded places. The memory's
         padding positions are zeros: the mask hides them from cross-attention."""
+        if self.fused_encoder is not None:
+            memory = self._encode_fused(src, src_mask)
+            if memory is not None:
+                return memory
         B, S = src.shape
         d, h, h_kv, d_k = self.d, self.h, self.h_kv, self.d_k
         x = self.encoder.embed(src).reshape(B * S, d)  # (B·S, d)
