@@ -204,3 +204,27 @@ def test_pool_limits_and_modes():
     assert not got.is_inference()
     got.add_(1)  # writable here
     assert pool.take(10, torch.float64, "cpu").is_inference() is False  # new, not the other
+
+
+def test_extend_counts_positions_the_caller_writes():
+    """extend(n): the buffers grow if needed, the length counts the new positions, and what
+    the caller writes there is what attention then reads."""
+    cache = KVCache(capacity=4)
+    with pytest.raises(ValueError, match="update\\(\\) it first"):
+        cache.extend(1)
+    k, v = torch.randn(2, 3, 3, 5), torch.randn(2, 3, 3, 5)
+    cache.update(k, v)
+    for step in range(3):  # past the capacity of 4: grows
+        kb, vb = cache.extend(1)
+        t = len(cache) - 1
+        kb[:, :, t], vb[:, :, t] = step + 1.0, -(step + 1.0)
+    assert len(cache) == 6 and cache.capacity >= 6
+    assert torch.equal(cache.keys[:, :, :3], k) and torch.equal(cache.values[:, :, :3], v)
+    for step in range(3):
+        assert bool((cache.keys[:, :, 3 + step] == step + 1.0).all())
+        assert bool((cache.values[:, :, 3 + step] == -(step + 1.0)).all())
+    bounded = KVCache(max_len=4)
+    bounded.update(k, v)
+    bounded.extend(1)
+    with pytest.raises(ValueError, match="cache overflow"):
+        bounded.extend(1)
