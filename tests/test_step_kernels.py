@@ -243,6 +243,20 @@ vg = v.transpose(1, 2)[rows[:, :33], pos].transpose(1, 2).double()
 ref = torch.nn.functional.scaled_dot_product_attention(q.double(), kg, vg, scale=0.2,
                                                        enable_gqa=True)
 assert (out.double() - ref).abs().max() < 1e-5
+# the compiled encoder and decoder step (plain loops here) decode as the uncached model does
+from qkv.generate import beam_search, greedy_search
+from qkv.models import Seq2SeqTransformer, TransformerConfig
+from qkv.models.incremental import IncrementalDecoder
+cfg = TransformerConfig(src_vocab_size=40, tgt_vocab_size=40, d_model=32, n_heads=4, d_ff=64,
+                        dropout=0.0, n_kv_heads=2)
+model = Seq2SeqTransformer(cfg).eval()
+dec = IncrementalDecoder.for_model(model)
+assert dec.fused is not None and dec.fused_encoder is not None
+src = torch.tensor([[5, 6, 7, 8, 9, 2], [10, 11, 2, 0, 0, 0]])
+assert torch.equal(greedy_search(model, src, max_new_tokens=8),
+                   greedy_search(model, src, max_new_tokens=8, use_cache=False))
+assert torch.equal(beam_search(model, src, beam_size=3, max_new_tokens=8),
+                   beam_search(model, src, beam_size=3, max_new_tokens=8, use_cache=False))
 print("ok")
 """
 
