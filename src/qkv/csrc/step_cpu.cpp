@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstring>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -123,7 +124,46 @@ void swap_middle(const float* src, float* dst, int64_t B, int64_t A, int64_t C, 
                     dk * sizeof(float));
 }
 
-class DecoderStep {
+// What the compiled encoder and decoder share: sizes, where the norms sit, the attention
+// scale, the token embedding (already scaled by √d_model) and the final norm, if any.
+struct Stack {
+  std::string who;  // for error messages
+  int64_t d_, h_, h_kv_, d_k_, d_ff_ = 0;
+  bool pre_norm_;
+  double scale_;
+  Tensor embedding_;
+  std::optional<Norm> final_;
+
+  Stack(std::string who_, int64_t d, int64_t h, int64_t h_kv, int64_t d_k, bool pre_norm,
+        double scale, Tensor embedding)
+      : who(std::move(who_)), d_(d), h_(h), h_kv_(h_kv), d_k_(d_k), pre_norm_(pre_norm),
+        scale_(scale), embedding_(std::move(embedding)) {
+    TORCH_CHECK(h * d_k == d && h_kv > 0 && h % h_kv == 0, "qkv ", who,
+                ": need n_heads * d_k == d_model and h % h_kv == 0");
+    TORCH_CHECK(embedding_.dim() == 2 && embedding_.size(1) == d && embedding_.is_contiguous() &&
+                    embedding_.scalar_type() == at::kFloat,
+                "qkv ", who, ": the embedding must be a contiguous float32 (V, d_model)");
+  }
+  // norms: `per_layer` per layer, then optionally the final one; returns the layer count
+  size_t take_final(const std::vector<NormSpec>& norms, size_t layers, size_t per_layer) {
+    TORCH_CHECK(norms.size() == per_layer * layers || norms.size() == per_layer * layers + 1,
+                "qkv ", who, ": ", per_layer, " norms per layer, then optionally the final one");
+    if (norms.size() == per_layer * layers + 1) {
+      final_.emplace(norms.back());
+      TORCH_CHECK(final_->w.numel() == d_, "qkv ", who, ": the final norm must have size d");
+    }
+    return layers;
+  }
+  // x (d,) = the embedding of token t, plus pos (d,) if given
+  void embed(int64_t t, const float* pos, float* x) const {
+    TORCH_CHECK(t >= 0 && t < embedding_.size(0), "qkv ", who, ": token ", t,
+                " out of range for a vocabulary of ", embedding_.size(0));
+    std::memcpy(x, embedding_.const_data_ptr<float>() + t * d_, d_ * sizeof(float));
+    if (pos) add_into(x, pos, d_);
+  }
+};
+
+class DecoderStep : Stack {
  public:
   // linears: 6 per layer (W_q|W_k|W_v fused, W_o, cross W_q, cross W_o, W_1, W_2), then the
   // output layer; norms: 3 per layer (self, cross, feed-forward), then the final one if any;
@@ -131,17 +171,10 @@ class DecoderStep {
   DecoderStep(int64_t d, int64_t h, int64_t h_kv, int64_t d_k, bool pre_norm, double scale,
               const std::vector<LinearSpec>& linears, const std::vector<NormSpec>& norms,
               Tensor embedding)
-      : d_(d), h_(h), h_kv_(h_kv), d_k_(d_k), pre_norm_(pre_norm), scale_(scale),
-        embedding_(std::move(embedding)), out_(linears.at(linears.size() - 1)) {
+      : Stack("DecoderStep", d, h, h_kv, d_k, pre_norm, scale, std::move(embedding)),
+        out_(linears.at(linears.size() - 1)) {
     TORCH_CHECK(linears.size() % 6 == 1, "qkv DecoderStep: 6 linears per layer, then the output");
-    const size_t L = linears.size() / 6;
-    TORCH_CHECK(norms.size() == 3 * L || norms.size() == 3 * L + 1,
-                "qkv DecoderStep: 3 norms per layer, then optionally the final one");
-    TORCH_CHECK(h * d_k == d && h_kv > 0 && h % h_kv == 0,
-                "qkv DecoderStep: need n_heads * d_k == d_model and h % h_kv == 0");
-    TORCH_CHECK(embedding_.dim() == 2 && embedding_.size(1) == d && embedding_.is_contiguous() &&
-                    embedding_.scalar_type() == at::kFloat,
-                "qkv DecoderStep: the embedding must be a contiguous float32 (V, d_model)");
+    const size_t L = take_final(norms, linears.size() / 6, 3);
     const int64_t kv_w = h_kv * d_k;
     for (size_t i = 0; i < L; ++i) {
       const LinearSpec* s = &linears[6 * i];
@@ -158,10 +191,6 @@ class DecoderStep {
                     " in a model of d_model ", d);
       d_ff_ = std::max(d_ff_, Ly.w1.out);
       layers_.push_back(std::move(Ly));
-    }
-    if (norms.size() == 3 * L + 1) {
-      final_.emplace(norms.back());
-      TORCH_CHECK(final_->w.numel() == d, "qkv DecoderStep: the final norm must have size d");
     }
     TORCH_CHECK(out_.in == d && out_.act == kNone, "qkv DecoderStep: the output layer must read d");
   }
@@ -181,7 +210,7 @@ class DecoderStep {
                     tokens.is_contiguous() && beams >= 1 && tokens.size(0) % beams == 0,
                 "qkv DecoderStep: tokens must be a contiguous int64 (N,), N = B * beams");
     const int64_t N = tokens.size(0), B = N / beams, d = d_, kv_w = h_kv_ * d_k_;
-    const int64_t V = embedding_.size(0), W = d + 2 * kv_w;
+    const int64_t W = d + 2 * kv_w;
     const bool has_phys = defined(phys), has_rows = defined(rows);
     if (has_phys)
       TORCH_CHECK(phys->scalar_type() == at::kLong && phys->is_contiguous() &&
@@ -196,7 +225,6 @@ class DecoderStep {
     float* ff = qkv + N * W;
     // embeddings (scaled) + positions
     const int64_t* tok = tokens.const_data_ptr<int64_t>();
-    const float* E = embedding_.const_data_ptr<float>();
     const float* pos = nullptr;
     if (defined(positions)) {
       TORCH_CHECK(positions->dim() == 2 && positions->size(0) > t && positions->size(1) == d &&
@@ -204,12 +232,7 @@ class DecoderStep {
                   "qkv DecoderStep: positions must be float32 (> t, d_model)");
       pos = positions->const_data_ptr<float>() + t * positions->stride(0);
     }
-    for (int64_t i = 0; i < N; ++i) {
-      TORCH_CHECK(tok[i] >= 0 && tok[i] < V, "qkv DecoderStep: token ", tok[i],
-                  " out of range for a vocabulary of ", V);
-      std::memcpy(x + i * d, E + tok[i] * d, d * sizeof(float));
-      if (pos) add_into(x + i * d, pos, d);
-    }
+    for (int64_t i = 0; i < N; ++i) embed(tok[i], pos, x + i * d);
     const auto fopt = embedding_.options();
     for (size_t i = 0; i < L; ++i) {
       const Layer& Ly = layers_[i];
@@ -294,12 +317,7 @@ class DecoderStep {
     }
   }
 
-  int64_t d_, h_, h_kv_, d_k_, d_ff_ = 0;
-  bool pre_norm_;
-  double scale_;
-  Tensor embedding_;
   std::vector<Layer> layers_;
-  std::optional<Norm> final_;
   Linear out_;
 };
 
@@ -308,25 +326,17 @@ class DecoderStep {
 // on the padded layout (padding rows zero, hidden by the key-padding mask). Attention is the
 // path IncrementalDecoder.encode resolves for the call: the decode kernel (S <= 16 queries)
 // or PyTorch's SDPA; the caller falls back to Python for any other.
-class EncoderStep {
+class EncoderStep : Stack {
  public:
   // linears: 4 per layer (W_q|W_k|W_v fused, W_o, W_1, W_2); norms: 2 per layer (attention,
   // feed-forward), then the final one if any; embedding (V, d) already scaled by √d_model
   EncoderStep(int64_t d, int64_t h, int64_t h_kv, int64_t d_k, bool pre_norm, double scale,
               const std::vector<LinearSpec>& linears, const std::vector<NormSpec>& norms,
               Tensor embedding)
-      : d_(d), h_(h), h_kv_(h_kv), d_k_(d_k), pre_norm_(pre_norm), scale_(scale),
-        embedding_(std::move(embedding)) {
+      : Stack("EncoderStep", d, h, h_kv, d_k, pre_norm, scale, std::move(embedding)) {
     TORCH_CHECK(linears.size() % 4 == 0 && !linears.empty(),
                 "qkv EncoderStep: 4 linears per layer");
-    const size_t L = linears.size() / 4;
-    TORCH_CHECK(norms.size() == 2 * L || norms.size() == 2 * L + 1,
-                "qkv EncoderStep: 2 norms per layer, then optionally the final one");
-    TORCH_CHECK(h * d_k == d && h_kv > 0 && h % h_kv == 0,
-                "qkv EncoderStep: need n_heads * d_k == d_model and h % h_kv == 0");
-    TORCH_CHECK(embedding_.dim() == 2 && embedding_.size(1) == d && embedding_.is_contiguous() &&
-                    embedding_.scalar_type() == at::kFloat,
-                "qkv EncoderStep: the embedding must be a contiguous float32 (V, d_model)");
+    const size_t L = take_final(norms, linears.size() / 4, 2);
     for (size_t i = 0; i < L; ++i) {
       EncLayer Ly{Linear(linears[4 * i]), Linear(linears[4 * i + 1]), Linear(linears[4 * i + 2]),
                   Linear(linears[4 * i + 3]), Norm(norms[2 * i]), Norm(norms[2 * i + 1])};
@@ -338,7 +348,6 @@ class EncoderStep {
       d_ff_ = std::max(d_ff_, Ly.w1.out);
       layers_.push_back(std::move(Ly));
     }
-    if (norms.size() == 2 * L + 1) final_.emplace(norms.back());
   }
 
   // src (B, S) int64; real (n,) int64: flat indices b·S + s of the real tokens, increasing;
@@ -349,7 +358,7 @@ class EncoderStep {
     TORCH_CHECK(src.dim() == 2 && src.scalar_type() == at::kLong && src.is_contiguous(),
                 "qkv EncoderStep: src must be a contiguous int64 (B, S)");
     const int64_t B = src.size(0), S = src.size(1), d = d_, kv_w = h_kv_ * d_k_;
-    const int64_t W = d + 2 * kv_w, V = embedding_.size(0);
+    const int64_t W = d + 2 * kv_w;
     TORCH_CHECK(real.dim() == 1 && real.scalar_type() == at::kLong && real.is_contiguous() &&
                     real.numel() <= B * S,
                 "qkv EncoderStep: real must be a contiguous int64 (n,) of token indices");
@@ -371,14 +380,10 @@ class EncoderStep {
     float* ab = yb + n * d;
     float* qkv = ab + n * d;
     float* ff = qkv + n * W;
-    const float* E = embedding_.const_data_ptr<float>();
     for (int64_t r = 0; r < n; ++r) {
       TORCH_CHECK(R[r] >= 0 && R[r] < B * S && (r == 0 || R[r] > R[r - 1]),
                   "qkv EncoderStep: real must hold increasing indices below B * S");
-      const int64_t t = tok[R[r]];
-      TORCH_CHECK(t >= 0 && t < V, "qkv EncoderStep: token ", t, " out of range for ", V);
-      std::memcpy(x + r * d, E + t * d, d * sizeof(float));
-      if (pos) add_into(x + r * d, pos + (R[r] % S) * d, d);
+      embed(tok[R[r]], pos ? pos + (R[r] % S) * d : nullptr, x + r * d);
     }
     // the padded layouts attention reads: zero where no real token writes
     Tensor q = at::zeros({B, h_, S, d_k_}, fopt), k = at::zeros({B, h_kv_, S, d_k_}, fopt);
@@ -441,12 +446,7 @@ class EncoderStep {
     }
   }
 
-  int64_t d_, h_, h_kv_, d_k_, d_ff_ = 0;
-  bool pre_norm_;
-  double scale_;
-  Tensor embedding_;
   std::vector<EncLayer> layers_;
-  std::optional<Norm> final_;
 };
 }  // namespace
 

@@ -152,6 +152,21 @@ def _unpack(x: Tensor, rows: Tensor | None, n: int) -> Tensor:
     return x.new_zeros(n, x.shape[1]).index_copy_(0, rows, x)
 
 
+_ACTIVATIONS = {"none": 0, "relu": 1, "gelu": 2}  # step_cpu.cpp's codes
+
+
+def _compiled_specs(linears: list, norms: list) -> list | None:
+    """Prepared linears as the compiled encoder/decoder step takes them (panels, bias, out
+    features, activation code), or ``None`` where one is not in that form (int8, not fp32 on
+    the CPU) or a norm has no weight or bias; an empty list (no layers) is ``None`` too."""
+    if not linears or any(not isinstance(m, SmallBatchLinear) or m.panels is None
+                          or m.activation not in _ACTIVATIONS for m in linears):  # fmt: skip
+        return None
+    if any(w is None or b is None for w, b, _ in norms):
+        return None
+    return [(m.panels, m.bias, m.out_features, _ACTIVATIONS[m.activation]) for m in linears]
+
+
 def _fuse(*linears: nn.Linear) -> tuple[Tensor, Tensor | None]:
     w = torch.cat([lin.weight for lin in linears])
     b = None if linears[0].bias is None else torch.cat([lin.bias for lin in linears])
@@ -519,16 +534,12 @@ class IncrementalDecoder(PreparedSteps):
         lins = [m for L in self.layers for m in (L.qkv, L.o, L.cq, L.co, L.w1, L.w2)] + [self.out]
         norms = [n for L in self.layers for n in L.norms]
         norms += [self.final_norm] if self.final_norm is not None else []
-        acts = {"none": 0, "relu": 1, "gelu": 2}
-        if (module is None or not hasattr(module, "DecoderStep") or not self.layers
-                or self.embedding.dtype != torch.float32 or self.embedding.device.type != "cpu"
-                or any(not isinstance(m, SmallBatchLinear) or m.panels is None
-                       or m.activation not in acts for m in lins)
-                or any(w is None or b is None for w, b, _ in norms)
+        specs = _compiled_specs(lins, norms)
+        if (module is None or not hasattr(module, "DecoderStep") or specs is None
+                or not self.layers or self.embedding.dtype != torch.float32 or self.embedding.device.type != "cpu"
                 or any(L.rope is not None or not set(L.backends) <= {"auto", "decode"}
                        for L in self.layers)):  # fmt: skip
             return None
-        specs = [(m.panels, m.bias, m.out_features, acts[m.activation]) for m in lins]
         return module.DecoderStep(self.d, self.h, self.h_kv, self.d_k, self.pre_norm, self.scale,
                                   specs, norms, self.embedding.contiguous())  # fmt: skip
 
@@ -541,21 +552,17 @@ class IncrementalDecoder(PreparedSteps):
         lins = [m for L in self.enc_layers for m in (L.qkv, L.o, L.w1, L.w2)]
         norms = [n for L in self.enc_layers for n in L.norms]
         norms += [self.enc_norm] if self.enc_norm is not None else []
-        acts = {"none": 0, "relu": 1, "gelu": 2}
+        specs = _compiled_specs(lins, norms)
         w = emb.embedding.weight
-        if (module is None or not hasattr(module, "EncoderStep") or not self.enc_layers
+        if (module is None or not hasattr(module, "EncoderStep") or specs is None
                 or w.dtype != torch.float32 or w.device.type != "cpu"
                 or not isinstance(emb.position, (SinusoidalPositionalEncoding,
                                                  LearnedPositionalEmbedding))
-                or any(not isinstance(m, SmallBatchLinear) or m.panels is None
-                       or m.activation not in acts for m in lins)
-                or any(w is None or b is None for w, b, _ in norms)
                 or any(L.rope is not None for L in self.enc_layers)):  # fmt: skip
             return None
         scaled = w.detach() * math.sqrt(self.d)  # the products the Embedder takes per token
         if torch.equal(scaled, self.embedding):  # shared with the decoder: one copy
             scaled = self.embedding
-        specs = [(m.panels, m.bias, m.out_features, acts[m.activation]) for m in lins]
         return module.EncoderStep(self.d, self.h, self.h_kv, self.d_k, self.pre_norm, self.scale,
                                   specs, norms, scaled.contiguous())  # fmt: skip
 
