@@ -36,11 +36,8 @@
 // (QKV_NATIVE_PORTABLE=1 builds those on any machine; the tests check both).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>  // at::get_num_threads
+#include <ATen/native/CPUBlas.h>  // could_pack: oneDNN sees AMX
 #include <torch/library.h>
-
-#if defined(__x86_64__) && defined(__GNUC__)
-#include <cpuid.h>
-#endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define QKV_AVX512 1  // the vector code needs F, BW (16-bit lanes, byte masks) and VL
@@ -969,27 +966,18 @@ static void decode_impl(const Problem<T>& P, O* out, float* lse, int64_t splits)
 }
 
 // bf16 K/V: vdpbf16ps on pairs (kPairs), or widened to fp32 for FMAs. QKV_DECODE_BF16=dot|widen
-// forces one; by default widen on CPUs with AMX (Intel server cores): there vdpbf16ps took
-// ~36 ns per key in cache (G = 4, d = 128, 1 thread) against ~29 for the fp32 path, so bf16
-// stayed at 55-65 % of the read bandwidth; on Zen 4 the pairs are the faster path.
-static bool cpu_has_amx_bf16() {
-#if defined(__x86_64__) && defined(__GNUC__)
-  unsigned a = 0, b = 0, c = 0, d = 0;
-  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-  return (d >> 22) & 1u;  // CPUID.(EAX=7, ECX=0):EDX[22] AMX-BF16
-#else
-  return false;
-#endif
-}
-
+// forces one; by default widen where oneDNN sees AMX (Intel server cores; the test the flash
+// kernel's bf16 path uses): there vdpbf16ps took ~34.5 ns per key in cache (G = 4, d = 128,
+// 1 thread) against ~28 widened, so bf16 stayed at 55-65 % of the read bandwidth; on Zen 4
+// the pairs are the faster path.
 static bool bf16_dot() {
   static const bool dot = [] {
     const char* e = std::getenv("QKV_DECODE_BF16");
-    const std::string want = e ? e : "auto";
-    TORCH_CHECK(want == "auto" || want == "dot" || want == "widen",
+    const std::string want = e ? e : "";
+    TORCH_CHECK(want.empty() || want == "auto" || want == "dot" || want == "widen",
                 "QKV_DECODE_BF16 must be auto, dot or widen; got '", want, "'");
-    if (want != "auto") return want == "dot";
-    return !cpu_has_amx_bf16();
+    if (want == "dot" || want == "widen") return want == "dot";  // unset/empty: as QKV_ISA
+    return !at::native::cpublas::could_pack(at::kBFloat16);
   }();
   return dot;
 }

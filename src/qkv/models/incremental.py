@@ -536,7 +536,8 @@ class IncrementalDecoder(PreparedSteps):
         norms += [self.final_norm] if self.final_norm is not None else []
         specs = _compiled_specs(lins, norms)
         if (module is None or not hasattr(module, "DecoderStep") or specs is None
-                or not self.layers or self.embedding.dtype != torch.float32 or self.embedding.device.type != "cpu"
+                or not self.layers or self.embedding.dtype != torch.float32
+                or self.embedding.device.type != "cpu"
                 or any(L.rope is not None or not set(L.backends) <= {"auto", "decode"}
                        for L in self.layers)):  # fmt: skip
             return None
