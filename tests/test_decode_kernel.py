@@ -298,7 +298,9 @@ from qkv.functional import attention_steps
 from qkv.kernels._native import decode_ops
 from qkv.kernels.decode import decode_attention
 g = torch.Generator().manual_seed(1)
-for h, h_kv, Tq, Tk, d in ((8, 2, 1, 1000, 128), (6, 2, 3, 217, 64), (4, 4, 5, 77, 40)):
+# (4, 16 and 64 rows per kv head, 20 rows = two tiles of 16 with padding, d = 40 not in tiles)
+for h, h_kv, Tq, Tk, d in ((8, 2, 1, 1000, 128), (8, 2, 4, 1000, 128), (32, 8, 16, 1000, 128),
+                           (4, 1, 5, 300, 64), (6, 2, 3, 217, 64), (4, 4, 5, 77, 40)):
     q = torch.randn(2, h, Tq, d, generator=g)
     k = torch.randn(2, h_kv, Tk + 9, d, generator=g).bfloat16()[:, :, :Tk]
     v = torch.randn(2, h_kv, Tk, d, generator=g).bfloat16()
@@ -313,19 +315,49 @@ for h, h_kv, Tq, Tk, d in ((8, 2, 1, 1000, 128), (6, 2, 3, 217, 64), (4, 4, 5, 7
     ref = attention_steps(qd, k.double(), v.double(), causal=True)
     assert out.dtype == torch.float32 and (out.double() - ref.output).abs().max() < 2e-2
     assert (lse.double() - ref.lse).abs().max() < 1e-3
+    # the key range cut into pieces merged by log-sum-exp, on two threads
+    torch.set_num_threads(2)
+    out, lse = decode_ops().fwd(q.bfloat16(), k, v, None, d**-0.5, False, -1, 3)
+    ref = attention_steps(qd, k.double(), v.double())
+    assert (out.double() - ref.output).abs().max() < 2e-2 and (lse.double() - ref.lse).abs().max() < 1e-3
+    torch.set_num_threads(1)
+# beams reordered by a rows table, sentences that left by kv_batch: keys gathered per position
+q = torch.randn(3, 8, 2, 64, generator=g).bfloat16()
+k = torch.randn(4, 2, 90, 64, generator=g).bfloat16()
+v = torch.randn(4, 2, 90, 64, generator=g).bfloat16()
+rows = torch.randint(0, 4, (3, 90), generator=g)
+out, lse = decode_ops().fwd(q, k, v, None, 0.125, True, -1, 0, rows)
+kg = k.permute(0, 2, 1, 3)[rows, torch.arange(90)[None, :]].permute(0, 2, 1, 3)
+vg = v.permute(0, 2, 1, 3)[rows, torch.arange(90)[None, :]].permute(0, 2, 1, 3)
+ref = attention_steps(q.double(), kg.double(), vg.double(), causal=True, scale=0.125)
+assert (out.double() - ref.output).abs().max() < 2e-2 and (lse.double() - ref.lse).abs().max() < 1e-3
+kv_batch = torch.tensor([3, 0, 2])
+out, lse = decode_ops().fwd(q, k, v, None, 0.125, False, -1, 0, None, kv_batch)
+ref = attention_steps(q.double(), k[kv_batch].double(), v[kv_batch].double(), scale=0.125)
+assert (out.double() - ref.output).abs().max() < 2e-2 and (lse.double() - ref.lse).abs().max() < 1e-3
 print("ok")
 """
 
 
-@pytest.mark.parametrize("path", ["dot", "widen"])
-def test_both_bf16_paths_match_fp64(path):
-    """bf16 caches go through vdpbf16ps on key pairs or are widened to fp32 for FMAs (the
-    faster one per CPU by default); both equal the fp64 reference within bf16 rounding."""
+def _amx_tiles() -> bool:
+    from qkv.kernels._native import native_status
+
+    decode_ops()  # builds/loads the extension
+    return "amx tiles" in native_status()
+
+
+@pytest.mark.parametrize("path", ["dot", "widen", "amx", "auto"])
+def test_every_bf16_path_matches_fp64(path):
+    """bf16 caches go through AMX tiles (CPUs that have them), vdpbf16ps on key pairs, or are
+    widened to fp32 for FMAs (the faster one per CPU and call by default); each equals the fp64
+    reference within bf16 rounding, over GQA, masks, windows, pieces, beams' gathered rows."""
+    if path == "amx" and not _amx_tiles():
+        pytest.skip("no AMX tiles here (CPU, build or oneDNN): " + native_status())
     assert_script_ok(_BF16_PATH_CHECK, QKV_DECODE_BF16=path)
 
 
 def test_bad_bf16_path_setting_is_an_error():
-    with pytest.raises(AssertionError, match="QKV_DECODE_BF16 must be auto, dot or widen"):
+    with pytest.raises(AssertionError, match="QKV_DECODE_BF16 must be auto, amx, dot or widen"):
         assert_script_ok(_BF16_PATH_CHECK, QKV_DECODE_BF16="fast")
 
 

@@ -20,7 +20,8 @@
 //     (measurements: bench/decode_attention.py, docs/kernels.md).
 //
 // fp32 and bf16 K/V (fp32 accumulation; with AVX512_BF16, vdpbf16ps for both products, P
-// rounded to bf16 for P·V as in PyTorch's bf16 kernels). Causal and sliding-window structure (queries aligned bottom-right: query i sits at
+// rounded to bf16 for P·V as in PyTorch's bf16 kernels; with AMX, from 8 query rows per kv
+// head, both products on tiles: run_segment_amx). Causal and sliding-window structure (queries aligned bottom-right: query i sits at
 // key position Tk - Tq + i), a bool mask (True = may attend) read in place as a broadcast
 // view, any scale. Rows that see no key give zeros and lse = -inf, as every qkv backend.
 // Layout:
@@ -58,6 +59,9 @@
 #include <string>
 #include <type_traits>
 #include <vector>
+
+#include <sys/syscall.h>
+#include <unistd.h>
 
 namespace {
 
@@ -631,6 +635,68 @@ static inline void copy_row(T* dst, const T* src, int64_t n) {
 #endif
 }
 
+// Online softmax over one block of scores S (rows of kBlock, log2 units, -inf where not
+// visible): P = 2^(S - m), l += sum P, acc (row stride dvp) rescaled where m grows. kBf16P:
+// P in bf16 (for vdpbf16ps and AMX tiles; l keeps the exact sum: the lse), else fp32.
+template <bool kBf16P>
+static inline void softmax_block(const float* S, float* P, int64_t R, float* m, float* l,
+                                 float* acc, int64_t dvp) {
+  for (int64_t r = 0; r < R; ++r) {
+    const float* s = S + r * kBlock;
+    float* p = P + r * kBlock;
+    float bm = kNegInf;
+#ifdef QKV_AVX512
+    __m512 vm = _mm512_loadu_ps(s);
+    for (int64_t j = 16; j < kBlock; j += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(s + j));
+    bm = _mm512_reduce_max_ps(vm);
+#else
+    for (int64_t j = 0; j < kBlock; ++j) bm = s[j] > bm ? s[j] : bm;
+#endif
+    if (bm == kNegInf) {  // nothing visible in this block
+      if constexpr (kBf16P)
+        std::memset(reinterpret_cast<BFloat16*>(P) + r * kBlock, 0, kBlock * sizeof(BFloat16));
+      else
+        std::memset(p, 0, kBlock * sizeof(float));
+      continue;
+    }
+    if (m[r] == kNegInf) {
+      m[r] = bm;  // acc and l are still 0
+    } else if (bm > m[r] + kLazy) {
+      const float alpha = exp2_neg(m[r] - bm);
+      m[r] = bm;
+      l[r] *= alpha;
+      float* o = acc + r * dvp;
+      for (int64_t c = 0; c < dvp; ++c) o[c] *= alpha;
+    }
+    const float mr = m[r];
+#ifdef QKV_AVX512
+    __m512 vs = _mm512_setzero_ps();
+    const __m512 vmr = _mm512_set1_ps(mr), ninf = _mm512_set1_ps(kNegInf);
+    for (int64_t j = 0; j < kBlock; j += 16) {
+      const __m512 x = _mm512_loadu_ps(s + j);
+      const __mmask16 vis = _mm512_cmp_ps_mask(x, ninf, _CMP_NEQ_OQ);
+      const __m512 e = exp2_v<false>(_mm512_sub_ps(x, vmr), vis);
+      if constexpr (kBf16P) {
+        const __m256i eb = (__m256i)_mm512_cvtneps_pbh(e);
+        _mm256_storeu_si256(
+            reinterpret_cast<__m256i*>(reinterpret_cast<BFloat16*>(P) + r * kBlock + j), eb);
+      } else {
+        _mm512_storeu_ps(p + j, e);
+      }
+      vs = _mm512_add_ps(vs, e);
+    }
+    l[r] += _mm512_reduce_add_ps(vs);
+#else
+    float sum = 0.f;
+    for (int64_t j = 0; j < kBlock; ++j) {
+      p[j] = s[j] == kNegInf ? 0.f : exp2_neg(s[j] - mr);
+      sum += p[j];
+    }
+    l[r] += sum;
+#endif
+  }
+}
+
 // -------------------------------------------------------------------------------------------
 // One segment: kv head n, keys [k0, k1). Leaves m (log2 units), l and the unnormalised acc
 // (R x dvp, zeroed by the caller) of every row.
@@ -738,61 +804,8 @@ static void run_segment(const Problem<T>& P, int64_t n, int64_t k0, int64_t k1, 
 #endif
       }
     }
-    // ---- online softmax over the block: P = 2^(S - m), l += sum P, acc rescaled if m grows
-    for (int64_t r = 0; r < R; ++r) {
-      const float* s = sc.S + r * kBlock;
-      float* p = sc.P + r * kBlock;
-      float bm = kNegInf;
-#ifdef QKV_AVX512
-      __m512 vm = _mm512_loadu_ps(s);
-      for (int64_t j = 16; j < kBlock; j += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(s + j));
-      bm = _mm512_reduce_max_ps(vm);
-#else
-      for (int64_t j = 0; j < kBlock; ++j) bm = s[j] > bm ? s[j] : bm;
-#endif
-      if (bm == kNegInf) {  // nothing visible in this block
-        if constexpr (kBf16Dot)
-          std::memset(reinterpret_cast<BFloat16*>(sc.P) + r * kBlock, 0, kBlock * sizeof(T));
-        else
-          std::memset(p, 0, kBlock * sizeof(float));
-        continue;
-      }
-      if (m[r] == kNegInf) {
-        m[r] = bm;  // acc and l are still 0
-      } else if (bm > m[r] + kLazy) {
-        const float alpha = exp2_neg(m[r] - bm);
-        m[r] = bm;
-        l[r] *= alpha;
-        float* o = acc + r * dvp;
-        for (int64_t c = 0; c < dvp; ++c) o[c] *= alpha;
-      }
-      const float mr = m[r];
-#ifdef QKV_AVX512
-      __m512 vs = _mm512_setzero_ps();
-      const __m512 vmr = _mm512_set1_ps(mr), ninf = _mm512_set1_ps(kNegInf);
-      for (int64_t j = 0; j < kBlock; j += 16) {
-        const __m512 x = _mm512_loadu_ps(s + j);
-        const __mmask16 vis = _mm512_cmp_ps_mask(x, ninf, _CMP_NEQ_OQ);
-        const __m512 e = exp2_v<false>(_mm512_sub_ps(x, vmr), vis);
-        if constexpr (kBf16Dot) {  // P in bf16 for vdpbf16ps (l keeps the exact sum: the lse)
-          const __m256i eb = (__m256i)_mm512_cvtneps_pbh(e);
-          _mm256_storeu_si256(
-              reinterpret_cast<__m256i*>(reinterpret_cast<BFloat16*>(sc.P) + r * kBlock + j), eb);
-        } else {
-          _mm512_storeu_ps(p + j, e);
-        }
-        vs = _mm512_add_ps(vs, e);
-      }
-      l[r] += _mm512_reduce_add_ps(vs);
-#else
-      float sum = 0.f;
-      for (int64_t j = 0; j < kBlock; ++j) {
-        p[j] = s[j] == kNegInf ? 0.f : exp2_neg(s[j] - mr);
-        sum += p[j];
-      }
-      l[r] += sum;
-#endif
-    }
+    // ---- online softmax over the block
+    softmax_block<kBf16Dot>(sc.S, sc.P, R, m, l, acc, dvp);
     // ---- acc += P V over the block, one tile of 16 value rows at a time
     for (int64_t t0 = 0; t0 < nk; t0 += kTile) {
       const int64_t nt = std::min(kTile, nk - t0), kt = kb + t0;
@@ -833,6 +846,255 @@ static void run_segment(const Problem<T>& P, int64_t n, int64_t k0, int64_t k1, 
   if constexpr (kBf16Dot) unpermute_pairs(acc, R, dvp);
 }
 
+// -------------------------------------------------------------------------------------------
+// bf16 K/V on AMX tiles (Intel server cores): both products as tile multiplies, which also
+// serve many query rows (G·Tq up to 64 and more: beams, drafts) at memory speed, where the
+// vector loops above run out of arithmetic. Per block of 64 keys:
+//   * Sᵀ = K Qᵀ per tile of 16 keys: K is the A operand, read straight from the cache
+//     (16 keys x 32 dims per tile load), Qᵀ the B operand, packed once per segment in
+//     pairs of dims (rows of Mt = min(R, 16) queries; more rows in groups of Mt); Sᵀ is
+//     transposed back to rows of 16 keys, where visibility and the softmax work as above;
+//   * acc += P V: P (bf16 rows of 64 keys) is the A operand; V is the B operand, its key
+//     pairs interleaved per 32 columns into a block buffer (the order of pv_pairs, put right
+//     by unpermute_pairs at the end); acc (Rpad x dvp) lives in memory and is loaded and
+//     stored per tile of 16 columns.
+// Needs d and dv multiples of 32. Tiles: 0 Sᵀ, 1 K / V, 2 Qᵀ, 3 and 6 acc, 4 V, 5 and 7 P.
+#if defined(QKV_AVX512) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define QKV_AMX 1
+#define QKV_AMX_NAME "avx512+avx512bf16+amx"
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Linux hands out the AMX tile state only on request, once per process (oneDNN asks too).
+static bool amx_permitted() {
+  static const bool ok = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+  }();
+  return ok;
+}
+
+// The 16 rows of x (16 floats each) as 16 columns: out[c] lane j = x[j][c].
+static inline void transpose16(__m512* r) {
+  __m512 t[16];
+  for (int i = 0; i < 8; ++i)
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]),
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xee);
+    r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xee);
+  }
+  for (int e = 0; e < 4; ++e) {
+    const __m512 a = _mm512_shuffle_f32x4(r[e], r[4 + e], 0x88);
+    const __m512 b = _mm512_shuffle_f32x4(r[e], r[4 + e], 0xdd);
+    const __m512 c = _mm512_shuffle_f32x4(r[8 + e], r[12 + e], 0x88);
+    const __m512 d = _mm512_shuffle_f32x4(r[8 + e], r[12 + e], 0xdd);
+    t[e] = _mm512_shuffle_f32x4(a, c, 0x88), t[8 + e] = _mm512_shuffle_f32x4(a, c, 0xdd);
+    t[4 + e] = _mm512_shuffle_f32x4(b, d, 0x88), t[12 + e] = _mm512_shuffle_f32x4(b, d, 0xdd);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+
+// Rows of the AMX path: groups of Mt query rows, padded to Rpad.
+struct AmxRows {
+  int64_t Mt, groups, Rpad;
+  explicit AmxRows(int64_t R)
+      : Mt(std::min<int64_t>(R, 16)), groups((R + Mt - 1) / Mt), Rpad(groups * Mt) {}
+};
+
+// Scratch of the AMX path (bytes, 64-aligned): Qᵀ packed, Sᵀ of one tile, P, V of one block.
+static inline int64_t amx_scratch_bytes(int64_t R, int64_t d, int64_t dv) {
+  const AmxRows g(R);
+  return g.Rpad * d * 2 + 4 * 16 * 64 + g.Rpad * kBlock * 2 + kBlock * dv * 2 + kBlock * d * 2 +
+         3 * 8 * R + 6 * 64;
+}
+
+static void run_segment_amx(const Problem<BFloat16>& P, int64_t n, int64_t k0, int64_t k1,
+                            float* m, float* l, float* acc, int64_t dvp, const Scratch& sc,
+                            char* amx) {
+  const int64_t R = P.R, Tq = P.Tq, d = P.d, dv = P.dv, nc = d / 32, ct_n = dv / 16;
+  const AmxRows g(R);
+  const int64_t Mt = g.Mt;
+  auto align = [](char* p) { return reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t(63)); };
+  uint32_t* qt = reinterpret_cast<uint32_t*>(align(amx));  // [group][chunk][pair][row]
+  float* st = reinterpret_cast<float*>(align(reinterpret_cast<char*>(qt + g.Rpad * d / 2)));
+  BFloat16* pb = reinterpret_cast<BFloat16*>(st + 4 * 16 * 16);  // P: Rpad x kBlock
+  uint32_t* vb = reinterpret_cast<uint32_t*>(
+      align(reinterpret_cast<char*>(pb + g.Rpad * kBlock)));  // V: [half][col tile][pair][16]
+  BFloat16* kbuf = reinterpret_cast<BFloat16*>(align(reinterpret_cast<char*>(vb + kBlock * dv / 2)));
+  // Qᵀ in pairs of dims: qt[((grp·nc + c)·16 + p)·Mt + i] = dims (32c + 2p, +1) of row grp·Mt + i
+  const uint32_t* Q = reinterpret_cast<const uint32_t*>(P.q + n * R * d);
+  for (int64_t grp = 0; grp < g.groups; ++grp)
+    for (int64_t c = 0; c < nc; ++c)
+      for (int64_t p = 0; p < 16; ++p)
+        for (int64_t i = 0; i < Mt; ++i) {
+          const int64_t r = grp * Mt + i;
+          qt[((grp * nc + c) * 16 + p) * Mt + i] = r < R ? Q[r * (d / 2) + c * 16 + p] : 0u;
+        }
+  std::memset(static_cast<void*>(pb), 0, g.Rpad * kBlock * sizeof(BFloat16));
+  // each row's key range and mask row, once per segment (not a division per row and tile)
+  int64_t* rlo = reinterpret_cast<int64_t*>(align(reinterpret_cast<char*>(kbuf + kBlock * d)));
+  int64_t* rhi = rlo + R;
+  const uint8_t** rmask = reinterpret_cast<const uint8_t**>(rhi + R);
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t qi = r % Tq;
+    rlo[r] = P.st.lo(qi), rhi[r] = P.st.hi(qi), rmask[r] = P.mk.row(n, r / Tq, qi);
+  }
+  for (int64_t r = 0; r < R; ++r) m[r] = kNegInf, l[r] = 0.f;
+  TileConfig cfg;
+  auto tile = [&](int t, int rows, int colsb) { cfg.rows[t] = rows, cfg.colsb[t] = colsb; };
+  tile(0, 16, int(Mt * 4));  // Sᵀ: 16 keys x Mt rows (fp32)
+  tile(1, 16, 64);           // K: 16 keys x 32 dims; V: 16 key pairs x 16 columns
+  tile(2, 16, int(Mt * 4));  // Qᵀ: 16 dim pairs x Mt rows
+  tile(4, 16, 64);           // V, second half of the block
+  for (int t : {3, 6}) tile(t, int(Mt), 64);  // acc: Mt rows x 16 columns
+  for (int t : {5, 7}) tile(t, int(Mt), 64);  // P: Mt rows x 32 keys
+  _tile_loadconfig(&cfg);
+  const float c2 = P.c2;
+  const int64_t kb_bytes = P.k2s * int64_t(sizeof(BFloat16));
+
+  for (int64_t kb = k0; kb < k1; kb += kBlock) {
+    const int64_t nk = std::min(kBlock, k1 - kb);
+    // ---- S (R x kBlock), log2 units, -inf where not visible
+    // kpf: the same tile two blocks ahead, prefetched into L2 a line per row as each chunk of
+    // this one is multiplied (spread over the arithmetic, as the vector path does)
+    const BFloat16 *kp[4], *kpf[4] = {};
+    int64_t ks[4], jobs = 0;
+    for (int64_t t = 0; t < 4; ++t) {
+      const int64_t t0 = t * kTile, nt = std::clamp<int64_t>(nk - t0, 0, kTile), kt = kb + t0;
+      ks[t] = kb_bytes, kp[t] = nt ? P.krow(n, kt) : nullptr;
+      if (nt == 0) {
+        for (int64_t r = 0; r < R; ++r)
+          _mm512_storeu_ps(sc.S + r * kBlock + t0, _mm512_set1_ps(kNegInf));
+        continue;
+      }
+      jobs = (t + 1) * g.groups;
+      if (nt < kTile || P.rows) {  // a partial or gathered tile: its rows copied (keys past
+        // nt come out -inf whatever the stale rows hold)
+        BFloat16* buf = kbuf + t0 * d;
+        for (int64_t j = 0; j < nt; ++j) copy_row(buf + j * d, P.krow(n, kt + j), d);
+        kp[t] = buf, ks[t] = d * int64_t(sizeof(BFloat16));
+      } else if (kt + 2 * kBlock + kTile <= k1) {
+        kpf[t] = P.krow(n, kt + 2 * kBlock);
+      }
+    }
+    // jobs (key tile, row group), up to 4 at once in independent accumulators (tiles 0, 3,
+    // 5, 6) when all tiles have one shape (Mt = 16), else one at a time
+    const int64_t batch = Mt == 16 ? 4 : 1;
+    for (int64_t j0 = 0; j0 < jobs; j0 += batch) {
+      const int64_t nj = std::min(batch, jobs - j0);
+      auto kq = [&](int64_t slot, int64_t c, const void*& a, int64_t& as, const void*& b) {
+        const int64_t t = (j0 + slot) / g.groups, grp = (j0 + slot) % g.groups;
+        a = kp[t] + 32 * c, as = ks[t], b = qt + (grp * nc + c) * 16 * Mt;
+        if (grp == 0 && kpf[t])
+          for (int64_t j = 0; j < kTile; ++j) pf_line(kpf[t] + j * P.k2s + 32 * c);
+      };
+      _tile_zero(0);
+      if (nj > 1) _tile_zero(3);
+      if (nj > 2) _tile_zero(5);
+      if (nj > 3) _tile_zero(6);
+      for (int64_t c = 0; c < nc; ++c) {
+        const void *a, *b;
+        int64_t as;
+        kq(0, c, a, as, b);
+        _tile_loadd(1, a, as);
+        _tile_loadd(2, b, Mt * 4);
+        _tile_dpbf16ps(0, 1, 2);
+        if (nj < 2) continue;
+        kq(1, c, a, as, b);
+        _tile_loadd(4, a, as);
+        _tile_loadd(7, b, Mt * 4);
+        _tile_dpbf16ps(3, 4, 7);
+        if (nj < 3) continue;
+        kq(2, c, a, as, b);
+        _tile_loadd(1, a, as);
+        _tile_loadd(2, b, Mt * 4);
+        _tile_dpbf16ps(5, 1, 2);
+        if (nj < 4) continue;
+        kq(3, c, a, as, b);
+        _tile_loadd(4, a, as);
+        _tile_loadd(7, b, Mt * 4);
+        _tile_dpbf16ps(6, 4, 7);
+      }
+      _tile_stored(0, st, 64);
+      if (nj > 1) _tile_stored(3, st + 256, 64);
+      if (nj > 2) _tile_stored(5, st + 512, 64);
+      if (nj > 3) _tile_stored(6, st + 768, 64);
+      for (int64_t slot = 0; slot < nj; ++slot) {
+        const int64_t t = (j0 + slot) / g.groups, grp = (j0 + slot) % g.groups;
+        const int64_t t0 = t * kTile, nt = std::min(kTile, nk - t0), kt = kb + t0;
+        __m512 x[16];
+        for (int j = 0; j < 16; ++j) x[j] = _mm512_loadu_ps(st + 256 * slot + 16 * j);
+        transpose16(x);  // x[i]: the 16 keys' scores of row grp·Mt + i
+        for (int64_t i = 0; i < Mt && grp * Mt + i < R; ++i) {
+          const int64_t r = grp * Mt + i;
+          const int64_t a = std::clamp<int64_t>(rlo[r] - kt, 0, nt);
+          const int64_t b = std::clamp<int64_t>(rhi[r] - kt, 0, nt);
+          __mmask16 vis = __mmask16(lanes(b) & ~lanes(a));
+          if (rmask[r] && vis) vis = mask_bits(rmask[r] + kt, vis);
+          _mm512_storeu_ps(sc.S + r * kBlock + t0,
+                           _mm512_mask_mul_ps(_mm512_set1_ps(kNegInf), vis, x[i], _mm512_set1_ps(c2)));
+        }
+      }
+    }
+    // ---- online softmax: P in bf16 rows of kBlock keys (rows past R stay 0)
+    softmax_block<true>(sc.S, reinterpret_cast<float*>(pb), R, m, l, acc, dvp);
+    // ---- V of the block, key pairs interleaved (rows past nk: zeros, as their P)
+    const bool pf_v = nk == kBlock && !P.rows && kb + 3 * kBlock <= k1;
+    const bool two = nk > 32;  // keys in the block's second half
+    for (int64_t jp = 0; jp < (two ? kBlock / 2 : 16); ++jp) {
+      const int64_t j = 2 * jp, half = jp / 16, p = jp % 16;
+      const BFloat16* x0 = j < nk ? P.vrow(n, kb + j) : nullptr;
+      const BFloat16* x1 = j + 1 < nk ? P.vrow(n, kb + j + 1) : nullptr;
+      if (pf_v) {
+        const char* f0 = reinterpret_cast<const char*>(P.vrow(n, kb + 2 * kBlock + j));
+        const int64_t vbytes = P.v2s * int64_t(sizeof(BFloat16));
+        for (int64_t c = 0; c < dv * 2; c += 64) pf_line(f0 + c), pf_line(f0 + vbytes + c);
+      }
+      for (int64_t c = 0; c < dv; c += 32) {
+        const __m512i a = x0 ? _mm512_loadu_si512(x0 + c) : _mm512_setzero_si512();
+        const __m512i b = x1 ? _mm512_loadu_si512(x1 + c) : _mm512_setzero_si512();
+        const int64_t ct = c / 16;  // lo half -> tile ct, hi half -> ct + 1
+        _mm512_storeu_si512(vb + ((half * ct_n + ct) * 16 + p) * 16, _mm512_unpacklo_epi16(a, b));
+        _mm512_storeu_si512(vb + ((half * ct_n + ct + 1) * 16 + p) * 16, _mm512_unpackhi_epi16(a, b));
+      }
+    }
+    // ---- acc += P V, two tiles of 16 columns at a time
+    for (int64_t grp = 0; grp < g.groups; ++grp) {
+      const BFloat16* pg = pb + grp * Mt * kBlock;
+      _tile_loadd(7, pg, kBlock * 2);
+      if (two) _tile_loadd(5, pg + 32, kBlock * 2);
+      float* og = acc + grp * Mt * dvp;
+      for (int64_t ct = 0; ct < ct_n; ct += 2) {
+        _tile_loadd(6, og + 16 * ct, dvp * 4);
+        _tile_loadd(3, og + 16 * (ct + 1), dvp * 4);
+        _tile_loadd(1, vb + ct * 256, 64);
+        _tile_loadd(4, vb + (ct + 1) * 256, 64);
+        _tile_dpbf16ps(6, 7, 1);
+        _tile_dpbf16ps(3, 7, 4);
+        if (two) {
+          _tile_loadd(1, vb + (ct_n + ct) * 256, 64);
+          _tile_loadd(4, vb + (ct_n + ct + 1) * 256, 64);
+          _tile_dpbf16ps(6, 5, 1);
+          _tile_dpbf16ps(3, 5, 4);
+        }
+        _tile_stored(6, og + 16 * ct, dvp * 4);
+        _tile_stored(3, og + 16 * (ct + 1), dvp * 4);
+      }
+    }
+  }
+  // leave the tiles as oneDNN expects to find them (it keeps its own configuration)
+  at::native::cpublas::brgemm_release(true);
+  unpermute_pairs(acc, R, dvp);
+}
+#endif  // AMX
+
 // A contiguous run of one head's keys handled by one thread.
 struct Segment {
   int64_t n, k0, k1;
@@ -857,10 +1119,11 @@ static inline void prefetch_segment(const Problem<T>& P, const Segment& g) {
 // splits > 0: cut the keys into exactly that many pieces (the tests' way to exercise the
 // merge on small inputs); else one piece per thread, fewer for small calls.
 // O: the output's type, T's or float (fp32 queries over a bf16 cache)
-template <typename T, typename O, bool kDot>
+// kAmx: bf16 on AMX tiles (run_segment_amx), whose acc has rows padded to whole tiles
+template <typename T, typename O, bool kDot, bool kAmx = false>
 static void decode_impl(const Problem<T>& P, O* out, float* lse, int64_t splits) {
   const int64_t N = P.N, R = P.R, dv = P.dv;
-  const int64_t dvp = kDot ? (dv + 31) / 32 * 32 : (dv + 15) / 16 * 16;
+  const int64_t dvp = kDot || kAmx ? (dv + 31) / 32 * 32 : (dv + 15) / 16 * 16;
   // keys any row may see: [lo(0), hi(Tq - 1)) (lo and hi grow with the row)
   const int64_t lo = P.st.lo(0), hi = P.st.hi(P.Tq - 1), L = std::max<int64_t>(hi - lo, 0);
   const int64_t W = N * L;  // (head, key) pairs
@@ -890,8 +1153,11 @@ static void decode_impl(const Problem<T>& P, O* out, float* lse, int64_t splits)
   const int64_t S = static_cast<int64_t>(segs.size());
   // every buffer allocated here, before the threads start (nothing throws inside)
   const int64_t dqp = (P.d + 31) / 32 * 32;
-  const int64_t per_thread = R * dqp + 2 * R * kBlock + kTile * (P.d + dv) + 64;
-  const int64_t part = R * (2 + dvp);  // m, l, acc of one segment
+  int64_t per_thread = R * dqp + 2 * R * kBlock + kTile * (P.d + dv) + 64, Racc = R;
+#ifdef QKV_AMX
+  if constexpr (kAmx) per_thread += amx_scratch_bytes(R, P.d, dv) / 4 + 16, Racc = AmxRows(R).Rpad;
+#endif
+  const int64_t part = 2 * R + Racc * dvp;  // m, l, acc of one segment
   static thread_local std::vector<float> buf;  // kept between calls: no page faults per call
   const size_t need = static_cast<size_t>(nt * per_thread + S * part + 16);
   if (buf.size() < need) buf.assign(need, 0.f);
@@ -912,7 +1178,14 @@ static void decode_impl(const Problem<T>& P, O* out, float* lse, int64_t splits)
     for (int64_t s = first[t]; s < first[t + 1]; ++s) {
       if (s + kAhead < first[t + 1]) prefetch_segment(P, segs[s + kAhead]);
       float* pm = partial(s);
-      std::memset(pm + 2 * R, 0, R * dvp * sizeof(float));
+      std::memset(pm + 2 * R, 0, Racc * dvp * sizeof(float));
+#ifdef QKV_AMX
+      if constexpr (kAmx) {
+        char* amx = reinterpret_cast<char*>(tb + per_thread - amx_scratch_bytes(R, P.d, dv) / 4 - 16);
+        run_segment_amx(P, segs[s].n, segs[s].k0, segs[s].k1, pm, pm + R, pm + 2 * R, dvp, sc, amx);
+        continue;
+      }
+#endif
       run_segment<T, kDot>(P, segs[s].n, segs[s].k0, segs[s].k1, pm, pm + R, pm + 2 * R, dvp, sc);
     }
   };
@@ -965,21 +1238,43 @@ static void decode_impl(const Problem<T>& P, O* out, float* lse, int64_t splits)
   for (int64_t h = 0; h < N; ++h) merge(h);
 }
 
-// bf16 K/V: vdpbf16ps on pairs (kPairs), or widened to fp32 for FMAs. QKV_DECODE_BF16=dot|widen
-// forces one; by default widen where oneDNN sees AMX (Intel server cores; the test the flash
-// kernel's bf16 path uses): there vdpbf16ps took ~34.5 ns per key in cache (G = 4, d = 128,
-// 1 thread) against ~28 widened, so bf16 stayed at 55-65 % of the read bandwidth; on Zen 4
-// the pairs are the faster path.
-static bool bf16_dot() {
-  static const bool dot = [] {
+// bf16 K/V: AMX tiles (run_segment_amx), vdpbf16ps on pairs (kPairs), or widened to fp32 for
+// FMAs. By default, where oneDNN sees AMX (Intel server cores; the test the flash kernel's bf16
+// path uses): tiles from kAmxMinRows query rows per kv head, widened below (there vdpbf16ps
+// took ~34.5 ns per key in cache, G = 4, d = 128, 1 thread, against ~28 widened); elsewhere
+// the pairs, the faster path on Zen 4. QKV_DECODE_BF16=amx|dot|widen forces one for every call
+// (amx: also for few rows; d or dv not a multiple of 32 still goes widened).
+// Measured on a 2-core Xeon, 16384 keys, G = 4, d = 128, 1 thread, same process: widened /
+// tiles 4.3 / 4.6 ms at 4 rows, 8.5 / 6.0 at 8, 16.3 / 8.8 at 16, ~50 / ~15 at 64.
+constexpr int64_t kAmxMinRows = 8;
+#ifndef QKV_AMX_NAME
+#define QKV_AMX_NAME "avx512+avx512bf16"
+#endif
+enum class Bf16Path { kWiden, kDot, kAmx, kAmxAlways };
+static Bf16Path bf16_path() {
+  static const Bf16Path path = [] {
     const char* e = std::getenv("QKV_DECODE_BF16");
     const std::string want = e ? e : "";
-    TORCH_CHECK(want.empty() || want == "auto" || want == "dot" || want == "widen",
-                "QKV_DECODE_BF16 must be auto, dot or widen; got '", want, "'");
-    if (want == "dot" || want == "widen") return want == "dot";  // unset/empty: as QKV_ISA
-    return !at::native::cpublas::could_pack(at::kBFloat16);
+    TORCH_CHECK(want.empty() || want == "auto" || want == "dot" || want == "widen" ||
+                    want == "amx",
+                "QKV_DECODE_BF16 must be auto, amx, dot or widen; got '", want, "'");
+    const bool onednn_amx = at::native::cpublas::could_pack(at::kBFloat16);
+#ifdef QKV_AMX
+    const bool amx = onednn_amx && amx_permitted();
+#else
+    const bool amx = false;
+#endif
+    if (want == "amx") {
+      TORCH_CHECK(amx, "QKV_DECODE_BF16=amx: this build or CPU has no AMX tiles (or oneDNN "
+                       "does not see them)");
+      return Bf16Path::kAmxAlways;
+    }
+    if (want == "dot") return Bf16Path::kDot;
+    if (want == "widen") return Bf16Path::kWiden;
+    if (amx) return Bf16Path::kAmx;  // unset/empty: as QKV_ISA
+    return onednn_amx ? Bf16Path::kWiden : Bf16Path::kDot;
   }();
-  return dot;
+  return path;
 }
 
 std::tuple<Tensor, Tensor> decode_fwd(const Tensor& q, const Tensor& k, const Tensor& v,
@@ -1058,7 +1353,13 @@ std::tuple<Tensor, Tensor> decode_fwd(const Tensor& q, const Tensor& k, const Te
     if (gather) P.rows = rows->const_data_ptr<int64_t>(), P.rows_s = rows->stride(0);
     if (mapped) P.kv_batch = kv_batch->const_data_ptr<int64_t>();
     if constexpr (kPairs<T>) {
-      if (bf16_dot())
+      const Bf16Path path = bf16_path();
+#ifdef QKV_AMX
+      const bool tiles = path == Bf16Path::kAmxAlways || (path == Bf16Path::kAmx && P.R >= kAmxMinRows);
+      if (tiles && d % 32 == 0 && dv % 32 == 0)
+        return decode_impl<T, O, false, true>(P, out.data_ptr<O>(), lse.data_ptr<float>(), splits);
+#endif
+      if (path == Bf16Path::kDot)
         return decode_impl<T, O, true>(P, out.data_ptr<O>(), lse.data_ptr<float>(), splits);
     }
     decode_impl<T, O, false>(P, out.data_ptr<O>(), lse.data_ptr<float>(), splits);
@@ -1432,7 +1733,14 @@ Tensor small_linear(const Tensor& x, const Tensor& panels, const std::optional<T
 // Which instruction paths this build uses (for benchmarks and native_status).
 std::string decode_isa() {
 #if defined(QKV_AVX512) && defined(__AVX512BF16__)
-  return "avx512+avx512bf16";
+  const Bf16Path p = bf16_path();
+  const std::string bf16 =
+      p == Bf16Path::kAmx ? "amx tiles from " + std::to_string(kAmxMinRows) +
+                                " rows per kv head, else widened to fp32"
+      : p == Bf16Path::kAmxAlways ? "amx tiles"
+      : p == Bf16Path::kDot       ? "vdpbf16ps"
+                                  : "widened to fp32";
+  return std::string(QKV_AMX_NAME) + "; bf16 K/V: " + bf16;
 #elif defined(QKV_AVX512)
   return "avx512";
 #else
