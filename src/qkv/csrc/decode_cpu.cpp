@@ -185,7 +185,19 @@ struct Problem {
 struct Scratch {
   float *qf, *S, *P;
   void *ktile, *vtile;
+  int64_t *lo, *hi;  // each row's key range [lo, hi) and mask row, set per segment
+  const uint8_t** mrow;
 };
+
+// The rows' key ranges and mask rows for kv head n (once per segment: not a division per
+// row and tile)
+template <typename T>
+static inline void row_ranges(const Problem<T>& P, int64_t n, const Scratch& sc) {
+  for (int64_t r = 0; r < P.R; ++r) {
+    const int64_t i = r % P.Tq;
+    sc.lo[r] = P.st.lo(i), sc.hi[r] = P.st.hi(i), sc.mrow[r] = P.mk.row(n, r / P.Tq, i);
+  }
+}
 
 // -------------------------------------------------------------------------------------------
 // Vector pieces (AVX-512)
@@ -704,7 +716,7 @@ static inline void softmax_block(const float* S, float* P, int64_t R, float* m, 
 template <typename T, bool kDot>
 static void run_segment(const Problem<T>& P, int64_t n, int64_t k0, int64_t k1, float* m,
                         float* l, float* acc, int64_t dvp, const Scratch& sc) {
-  const int64_t R = P.R, Tq = P.Tq, d = P.d, dv = P.dv;
+  const int64_t R = P.R, d = P.d, dv = P.dv;
   const int64_t dqp = (d + 31) / 32 * 32;  // q row stride in the scratch
   // the query rows of this head, unscaled: fp32 (bf16 pairs for the bf16 dot products)
   const T* Q = P.q + n * R * d;
@@ -720,6 +732,7 @@ static void run_segment(const Problem<T>& P, int64_t n, int64_t k0, int64_t k1, 
       for (int64_t c = d; c < dqp; ++c) qf[c] = 0.f;
     }
   }
+  row_ranges(P, n, sc);
   for (int64_t r = 0; r < R; ++r) m[r] = kNegInf, l[r] = 0.f;
   const float c2 = P.c2;
 
@@ -758,11 +771,10 @@ static void run_segment(const Problem<T>& P, int64_t n, int64_t k0, int64_t k1, 
       const int64_t R4 = R / 4 * 4, tail = R - R4 == 3 ? 3 : 0;  // blocks of 4, then one of 3
 #endif
       for (int64_t r = 0; r < R; ++r) {
-        const int64_t g = r / Tq, i = r % Tq;
-        const int64_t a = std::clamp<int64_t>(P.st.lo(i) - kt, 0, nt);
-        const int64_t b = std::clamp<int64_t>(P.st.hi(i) - kt, 0, nt);
+        const int64_t a = std::clamp<int64_t>(sc.lo[r] - kt, 0, nt);
+        const int64_t b = std::clamp<int64_t>(sc.hi[r] - kt, 0, nt);
         float* s = sc.S + r * kBlock + t0;
-        const uint8_t* mr = P.mk.row(n, g, i);
+        const uint8_t* mr = sc.mrow[r];
 #ifdef QKV_AVX512
         __mmask16 vis = __mmask16(lanes(b) & ~lanes(a));
         if (mr && vis) vis = mask_bits(mr + kt, vis);
@@ -912,13 +924,13 @@ struct AmxRows {
 static inline int64_t amx_scratch_bytes(int64_t R, int64_t d, int64_t dv) {
   const AmxRows g(R);
   return g.Rpad * d * 2 + 4 * 16 * 64 + g.Rpad * kBlock * 2 + kBlock * dv * 2 + kBlock * d * 2 +
-         3 * 8 * R + 6 * 64;
+         5 * 64;
 }
 
 static void run_segment_amx(const Problem<BFloat16>& P, int64_t n, int64_t k0, int64_t k1,
                             float* m, float* l, float* acc, int64_t dvp, const Scratch& sc,
                             char* amx) {
-  const int64_t R = P.R, Tq = P.Tq, d = P.d, dv = P.dv, nc = d / 32, ct_n = dv / 16;
+  const int64_t R = P.R, d = P.d, dv = P.dv, nc = d / 32, ct_n = dv / 16;
   const AmxRows g(R);
   const int64_t Mt = g.Mt;
   auto align = [](char* p) { return reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t(63)); };
@@ -938,14 +950,7 @@ static void run_segment_amx(const Problem<BFloat16>& P, int64_t n, int64_t k0, i
           qt[((grp * nc + c) * 16 + p) * Mt + i] = r < R ? Q[r * (d / 2) + c * 16 + p] : 0u;
         }
   std::memset(static_cast<void*>(pb), 0, g.Rpad * kBlock * sizeof(BFloat16));
-  // each row's key range and mask row, once per segment (not a division per row and tile)
-  int64_t* rlo = reinterpret_cast<int64_t*>(align(reinterpret_cast<char*>(kbuf + kBlock * d)));
-  int64_t* rhi = rlo + R;
-  const uint8_t** rmask = reinterpret_cast<const uint8_t**>(rhi + R);
-  for (int64_t r = 0; r < R; ++r) {
-    const int64_t qi = r % Tq;
-    rlo[r] = P.st.lo(qi), rhi[r] = P.st.hi(qi), rmask[r] = P.mk.row(n, r / Tq, qi);
-  }
+  row_ranges(P, n, sc);
   for (int64_t r = 0; r < R; ++r) m[r] = kNegInf, l[r] = 0.f;
   TileConfig cfg;
   auto tile = [&](int t, int rows, int colsb) { cfg.rows[t] = rows, cfg.colsb[t] = colsb; };
@@ -1034,10 +1039,10 @@ static void run_segment_amx(const Problem<BFloat16>& P, int64_t n, int64_t k0, i
         transpose16(x);  // x[i]: the 16 keys' scores of row grp·Mt + i
         for (int64_t i = 0; i < Mt && grp * Mt + i < R; ++i) {
           const int64_t r = grp * Mt + i;
-          const int64_t a = std::clamp<int64_t>(rlo[r] - kt, 0, nt);
-          const int64_t b = std::clamp<int64_t>(rhi[r] - kt, 0, nt);
+          const int64_t a = std::clamp<int64_t>(sc.lo[r] - kt, 0, nt);
+          const int64_t b = std::clamp<int64_t>(sc.hi[r] - kt, 0, nt);
           __mmask16 vis = __mmask16(lanes(b) & ~lanes(a));
-          if (rmask[r] && vis) vis = mask_bits(rmask[r] + kt, vis);
+          if (sc.mrow[r] && vis) vis = mask_bits(sc.mrow[r] + kt, vis);
           _mm512_storeu_ps(sc.S + r * kBlock + t0,
                            _mm512_mask_mul_ps(_mm512_set1_ps(kNegInf), vis, x[i], _mm512_set1_ps(c2)));
         }
@@ -1153,10 +1158,11 @@ static void decode_impl(const Problem<T>& P, O* out, float* lse, int64_t splits)
   const int64_t S = static_cast<int64_t>(segs.size());
   // every buffer allocated here, before the threads start (nothing throws inside)
   const int64_t dqp = (P.d + 31) / 32 * 32;
-  int64_t per_thread = R * dqp + 2 * R * kBlock + kTile * (P.d + dv) + 64, Racc = R;
+  int64_t per_thread = R * dqp + 2 * R * kBlock + kTile * (P.d + dv) + 64 + 6 * R, Racc = R;
 #ifdef QKV_AMX
   if constexpr (kAmx) per_thread += amx_scratch_bytes(R, P.d, dv) / 4 + 16, Racc = AmxRows(R).Rpad;
 #endif
+  per_thread = (per_thread + 15) / 16 * 16;  // each thread's scratch on its own cache lines
   const int64_t part = 2 * R + Racc * dvp;  // m, l, acc of one segment
   static thread_local std::vector<float> buf;  // kept between calls: no page faults per call
   const size_t need = static_cast<size_t>(nt * per_thread + S * part + 16);
@@ -1170,8 +1176,11 @@ static void decode_impl(const Problem<T>& P, O* out, float* lse, int64_t splits)
 
   auto work = [&](int64_t t) {  // piece t
     float* tb = base + t * per_thread;
+    float* rr = tb + R * dqp + 2 * R * kBlock + kTile * (P.d + dv) + 64;  // 3R 8-byte slots
     Scratch sc{tb, tb + R * dqp, tb + R * dqp + R * kBlock, tb + R * dqp + 2 * R * kBlock,
-               tb + R * dqp + 2 * R * kBlock + (kTile * P.d + 15) / 16 * 16};
+               tb + R * dqp + 2 * R * kBlock + (kTile * P.d + 15) / 16 * 16,
+               reinterpret_cast<int64_t*>(rr), reinterpret_cast<int64_t*>(rr) + R,
+               reinterpret_cast<const uint8_t**>(reinterpret_cast<int64_t*>(rr) + 2 * R)};
     constexpr int64_t kAhead = 3;  // segments prefetched ahead (short ones: a few keys each)
     for (int64_t s = first[t]; s < std::min(first[t] + kAhead, first[t + 1]); ++s)
       prefetch_segment(P, segs[s]);
