@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import random
 import sys
 import time
 from pathlib import Path
@@ -179,16 +180,20 @@ def methods(q, k, v, threads: int) -> dict[str, object]:
 def interleaved(fns: dict[str, object], rounds: int) -> dict[str, float]:
     """Best time of each callable over ``rounds`` rounds, each calling every one once.
 
-    The order rotates from round to round, so that no method always runs right after the
-    same other one (which may have left K/V in the cache, or evicted them).
+    Each round calls them in a new random order (seeded), so that no method always runs right
+    after the same other one (which may have left K/V in the cache, or evicted them: the 1 GiB
+    read does). Rotating one fixed order would not do that: it keeps every method's
+    predecessor.
     """
     runnable = {n: f for n, f in fns.items() if callable(f)}
     for f in runnable.values():  # warm-up (first-call set-up, caches)
         f()
     best = dict.fromkeys(runnable, float("inf"))
     names = list(runnable)
-    for i in range(rounds):
-        for name in names[i % len(names) :] + names[: i % len(names)]:
+    order = random.Random(0)
+    for _ in range(rounds):
+        order.shuffle(names)
+        for name in names:
             f = runnable[name]
             t = time.perf_counter()
             f()
