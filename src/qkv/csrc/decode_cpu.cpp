@@ -1004,29 +1004,25 @@ static void run_segment_amx(const Problem<BFloat16>& P, int64_t n, int64_t k0, i
       if (nj > 1) _tile_zero(3);
       if (nj > 2) _tile_zero(5);
       if (nj > 3) _tile_zero(6);
+      // job `slot`, chunk c: K into tile A, Qᵀ into tile B, summed into tile C (tile numbers
+      // are immediates of the instructions, hence a macro rather than a loop)
+#define QKV_S_JOB(slot, A, B, C) \
+  kq(slot, c, a, as, b);         \
+  _tile_loadd(A, a, as);         \
+  _tile_loadd(B, b, Mt * 4);     \
+  _tile_dpbf16ps(C, A, B)
       for (int64_t c = 0; c < nc; ++c) {
         const void *a, *b;
         int64_t as;
-        kq(0, c, a, as, b);
-        _tile_loadd(1, a, as);
-        _tile_loadd(2, b, Mt * 4);
-        _tile_dpbf16ps(0, 1, 2);
+        QKV_S_JOB(0, 1, 2, 0);
         if (nj < 2) continue;
-        kq(1, c, a, as, b);
-        _tile_loadd(4, a, as);
-        _tile_loadd(7, b, Mt * 4);
-        _tile_dpbf16ps(3, 4, 7);
+        QKV_S_JOB(1, 4, 7, 3);
         if (nj < 3) continue;
-        kq(2, c, a, as, b);
-        _tile_loadd(1, a, as);
-        _tile_loadd(2, b, Mt * 4);
-        _tile_dpbf16ps(5, 1, 2);
+        QKV_S_JOB(2, 1, 2, 5);
         if (nj < 4) continue;
-        kq(3, c, a, as, b);
-        _tile_loadd(4, a, as);
-        _tile_loadd(7, b, Mt * 4);
-        _tile_dpbf16ps(6, 4, 7);
+        QKV_S_JOB(3, 4, 7, 6);
       }
+#undef QKV_S_JOB
       _tile_stored(0, st, 64);
       if (nj > 1) _tile_stored(3, st + 256, 64);
       if (nj > 2) _tile_stored(5, st + 512, 64);
