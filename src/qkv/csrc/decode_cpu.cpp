@@ -1156,6 +1156,7 @@ static void decode_impl(const Problem<T>& P, O* out, float* lse, int64_t splits)
   const int64_t dqp = (P.d + 31) / 32 * 32;
   int64_t per_thread = R * dqp + 2 * R * kBlock + kTile * (P.d + dv) + 64 + 6 * R, Racc = R;
 #ifdef QKV_AMX
+  [[maybe_unused]] const int64_t amx_at = per_thread;  // the AMX path's scratch follows the vector path's
   if constexpr (kAmx) per_thread += amx_scratch_bytes(R, P.d, dv) / 4 + 16, Racc = AmxRows(R).Rpad;
 #endif
   per_thread = (per_thread + 15) / 16 * 16;  // each thread's scratch on its own cache lines
@@ -1186,7 +1187,7 @@ static void decode_impl(const Problem<T>& P, O* out, float* lse, int64_t splits)
       std::memset(pm + 2 * R, 0, Racc * dvp * sizeof(float));
 #ifdef QKV_AMX
       if constexpr (kAmx) {
-        char* amx = reinterpret_cast<char*>(tb + per_thread - amx_scratch_bytes(R, P.d, dv) / 4 - 16);
+        char* amx = reinterpret_cast<char*>(tb + amx_at);
         run_segment_amx(P, segs[s].n, segs[s].k0, segs[s].k1, pm, pm + R, pm + 2 * R, dvp, sc, amx);
         continue;
       }
