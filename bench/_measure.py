@@ -16,6 +16,7 @@ import os
 import platform
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -123,3 +124,23 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def peak_reader() -> Callable[[torch.Tensor], float] | str:
+    """``read(x)``: a prefetching fp32 read loop (bench/read_peak.cpp, built here once), the
+    machine's streaming read limit as a plain loop reaches it; or why it could not be built."""
+    try:
+        from torch.utils import cpp_extension
+
+        flags = ["-O3", "-fopenmp"]
+        if platform.machine() in ("x86_64", "AMD64"):
+            flags.append("-march=native")
+        module = cpp_extension.load(
+            name="qkv_bench_read_peak",
+            sources=[str(Path(__file__).with_name("read_peak.cpp"))],
+            extra_cflags=flags,
+            verbose=False,
+        )
+    except Exception as e:  # no compiler: the benchmark goes on without this column
+        return f"not built: {type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}"
+    return module.read_sum
