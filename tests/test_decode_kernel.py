@@ -11,6 +11,7 @@ bf16 kernels, and the output is rounded: each at most ``2^-9`` relative); and th
 within 2× PyTorch's own bf16 SDPA error on the same call (FlashAttention's test rule).
 """
 
+import itertools
 import math
 
 import hypothesis.strategies as st
@@ -344,6 +345,41 @@ def _amx_tiles() -> bool:
 
     decode_ops()  # builds/loads the extension
     return "amx tiles" in native_status()
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_fp32_many_rows_match_fp64(restore_threads, d):
+    """fp32 with 16 or more query rows per kv head (G·Tq: drafts, beams, GQA) takes the scores
+    as Sᵀ by broadcasts (rows padded to 16, tiles transposed back): equal to fp64 over row
+    counts that fill and do not fill the groups, masks, windows, pieces on 2 threads, gathered
+    beams' rows, and a tokens-first cache (rows not d apart: the dot-product form)."""
+    g = torch.Generator().manual_seed(3)
+    for h, h_kv, Tq, Tk in ((8, 2, 4, 300), (20, 4, 4, 77), (32, 8, 16, 1000), (6, 2, 16, 130)):
+        q = torch.randn(2, h, Tq, d, generator=g)
+        for layout in ("slice", "tokens-first"):
+            k = _cache_view(g, 2, h_kv, Tk, d, torch.float32, layout)
+            v = _cache_view(g, 2, h_kv, Tk, d, torch.float32, layout)
+            masks_ = (None, torch.rand(2, h, Tq, Tk, generator=g) > 0.3)
+            for (kw, mask), threads in itertools.product(
+                zip(({}, {"causal": True, "window": 50}, {}), (None, None, masks_[1])), (1, 2)
+            ):
+                torch.set_num_threads(threads)
+                out, lse = decode_attention(q, k, v, mask=mask, **kw, return_lse=True)
+                ref = attention_steps(q.double(), k.double(), v.double(), mask=mask, **kw)
+                assert (out.double() - ref.output).abs().max() < 1e-5, (h, Tq, Tk, layout, kw)
+                assert (lse.double() - ref.lse).abs().max() < 1e-5, (h, Tq, Tk, layout, kw)
+        out, lse = decode_ops().fwd(q, k.contiguous(), v.contiguous(), None, d**-0.5, False, -1, 3)
+        ref = attention_steps(q.double(), k.double(), v.double())
+        assert (out.double() - ref.output).abs().max() < 1e-5
+    # beams reordered by a rows table: each tile gathered row by row, then the same product
+    q = torch.randn(3, 16, 2, d, generator=g)
+    k, v = (torch.randn(4, 2, 90, d, generator=g) for _ in range(2))
+    rows = torch.randint(0, 4, (3, 90), generator=g)
+    out, lse = decode_ops().fwd(q, k, v, None, 0.1, True, -1, 0, rows)
+    kg = k.permute(0, 2, 1, 3)[rows, torch.arange(90)[None, :]].permute(0, 2, 1, 3)
+    vg = v.permute(0, 2, 1, 3)[rows, torch.arange(90)[None, :]].permute(0, 2, 1, 3)
+    ref = attention_steps(q.double(), kg.double(), vg.double(), causal=True, scale=0.1)
+    assert (out.double() - ref.output).abs().max() < 1e-5
 
 
 @pytest.mark.parametrize("path", ["dot", "widen", "amx", "auto"])

@@ -89,6 +89,19 @@ def test_batched_translation_equals_one_by_one():
         assert batched == single
 
 
+def test_translate_runs_in_eval_mode_and_gives_the_training_mode_back():
+    tok = Tokenizer.train(["a dog runs", "the boy trains the puppy"] * 10, vocab_size=280)
+    model = model_(vocab=tok.vocab_size, seed=5, dropout=0.5)
+    sentences = ["a dog", "the boy trains the puppy today"]
+    expected = translate(model, tok, sentences)  # eval mode: no dropout
+    model.train()
+    for beam in (1, 3):
+        got = translate(model, tok, sentences, beam_size=beam)
+        assert model.training and all(m.training for m in model.modules())
+        if beam == 1:
+            assert got == expected  # dropout off while translating
+
+
 def test_bad_inputs():
     model = model_()
     with pytest.raises(TypeError, match="integer tensor"):

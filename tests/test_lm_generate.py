@@ -98,6 +98,20 @@ def test_prepared_copy_follows_weights_and_backend():
     assert LMDecoder.for_model(lm) is not second
 
 
+def test_generate_runs_in_eval_mode_and_gives_the_training_mode_back():
+    torch.manual_seed(3)
+    cfg = TransformerConfig(src_vocab_size=50, tgt_vocab_size=50, d_model=32, n_heads=4,
+                            d_ff=64, n_encoder_layers=0, n_decoder_layers=2, dropout=0.5,
+                            max_len=128)  # fmt: skip
+    lm = CausalLM(cfg).eval()
+    prompt = torch.tensor([[5, 6, 7]])
+    expected = generate(lm, prompt, max_new_tokens=6)
+    lm.train()
+    got = generate(lm, prompt, max_new_tokens=6)
+    assert torch.equal(got, expected)  # dropout off while generating
+    assert lm.training and all(m.training for m in lm.modules())
+
+
 def test_eos_sampling_and_top_k():
     lm = lm_(seed=12)
     prompt = torch.randint(3, 50, (3, 4), generator=torch.Generator().manual_seed(10))

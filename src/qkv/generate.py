@@ -14,7 +14,9 @@ Shapes: ``src (B, S)`` → generated ids ``(B, T)`` (after ``<s>``; ``</s>`` the
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor
@@ -34,6 +36,18 @@ def _limits(model, src: Tensor, max_new_tokens: int | None) -> Tensor:
         return torch.full((src.shape[0],), max_new_tokens, device=src.device)
     lengths = (src != model.cfg.pad_id).sum(1)
     return (2 * lengths + 10).clamp(max=model.cfg.max_len - 1)
+
+
+@contextlib.contextmanager
+def _evaluating(model: torch.nn.Module) -> Iterator[None]:
+    """Eval mode (no dropout) for the call, then the caller's mode back: generating must not
+    leave a model that is being trained in eval mode."""
+    was = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was)
 
 
 def _check_src(src: Tensor) -> None:
@@ -379,7 +393,6 @@ def translate(
 
     if isinstance(sentences, str):
         raise TypeError("sentences must be a list of str, not a single str")
-    model.eval()
     dev = next(model.parameters()).device
     limit = model.cfg.max_len // 2 - 1  # source tokens before </s>; the output fits the rest
     ids = tokenizer.encode_batch(list(sentences))
@@ -398,18 +411,19 @@ def translate(
         cur.append(i)
     if cur:
         batches.append(cur)
-    for batch in tqdm(batches, desc="translate", disable=not progress, leave=False):
-        S = max(len(ids[i]) for i in batch)
-        src = torch.full((len(batch), S), model.cfg.pad_id, dtype=torch.long)
-        for r, i in enumerate(batch):
-            src[r, : len(ids[i])] = torch.tensor(ids[i])
-        src = src.to(dev)
-        if beam_size == 1:
-            hyp = greedy_search(model, src)
-        else:
-            hyp = beam_search(model, src, beam_size=beam_size, length_penalty=length_penalty)
-        for r, i in enumerate(batch):
-            out[i] = tokenizer.decode(hyp[r].tolist())
+    with _evaluating(model):
+        for batch in tqdm(batches, desc="translate", disable=not progress, leave=False):
+            S = max(len(ids[i]) for i in batch)
+            src = torch.full((len(batch), S), model.cfg.pad_id, dtype=torch.long)
+            for r, i in enumerate(batch):
+                src[r, : len(ids[i])] = torch.tensor(ids[i])
+            src = src.to(dev)
+            if beam_size == 1:
+                hyp = greedy_search(model, src)
+            else:
+                hyp = beam_search(model, src, beam_size=beam_size, length_penalty=length_penalty)
+            for r, i in enumerate(batch):
+                out[i] = tokenizer.decode(hyp[r].tolist())
     return out
 
 
@@ -469,23 +483,26 @@ def generate(
             logits = logits.masked_fill(logits < kth, float("-inf"))
         return torch.multinomial(logits.softmax(-1), 1, generator=generator)[:, 0]
 
-    lm.eval()
-    caches = lm.new_cache(capacity=T + max_new_tokens, dtype=cache_dtype)
-    for s in range(0, T, prefill_chunk):
-        logits = lm(prompt[:, s : s + prefill_chunk], cache=caches)[:, -1]  # (B, V)
-    fast = LMDecoder.for_model(lm)
-    state = fast.start(caches) if fast is not None else None
-    out = torch.full((B, max_new_tokens), cfg.pad_id, dtype=torch.long, device=prompt.device)
-    done = torch.zeros(B, dtype=torch.bool, device=prompt.device)
-    n = 0
-    for n in range(1, max_new_tokens + 1):
-        tok = pick(logits).masked_fill(done, cfg.pad_id)  # (B,)
-        out[:, n - 1] = tok
-        if eos_id is not None:
-            done |= tok == eos_id
-            if bool(done.all()):
+    with _evaluating(lm):
+        caches = lm.new_cache(capacity=T + max_new_tokens, dtype=cache_dtype)
+        for s in range(0, T, prefill_chunk):
+            logits = lm(prompt[:, s : s + prefill_chunk], cache=caches)[:, -1]  # (B, V)
+        fast = LMDecoder.for_model(lm)
+        state = fast.start(caches) if fast is not None else None
+        out = torch.full((B, max_new_tokens), cfg.pad_id, dtype=torch.long, device=prompt.device)
+        done = torch.zeros(B, dtype=torch.bool, device=prompt.device)
+        n = 0
+        for n in range(1, max_new_tokens + 1):
+            tok = pick(logits).masked_fill(done, cfg.pad_id)  # (B,)
+            out[:, n - 1] = tok
+            if eos_id is not None:
+                done |= tok == eos_id
+                if bool(done.all()):
+                    break
+            if n == max_new_tokens:
                 break
-        if n == max_new_tokens:
-            break
-        logits = fast.step(state, tok) if fast is not None else lm(tok[:, None], cache=caches)[:, -1]
+            if fast is not None:
+                logits = fast.step(state, tok)
+            else:
+                logits = lm(tok[:, None], cache=caches)[:, -1]
     return out[:, :n]

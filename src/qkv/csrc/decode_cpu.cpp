@@ -73,6 +73,9 @@ constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr int64_t kTile = 16;   // keys per score tile: one vector of 16 scores per row
 constexpr int64_t kBlock = 64;  // keys per online-softmax step
+// fp32 scores by broadcasts (scores_bcast) from this many query rows per kv head: below it
+// the dot-product form (qk_rows) wastes less on rows padded to 16
+constexpr int64_t kBcastMinRows = 16;
 // The running max is raised only when a block's max exceeds it by more than this (log2
 // units): p then stays below 2^8, harmless in fp32 sums, and acc is rarely rescaled.
 constexpr float kLazy = 8.f;
@@ -187,6 +190,7 @@ struct Scratch {
   void *ktile, *vtile;
   int64_t *lo, *hi;  // each row's key range [lo, hi) and mask row, set per segment
   const uint8_t** mrow;
+  float* qt = nullptr;  // Qᵀ (d x rows padded to 16) for scores_bcast, else null
 };
 
 // The rows' key ranges and mask rows for kv head n (once per segment: not a division per
@@ -478,6 +482,97 @@ static inline __m512 qk_tile_bf16(const BFloat16* q, const BFloat16* kp, int64_t
 static inline __mmask16 mask_bits(const uint8_t* m, __mmask16 k) {
   return _mm_mask_cmpneq_epi8_mask(k, _mm_maskz_loadu_epi8(k, m), _mm_setzero_si128());
 }
+
+// The 16 rows of x (16 floats each) as 16 columns: out[c] lane j = x[j][c].
+static inline void transpose16(__m512* r) {
+  __m512 t[16];
+  for (int i = 0; i < 8; ++i)
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]),
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xee);
+    r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xee);
+  }
+  for (int e = 0; e < 4; ++e) {
+    const __m512 a = _mm512_shuffle_f32x4(r[e], r[4 + e], 0x88);
+    const __m512 b = _mm512_shuffle_f32x4(r[e], r[4 + e], 0xdd);
+    const __m512 c = _mm512_shuffle_f32x4(r[8 + e], r[12 + e], 0x88);
+    const __m512 d = _mm512_shuffle_f32x4(r[8 + e], r[12 + e], 0xdd);
+    t[e] = _mm512_shuffle_f32x4(a, c, 0x88), t[8 + e] = _mm512_shuffle_f32x4(a, c, 0xdd);
+    t[4 + e] = _mm512_shuffle_f32x4(b, d, 0x88), t[12 + e] = _mm512_shuffle_f32x4(b, d, 0xdd);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+
+// x[i]: the raw scores of query row r0 + i (i < n, rows past R skipped) for the tile of keys
+// [kt, kt + nt) at column t0 of the block, stored into S scaled to log2 units, -inf where the
+// row may not see the key (its range, its mask row)
+static inline void store_score_rows(const __m512* x, int64_t r0, int64_t n, int64_t R, int64_t kt,
+                                    int64_t nt, int64_t t0, const Scratch& sc, float c2) {
+  for (int64_t i = 0; i < n && r0 + i < R; ++i) {
+    const int64_t r = r0 + i;
+    const int64_t a = std::clamp<int64_t>(sc.lo[r] - kt, 0, nt);
+    const int64_t b = std::clamp<int64_t>(sc.hi[r] - kt, 0, nt);
+    __mmask16 vis = __mmask16(lanes(b) & ~lanes(a));
+    if (sc.mrow[r] && vis) vis = mask_bits(sc.mrow[r] + kt, vis);
+    _mm512_storeu_ps(sc.S + r * kBlock + t0,
+                     _mm512_mask_mul_ps(_mm512_set1_ps(kNegInf), vis, x[i], _mm512_set1_ps(c2)));
+  }
+}
+
+// Sᵀ of one tile for fp32 with many query rows: out[16·g + j] (lanes: the 16 rows of group g)
+// = Σ_c K[j][c] · Qᵀ[c][16g..16g+15], for kG row groups and keys j0..j0+kJ-1. One broadcast
+// of K[j][c] serves 16·kG rows and no horizontal sum is needed (the dot-product form of
+// qk_rows reduces 16 accumulators per 4 rows x 4 keys). Qᵀ: d x Rp, packed per segment.
+// The K rows are kD floats apart (compile-time offsets: 16 row pointers would be spilled).
+template <int kG, int kJ, int kD>
+[[gnu::noinline]] static void qk_bcast(const float* qt, int64_t Rp, const float* kp, int j0,
+                                       const float* pf, __m512* out) {
+  __m512 acc[kG * kJ];
+  for (int i = 0; i < kG * kJ; ++i) acc[i] = _mm512_setzero_ps();
+  const float* kr = kp + j0 * kD;
+  for (int c = 0; c < kD; ++c) {
+    __m512 qv[kG];
+    for (int g = 0; g < kG; ++g) qv[g] = _mm512_loadu_ps(qt + c * Rp + 16 * g);
+    if (pf && c % 16 == 0)  // the same rows of a later tile into L2, a line per row
+      for (int j = 0; j < kJ; ++j) pf_line(pf + (j0 + j) * kD + c);
+#pragma GCC unroll 16
+    for (int j = 0; j < kJ; ++j) {
+      const __m512 kv = _mm512_set1_ps(kr[j * kD + c]);
+      for (int g = 0; g < kG; ++g) acc[g * kJ + j] = _mm512_fmadd_ps(kv, qv[g], acc[g * kJ + j]);
+    }
+  }
+  for (int g = 0; g < kG; ++g)
+    for (int j = 0; j < kJ; ++j) out[16 * g + j0 + j] = acc[g * kJ + j];
+}
+
+// Scores of a whole tile (16 keys, K rows d floats apart) for every query row by qk_bcast,
+// into S. Returns false where it does not apply (d not 64 or 128).
+static bool scores_bcast(const float* qt, int64_t R, int64_t d, const float* kp, const float* pf,
+                         int64_t kt, int64_t nt, int64_t t0, const Scratch& sc, float c2) {
+  if (d != 64 && d != 128) return false;
+  const int64_t Rp = (R + 15) / 16 * 16;
+  __m512 x[32];
+  for (int64_t g = 0; g < Rp / 16; g += 2) {
+    const float* q = qt + 16 * g;
+    const float* f = g == 0 ? pf : nullptr;  // the first groups prefetch
+    if (g + 1 < Rp / 16) {  // two row groups, keys in halves: 16 accumulators
+      if (d == 128) qk_bcast<2, 8, 128>(q, Rp, kp, 0, f, x), qk_bcast<2, 8, 128>(q, Rp, kp, 8, f, x);
+      else qk_bcast<2, 8, 64>(q, Rp, kp, 0, f, x), qk_bcast<2, 8, 64>(q, Rp, kp, 8, f, x);
+    } else if (d == 128) {
+      qk_bcast<1, 16, 128>(q, Rp, kp, 0, f, x);
+    } else {
+      qk_bcast<1, 16, 64>(q, Rp, kp, 0, f, x);
+    }
+    for (int64_t h = 0; h < 2 && g + h < Rp / 16; ++h) {
+      transpose16(x + 16 * h);  // x[16h + i]: the 16 keys' scores of row 16(g + h) + i
+      store_score_rows(x + 16 * h, 16 * (g + h), 16, R, kt, nt, t0, sc, c2);
+    }
+  }
+  return true;
+}
 #endif  // QKV_AVX512
 
 #ifdef QKV_AVX512
@@ -735,6 +830,11 @@ static void run_segment(const Problem<T>& P, int64_t n, int64_t k0, int64_t k1, 
   row_ranges(P, n, sc);
   for (int64_t r = 0; r < R; ++r) m[r] = kNegInf, l[r] = 0.f;
   const float c2 = P.c2;
+  const int64_t Rp = (R + 15) / 16 * 16;
+  const bool bcast = sc.qt != nullptr;
+  if (bcast)  // Qᵀ, rows padded with zeros
+    for (int64_t c = 0; c < d; ++c)
+      for (int64_t r = 0; r < Rp; ++r) sc.qt[c * Rp + r] = r < R ? to_float(Q[r * d + c]) : 0.f;
 
   for (int64_t kb = k0; kb < k1; kb += kBlock) {
     const int64_t nk = std::min(kBlock, k1 - kb);
@@ -765,6 +865,8 @@ static void run_segment(const Problem<T>& P, int64_t n, int64_t k0, int64_t k1, 
                          ? P.krow(n, kt + 2 * kBlock) : nullptr;
 #endif
 #ifdef QKV_AVX512
+      if constexpr (std::is_same_v<T, float>)
+        if (bcast && ks == d && scores_bcast(sc.qt, R, d, kp, kpf, kt, nt, t0, sc, c2)) continue;
       const T* pf_left = kpf;  // the first dot-product call of the tile prefetches
       __m512 blk[4];
       int64_t blk_r = -1;  // the rows [blk_r, blk_r + 3 or 4) whose scores are in blk
@@ -890,29 +992,6 @@ static bool amx_permitted() {
   return ok;
 }
 
-// The 16 rows of x (16 floats each) as 16 columns: out[c] lane j = x[j][c].
-static inline void transpose16(__m512* r) {
-  __m512 t[16];
-  for (int i = 0; i < 8; ++i)
-    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]),
-    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-  for (int i = 0; i < 4; ++i) {
-    r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
-    r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xee);
-    r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
-    r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xee);
-  }
-  for (int e = 0; e < 4; ++e) {
-    const __m512 a = _mm512_shuffle_f32x4(r[e], r[4 + e], 0x88);
-    const __m512 b = _mm512_shuffle_f32x4(r[e], r[4 + e], 0xdd);
-    const __m512 c = _mm512_shuffle_f32x4(r[8 + e], r[12 + e], 0x88);
-    const __m512 d = _mm512_shuffle_f32x4(r[8 + e], r[12 + e], 0xdd);
-    t[e] = _mm512_shuffle_f32x4(a, c, 0x88), t[8 + e] = _mm512_shuffle_f32x4(a, c, 0xdd);
-    t[4 + e] = _mm512_shuffle_f32x4(b, d, 0x88), t[12 + e] = _mm512_shuffle_f32x4(b, d, 0xdd);
-  }
-  for (int i = 0; i < 16; ++i) r[i] = t[i];
-}
-
 // Rows of the AMX path: groups of Mt query rows, padded to Rpad.
 struct AmxRows {
   int64_t Mt, groups, Rpad;
@@ -1033,15 +1112,7 @@ static void run_segment_amx(const Problem<BFloat16>& P, int64_t n, int64_t k0, i
         __m512 x[16];
         for (int j = 0; j < 16; ++j) x[j] = _mm512_loadu_ps(st + 256 * slot + 16 * j);
         transpose16(x);  // x[i]: the 16 keys' scores of row grp·Mt + i
-        for (int64_t i = 0; i < Mt && grp * Mt + i < R; ++i) {
-          const int64_t r = grp * Mt + i;
-          const int64_t a = std::clamp<int64_t>(sc.lo[r] - kt, 0, nt);
-          const int64_t b = std::clamp<int64_t>(sc.hi[r] - kt, 0, nt);
-          __mmask16 vis = __mmask16(lanes(b) & ~lanes(a));
-          if (sc.mrow[r] && vis) vis = mask_bits(sc.mrow[r] + kt, vis);
-          _mm512_storeu_ps(sc.S + r * kBlock + t0,
-                           _mm512_mask_mul_ps(_mm512_set1_ps(kNegInf), vis, x[i], _mm512_set1_ps(c2)));
-        }
+        store_score_rows(x, grp * Mt, Mt, R, kt, nt, t0, sc, c2);
       }
     }
     // ---- online softmax: P in bf16 rows of kBlock keys (rows past R stay 0)
@@ -1154,7 +1225,9 @@ static void decode_impl(const Problem<T>& P, O* out, float* lse, int64_t splits)
   const int64_t S = static_cast<int64_t>(segs.size());
   // every buffer allocated here, before the threads start (nothing throws inside)
   const int64_t dqp = (P.d + 31) / 32 * 32;
-  int64_t per_thread = R * dqp + 2 * R * kBlock + kTile * (P.d + dv) + 64 + 6 * R, Racc = R;
+  const int64_t qt_at = (R * dqp + 2 * R * kBlock + kTile * (P.d + dv) + 64 + 6 * R + 15) / 16 * 16;
+  const bool bcast = std::is_same_v<T, float> && R >= kBcastMinRows && (P.d == 64 || P.d == 128);
+  int64_t per_thread = qt_at + (bcast ? P.d * ((R + 15) / 16 * 16) : 0), Racc = R;
 #ifdef QKV_AMX
   [[maybe_unused]] const int64_t amx_at = per_thread;  // the AMX path's scratch follows the vector path's
   if constexpr (kAmx) per_thread += amx_scratch_bytes(R, P.d, dv) / 4 + 16, Racc = AmxRows(R).Rpad;
@@ -1177,7 +1250,8 @@ static void decode_impl(const Problem<T>& P, O* out, float* lse, int64_t splits)
     Scratch sc{tb, tb + R * dqp, tb + R * dqp + R * kBlock, tb + R * dqp + 2 * R * kBlock,
                tb + R * dqp + 2 * R * kBlock + (kTile * P.d + 15) / 16 * 16,
                reinterpret_cast<int64_t*>(rr), reinterpret_cast<int64_t*>(rr) + R,
-               reinterpret_cast<const uint8_t**>(reinterpret_cast<int64_t*>(rr) + 2 * R)};
+               reinterpret_cast<const uint8_t**>(reinterpret_cast<int64_t*>(rr) + 2 * R),
+               bcast ? tb + qt_at : nullptr};
     constexpr int64_t kAhead = 3;  // segments prefetched ahead (short ones: a few keys each)
     for (int64_t s = first[t]; s < std::min(first[t] + kAhead, first[t + 1]); ++s)
       prefetch_segment(P, segs[s]);
