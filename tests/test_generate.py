@@ -17,8 +17,8 @@ torch.set_num_threads(1)
 def model_(vocab=40, **kw):
     torch.manual_seed(kw.pop("seed", 0))
     cfg = TransformerConfig(
-        src_vocab_size=vocab, tgt_vocab_size=vocab, d_model=32, n_heads=4, d_ff=64, dropout=0.0,
-        **kw,
+        src_vocab_size=vocab, tgt_vocab_size=vocab, d_model=32, n_heads=4, d_ff=64,
+        **{"dropout": 0.0, **kw},
     )  # fmt: skip
     return Seq2SeqTransformer(cfg).eval()
 
