@@ -549,12 +549,11 @@ template <int kG, int kJ, int kD>
     for (int j = 0; j < kJ; ++j) out[16 * g + j0 + j] = acc[g * kJ + j];
 }
 
-// Scores of a whole tile (16 keys, K rows d floats apart) for every query row by qk_bcast,
-// into S. Returns false where it does not apply (d not 64 or 128).
-static bool scores_bcast(const float* qt, int64_t R, int64_t d, const float* kp, const float* pf,
-                         int64_t kt, int64_t nt, int64_t t0, const Scratch& sc, float c2) {
-  if (d != 64 && d != 128) return false;
-  const int64_t Rp = (R + 15) / 16 * 16;
+// Scores of a whole tile (16 keys, K rows d floats apart, d = 64 or 128: decode_impl sets
+// sc.qt only then) for every query row by qk_bcast, into S. Rp: R padded to 16, Qᵀ's row length.
+static void scores_bcast(const float* qt, int64_t R, int64_t Rp, int64_t d, const float* kp,
+                         const float* pf, int64_t kt, int64_t nt, int64_t t0, const Scratch& sc,
+                         float c2) {
   __m512 x[32];
   for (int64_t g = 0; g < Rp / 16; g += 2) {
     const float* q = qt + 16 * g;
@@ -572,7 +571,6 @@ static bool scores_bcast(const float* qt, int64_t R, int64_t d, const float* kp,
       store_score_rows(x + 16 * h, 16 * (g + h), 16, R, kt, nt, t0, sc, c2);
     }
   }
-  return true;
 }
 #endif  // QKV_AVX512
 
@@ -703,9 +701,9 @@ static inline void pv_groups(const T* vp, int64_t vs, int64_t dv, const float* p
   }
 }
 
-template <typename T>
 // nj: value rows, 16 (a tile) or kBlock (a whole block whose rows are vs apart: the
 // accumulators are loaded and stored once per block instead of once per tile)
+template <typename T>
 static inline void pv_tile(const T* vp, int64_t vs, int64_t dv, const float* p, int64_t R,
                            float* acc, int64_t dvp, const T* pf, int nj = kTile) {
   if (pf)
@@ -869,7 +867,10 @@ static void run_segment(const Problem<T>& P, int64_t n, int64_t k0, int64_t k1, 
 #endif
 #ifdef QKV_AVX512
       if constexpr (std::is_same_v<T, float>)
-        if (bcast && ks == d && scores_bcast(sc.qt, R, d, kp, kpf, kt, nt, t0, sc, c2)) continue;
+        if (bcast && ks == d) {
+          scores_bcast(sc.qt, R, Rp, d, kp, kpf, kt, nt, t0, sc, c2);
+          continue;
+        }
       const T* pf_left = kpf;  // the first dot-product call of the tile prefetches
       __m512 blk[4];
       int64_t blk_r = -1;  // the rows [blk_r, blk_r + 3 or 4) whose scores are in blk
@@ -1240,7 +1241,11 @@ static void decode_impl(const Problem<T>& P, O* out, float* lse, int64_t splits)
   // every buffer allocated here, before the threads start (nothing throws inside)
   const int64_t dqp = (P.d + 31) / 32 * 32;
   const int64_t qt_at = (R * dqp + 2 * R * kBlock + kTile * (P.d + dv) + 64 + 6 * R + 15) / 16 * 16;
+#ifdef QKV_AVX512
   const bool bcast = std::is_same_v<T, float> && R >= kBcastMinRows && (P.d == 64 || P.d == 128);
+#else
+  const bool bcast = false;  // scores_bcast is AVX-512 code
+#endif
   int64_t per_thread = qt_at + (bcast ? P.d * ((R + 15) / 16 * 16) : 0), Racc = R;
 #ifdef QKV_AMX
   [[maybe_unused]] const int64_t amx_at = per_thread;  // the AMX path's scratch follows the vector path's
