@@ -528,17 +528,22 @@ static inline void store_score_rows(const __m512* x, int64_t r0, int64_t n, int6
 // of K[j][c] serves 16·kG rows and no horizontal sum is needed (the dot-product form of
 // qk_rows reduces 16 accumulators per 4 rows x 4 keys). Qᵀ: d x Rp, packed per segment.
 // The K rows are kD floats apart (compile-time offsets: 16 row pointers would be spilled).
+// pf: the same keys of a later tile, whose lines (kD / 16 per row) in pf_lines (a bit per
+// line index) are prefetched into L2, one line per 16·kG FMAs: spread evenly over the
+// arithmetic, as the DRAM delivers them (see pv_spread).
 template <int kG, int kJ, int kD>
 [[gnu::noinline]] static void qk_bcast(const float* qt, int64_t Rp, const float* kp, int j0,
-                                       const float* pf, __m512* out) {
+                                       const float* pf, unsigned pf_lines, __m512* out) {
   __m512 acc[kG * kJ];
   for (int i = 0; i < kG * kJ; ++i) acc[i] = _mm512_setzero_ps();
   const float* kr = kp + j0 * kD;
   for (int c = 0; c < kD; ++c) {
     __m512 qv[kG];
     for (int g = 0; g < kG; ++g) qv[g] = _mm512_loadu_ps(qt + c * Rp + 16 * g);
-    if (pf && c % 16 == 0)  // the same rows of a later tile into L2, a line per row
-      for (int j = 0; j < kJ; ++j) pf_line(pf + (j0 + j) * kD + c);
+    // iteration c visits line c / 16 of key j0 + c % 16 (kJ = 16), or of key j0 + c / 2 % 8
+    // on even c (kJ = 8: two calls cover the tile)
+    if (pf && (pf_lines >> (c / 16) & 1) && (kJ == 16 || c % 2 == 0))
+      pf_line(pf + (j0 + (kJ == 16 ? c % 16 : c / 2 % 8)) * kD + c / 16 * 16);
 #pragma GCC unroll 16
     for (int j = 0; j < kJ; ++j) {
       const __m512 kv = _mm512_set1_ps(kr[j * kD + c]);
@@ -555,16 +560,20 @@ static void scores_bcast(const float* qt, int64_t R, int64_t Rp, int64_t d, cons
                          const float* pf, int64_t kt, int64_t nt, int64_t t0, const Scratch& sc,
                          float c2) {
   __m512 x[32];
+  const int64_t passes = (Rp / 16 + 1) / 2;
   for (int64_t g = 0; g < Rp / 16; g += 2) {
     const float* q = qt + 16 * g;
-    const float* f = g == 0 ? pf : nullptr;  // the first groups prefetch
+    // the passes over the tile (pairs of row groups) share its prefetch: pass g / 2 takes
+    // the lines L with L % passes == g / 2
+    unsigned f = 0;
+    for (int64_t L = 0; L < d / 16; ++L) f |= unsigned(L % passes == g / 2) << L;
     if (g + 1 < Rp / 16) {  // two row groups, keys in halves: 16 accumulators
-      if (d == 128) qk_bcast<2, 8, 128>(q, Rp, kp, 0, f, x), qk_bcast<2, 8, 128>(q, Rp, kp, 8, f, x);
-      else qk_bcast<2, 8, 64>(q, Rp, kp, 0, f, x), qk_bcast<2, 8, 64>(q, Rp, kp, 8, f, x);
+      if (d == 128) qk_bcast<2, 8, 128>(q, Rp, kp, 0, pf, f, x), qk_bcast<2, 8, 128>(q, Rp, kp, 8, pf, f, x);
+      else qk_bcast<2, 8, 64>(q, Rp, kp, 0, pf, f, x), qk_bcast<2, 8, 64>(q, Rp, kp, 8, pf, f, x);
     } else if (d == 128) {
-      qk_bcast<1, 16, 128>(q, Rp, kp, 0, f, x);
+      qk_bcast<1, 16, 128>(q, Rp, kp, 0, pf, f, x);
     } else {
-      qk_bcast<1, 16, 64>(q, Rp, kp, 0, f, x);
+      qk_bcast<1, 16, 64>(q, Rp, kp, 0, pf, f, x);
     }
     for (int64_t h = 0; h < 2 && g + h < Rp / 16; ++h) {
       transpose16(x + 16 * h);  // x[16h + i]: the 16 keys' scores of row 16(g + h) + i
@@ -634,25 +643,27 @@ static inline void pv_pairs(const BFloat16*, int64_t, int64_t, const BFloat16*, 
 #endif  // QKV_AVX512
 
 #ifdef QKV_AVX512
-// acc += P V for one tile of 16 value rows (vp, row stride vs; fp32 or bf16 widened), P in
-// fp32 (row r at p + r·kBlock). Register-blocked: up to 4 rows x 4 column chunks (16
+// acc += P V for nj value rows (a tile of 16 or a whole block; vp, row stride vs; fp32 or bf16
+// widened), P in fp32 (row r at p + r·kBlock). Register-blocked: up to 4 rows x 4 column chunks (16
 // accumulators) stay in registers over the 16 keys, so each value chunk is loaded once per
 // 4 rows and each weight broadcast once per 64 columns (the row-at-a-time loop broadcast
 // every weight once per 16 columns and reloaded acc per 16 keys: twice the memory ops).
-// kPf: also prefetch row j of the tile two blocks ahead (pf) into L2, spread over the
-// arithmetic. A template flag, not a runtime test: with a branch in the loop GCC 12 keeps a
-// copy of the accumulators on the stack, 16 stores per key, and the loop runs at half speed.
-template <int kRows, int kCols, bool kPf, typename T>
+// kPf: also prefetch into L2, spread over the arithmetic, for each key j: 1, the chunk's
+// lines of row j of the tile two blocks ahead (pf); 2, the one line at pf + j·vs. A template
+// flag, not a runtime test: with a branch in the loop GCC 12 keeps a copy of the accumulators
+// on the stack, 16 stores per key, and the loop runs at half speed.
+template <int kRows, int kCols, int kPf, typename T>
 [[gnu::noinline]] static void pv_block(const T* vp, int64_t vs, int64_t c, __mmask16 last,
                             const float* p, float* o, int64_t dvp, const T* pf, int nj) {
   __m512 a[kRows][kCols];
   for (int i = 0; i < kRows; ++i)
     for (int u = 0; u < kCols; ++u) a[i][u] = _mm512_loadu_ps(o + i * dvp + c + 16 * u);
   for (int j = 0; j < nj; ++j) {
-    if constexpr (kPf)  // c is a multiple of 64 columns: chunk u starts a new 64-byte line
+    if constexpr (kPf == 1)  // c is a multiple of 64 columns: chunk u starts a new 64-byte line
                         // exactly when 16·u·sizeof(T) is a multiple of 64
       for (int u = 0; u < kCols; ++u)
         if ((16 * u * sizeof(T)) % 64 == 0) pf_line(pf + j * vs + c + 16 * u);
+    if constexpr (kPf == 2) pf_line(pf + j * vs);
     __m512 v[kCols];
     for (int u = 0; u < kCols; ++u)
       v[u] = u + 1 < kCols ? load16(vp + j * vs + c + 16 * u)
@@ -701,11 +712,70 @@ static inline void pv_groups(const T* vp, int64_t vs, int64_t dv, const float* p
   }
 }
 
-// nj: value rows, 16 (a tile) or kBlock (a whole block whose rows are vs apart: the
-// accumulators are loaded and stored once per block instead of once per tile)
+// pv_block for call q of a block: calls q = 0, stride, 2·stride, ... prefetch line q / stride
+// of every value row of the block two ahead (pf + j·vs + 64·(q / stride) bytes) while there
+// are lines left; the others fetch nothing.
+template <int kRows, int kCols, typename T>
+static inline void pv_call(const T* vp, int64_t vs, int64_t c, __mmask16 last, const float* p,
+                           float* o, int64_t dvp, const T* pf, int nj, int64_t q, int64_t lines,
+                           int64_t stride) {
+  if (pf && q % stride == 0 && q / stride < lines) {
+    const char* line = reinterpret_cast<const char*>(pf) + 64 * (q / stride);
+    pv_block<kRows, kCols, 2>(vp, vs, c, last, p, o, dvp, reinterpret_cast<const T*>(line), nj);
+  } else
+    pv_block<kRows, kCols, 0>(vp, vs, c, last, p, o, dvp, static_cast<const T*>(nullptr), nj);
+}
+
+template <int kRows, typename T>
+static inline void pv_rows_spread(const T* vp, int64_t vs, int64_t dv, const float* p, float* o,
+                                  int64_t dvp, const T* pf, int nj, int64_t& q, int64_t lines,
+                                  int64_t stride) {
+  int64_t c = 0;
+  for (; c + 64 <= dv; c += 64, ++q)
+    pv_call<kRows, 4>(vp, vs, c, 0xffff, p, o, dvp, pf, nj, q, lines, stride);
+  const int64_t rest = dv - c;
+  if (rest <= 0) return;
+  const __mmask16 last = lanes(rest - (rest - 1) / 16 * 16);
+  switch ((rest + 15) / 16) {
+    case 1: pv_call<kRows, 1>(vp, vs, c, last, p, o, dvp, pf, nj, q, lines, stride); break;
+    case 2: pv_call<kRows, 2>(vp, vs, c, last, p, o, dvp, pf, nj, q, lines, stride); break;
+    case 3: pv_call<kRows, 3>(vp, vs, c, last, p, o, dvp, pf, nj, q, lines, stride); break;
+    default: pv_call<kRows, 4>(vp, vs, c, last, p, o, dvp, pf, nj, q, lines, stride); break;
+  }
+  ++q;
+}
+
+// acc += P V for a whole block of kBlock value rows (vs apart) with many query rows (the
+// arithmetic-bound case), the prefetch of the block two ahead (pf) spread over all its calls
+// (row groups x column chunks): each fetches at most one line per key, so the DRAM requests
+// keep pace with the arithmetic. (Issued all by the first row group, as pv_tile does, they
+// came in a burst that filled the line-fill buffers, stalling the loads from L2, and then
+// nothing was fetched for the rest of the block: Tk = 16384, 16 rows, fp32, 1 thread,
+// same process, 18.6 -> 15.3 ms.)
+template <typename T>
+static void pv_spread(const T* vp, int64_t vs, int64_t dv, const float* p, int64_t R, float* acc,
+                      int64_t dvp, const T* pf) {
+  const int64_t lines = (dv * int64_t(sizeof(T)) + 63) / 64;
+  const int64_t calls = (R + 3) / 4 * ((dv + 63) / 64);
+  const int64_t stride = std::max<int64_t>(1, calls / std::max<int64_t>(lines, 1));  // dv = 0
+  constexpr int nj = kBlock;
+  int64_t q = 0, r = 0;
+  for (; r + 4 <= R; r += 4)
+    pv_rows_spread<4>(vp, vs, dv, p + r * kBlock, acc + r * dvp, dvp, pf, nj, q, lines, stride);
+  const float* pr = p + r * kBlock;
+  float* ar = acc + r * dvp;
+  switch (R - r) {
+    case 1: pv_rows_spread<1>(vp, vs, dv, pr, ar, dvp, pf, nj, q, lines, stride); break;
+    case 2: pv_rows_spread<2>(vp, vs, dv, pr, ar, dvp, pf, nj, q, lines, stride); break;
+    case 3: pv_rows_spread<3>(vp, vs, dv, pr, ar, dvp, pf, nj, q, lines, stride); break;
+    default: break;
+  }
+}
+
 template <typename T>
 static inline void pv_tile(const T* vp, int64_t vs, int64_t dv, const float* p, int64_t R,
-                           float* acc, int64_t dvp, const T* pf, int nj = kTile) {
+                           float* acc, int64_t dvp, const T* pf) {
+  constexpr int nj = kTile;
   if (pf)
     pv_groups<true>(vp, vs, dv, p, R, acc, dvp, pf, nj);
   else
@@ -932,7 +1002,7 @@ static void run_segment(const Problem<T>& P, int64_t n, int64_t k0, int64_t k1, 
 #ifdef QKV_AVX512
     if (!kBf16Dot && R >= kBcastMinRows && nk == kBlock && !P.rows) {
       const T* vpf = kb + 3 * kBlock <= k1 ? P.vrow(n, kb + 2 * kBlock) : nullptr;
-      pv_tile(P.vrow(n, kb), P.v2s, dv, sc.P, R, acc, dvp, vpf, kBlock);
+      pv_spread(P.vrow(n, kb), P.v2s, dv, sc.P, R, acc, dvp, vpf);
       continue;
     }
 #endif
