@@ -48,6 +48,7 @@ import torch  # noqa: E402
 import torch.nn.functional as TF  # noqa: E402
 
 from _measure import cpu_name, peak_reader  # noqa: E402
+from qkv import KVCache, _pages  # noqa: E402
 from qkv.functional import explain_dispatch, scaled_dot_product_attention  # noqa: E402
 from qkv.kernels._native import native_status  # noqa: E402
 
@@ -68,11 +69,18 @@ def isa_flags() -> str:
     return " ".join(sorted(set(keep))) or "none of avx2/avx512/amx"
 
 
-def written(nbytes: int = 2**30) -> torch.Tensor:
-    """1 GiB of fp32 that has been written (a fresh mapping reads the shared zero page)."""
-    x = torch.empty(nbytes // 4)
+def written(huge: bool, nbytes: int = 2**30) -> torch.Tensor:
+    """1 GiB of fp32 that has been written (a fresh mapping reads the shared zero page), on
+    the pages the K/V sit on."""
+    x = _pages.empty((nbytes // 4,), torch.float32, "cpu") if huge else torch.empty(nbytes // 4)
     x.fill_(1.0)
     return x
+
+
+def cached(k: torch.Tensor, v: torch.Tensor, huge: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """k, v as a generating model holds them: in a qkv.KVCache (its buffers on 2 MiB pages
+    where Linux offers them), or as plain tensors (4 KiB pages)."""
+    return KVCache(capacity=k.shape[2]).update(k, v) if huge else (k, v)
 
 
 # ---- peers (each returns a callable, or a string saying why it cannot run)
@@ -217,18 +225,28 @@ def main() -> None:
         default=None,
         help="default: 60 for short calls, 5 for long ones; the reads take part in 5",
     )
+    p.add_argument(
+        "--pages", choices=["kvcache", "4k"], default="kvcache",
+        help="K/V (and the read buffer) in a qkv.KVCache, i.e. on 2 MiB pages where Linux "
+        "offers them (default), or plain tensors on 4 KiB pages",
+    )
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", default=str(RESULTS / "decode_attention"))
     args = p.parse_args()
     if args.quick:
         args.Tk, args.Tq = [1024, 16384], [1]
     torch.manual_seed(0)
+    huge = args.pages == "kvcache"
     peak = peak_reader()  # built once (a string saying why not, where it cannot be)
     header = [
         f"CPU: {cpu_name()}",
         f"ISA flags: {isa_flags()}",
         f"qkv fused kernels: {native_status()}",
         f"torch {torch.__version__}; q (1, {H}, Tq, {D}) over k, v (1, {H_KV}, Tk, {D}), no mask",
+        "K/V and the 1 GiB read buffer: " + (
+            f"in a qkv.KVCache (2 MiB pages where >= {_pages.MIN_BYTES >> 20} MiB; Linux "
+            f"huge pages: {_pages.huge_pages_mode()})" if huge else "plain tensors (4 KiB pages)"
+        ),
     ]
     print("\n".join(header), flush=True)
     rows = []
@@ -236,13 +254,15 @@ def main() -> None:
         torch.set_num_threads(threads)
         # the bandwidth of a shared machine drifts from minute to minute: every case times a
         # streaming read of 1 GiB in its own interleaved rounds and is compared with that
-        x = written()
+        x = written(huge)
         section = []
         for dname in args.dtypes:
             dtype = DTYPES[dname]
             for Tk in args.Tk:
-                k = torch.randn(1, H_KV, Tk, D).to(dtype)  # (B, h_kv, Tk, d), written
-                v = torch.randn(1, H_KV, Tk, D).to(dtype)
+                k, v = cached(  # (B, h_kv, Tk, d), written
+                    torch.randn(1, H_KV, Tk, D).to(dtype), torch.randn(1, H_KV, Tk, D).to(dtype),
+                    huge,
+                )
                 nbytes = (k.numel() + v.numel()) * k.element_size()
                 for Tq in args.Tq:
                     q = torch.randn(1, H, Tq, D).to(dtype)  # (B, h, Tq, d)
