@@ -28,6 +28,9 @@ machine's bandwidth drifts from minute to minute. Beside it, the same tensor thr
 read loop that prefetches ahead (``bench/read_peak.cpp``, built on first use): the streaming
 limit a kernel can reach, and with it the most any method reading K + V once could be ahead
 of the fastest peer ("limit vs peer"). Bytes moved = K + V (q and the output are a few KiB).
+K and V sit in a ``qkv.KVCache`` as a generating model holds them (2 MiB pages from 16 MiB up,
+where Linux offers them), the read buffer on the same kind of pages; every method reads the
+same tensors. ``--pages 4k``: plain tensors on 4 KiB pages instead.
 Writes bench/results/decode_attention.{md,csv}.
 """
 
