@@ -242,6 +242,26 @@ def test_auto_picks_decode_for_few_queries_and_says_why(Tq, dtype):
         _check(q, k, v, out, decode_attention(q, k, v, **kw, return_lse=True)[1], **kw)
 
 
+@pytest.mark.parametrize("kw", [{}, {"causal": True, "window": 7}, {"scale": 0.3}])
+def test_auto_repeats_a_decode_call_with_each_calls_tensors(kw):
+    """``"auto"`` remembers a decode call per signature and then calls the extension directly:
+    every later call must still read its own q, k, v and mask (new values, a mask that
+    changes, q a transposed view, k with a strided head dim, 5-D inputs)."""
+    g = torch.Generator().manual_seed(5)
+    for i in range(3):
+        q = torch.randn(2, 3, 4, 16, generator=g).transpose(1, 2)  # (2, 4, 3, 16), a view
+        k = torch.randn(2, 2, 16, 40, generator=g).transpose(-1, -2)  # (2, 2, 40, 16)
+        v = torch.randn(2, 2, 40, 8, generator=g)
+        mask = torch.rand(2, 1, 3, 40, generator=g) > 0.3 * i  # i = 2: some rows see no key
+        with torch.no_grad():
+            assert explain_dispatch(q, k, v, mask=mask, **kw).backend == "decode"
+            out = scaled_dot_product_attention(q, k, v, mask=mask, **kw)
+        lse = decode_attention(q, k, v, mask=mask, **kw, return_lse=True)[1]
+        _check(q, k, v, out, lse, mask=mask, **kw)
+        out5 = scaled_dot_product_attention(q[None], k[None], v[None], mask=mask[None], **kw)
+        _check(q[None], k[None], v[None], out5, lse[None], mask=mask[None], **kw)
+
+
 def test_auto_leaves_decode_with_reasons_that_match_the_call():
     q, k, v = _decode_call(Tq=MAX_TQ + 1)
     d = explain_dispatch(q, k, v)

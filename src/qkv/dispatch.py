@@ -84,6 +84,7 @@ from qkv._validate import (
     check_options,
     check_qkv,
 )
+from qkv.kernels import decode as _decode
 from qkv.kernels import flash as _flash
 from qkv.kernels._native import native_module
 from qkv.kernels.decode import MAX_TQ, decode_rejects
@@ -437,8 +438,8 @@ def log_decision(decision: Decision, case: Case) -> None:
 
 def _fast_path(q, k, v, case: Case, decision: Decision, mask, bias) -> Callable | None:
     """``run(q, k, v, mask, bias) -> output`` for every call of this signature, worked out
-    once: torch SDPA with its keyword arguments, or flash with its plan (both read only
-    metadata and options). ``None`` where the call needs more (weights, a mask to build)."""
+    once: torch SDPA with its keyword arguments, flash with its plan, or the decode kernel
+    (all read only metadata and options). ``None`` where the call needs more (weights, a mask to build)."""
     if case.return_weights:
         return None
     if decision.backend == "torch":
@@ -447,6 +448,9 @@ def _fast_path(q, k, v, case: Case, decision: Decision, mask, bias) -> Callable 
             return None
         sdpa = TF.scaled_dot_product_attention
         return lambda q, k, v, mask, bias: sdpa(q, k, v, attn_mask=mask, **kw)
+    if decision.backend == "decode":
+        return _decode.prepared_call(case.shape, causal=case.causal, window=case.window,
+                                     scale=case.scale, four=q.dim() == 4)  # fmt: skip
     if decision.backend == "flash":
         return _flash.prepared_call(
             q, k, v, case.shape, mask=mask, bias=bias, causal=case.causal, window=case.window,

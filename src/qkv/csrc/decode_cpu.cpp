@@ -1944,6 +1944,16 @@ std::tuple<Tensor, Tensor> decode_attention(const Tensor& q, const Tensor& k, co
   return decode_fwd(q, k, v, mask, scale, causal, -1, 0, rows, kv_batch);
 }
 
+// The dispatcher's per-call entry (module.cpp's `decode`): any q layout, k and v with any
+// head-dim stride (copied where it is not 1), the output only.
+Tensor decode_output(const Tensor& q, const Tensor& k, const Tensor& v,
+                     const std::optional<Tensor>& mask, double scale, bool causal,
+                     int64_t window) {
+  auto unit = [](const Tensor& t) { return t.dim() == 4 && t.stride(3) != 1 ? t.contiguous() : t; };
+  return std::get<0>(decode_fwd(q.contiguous(), unit(k), unit(v), mask, scale, causal, window, 0,
+                                std::nullopt, std::nullopt));
+}
+
 // argmax_rows written into out (N,) int64; returns how many rows chose token eos (if >= 0)
 int64_t greedy_pick(const Tensor& logits, int64_t block, int64_t eos, const Tensor& out) {
   check_logits(logits);

@@ -10,6 +10,9 @@
 namespace qkv {
 double max_abs_product(const at::Tensor& q, const at::Tensor& k);
 void register_step(py::module& m);  // step_cpu.cpp
+at::Tensor decode_output(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                         const std::optional<at::Tensor>& mask, double scale, bool causal,
+                         int64_t window);
 int64_t greedy_pick(const at::Tensor& logits, int64_t block, int64_t eos, const at::Tensor& out);
 }
 
@@ -52,6 +55,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       "the metadata of q, k, v, mask, bias (shapes, dtypes, devices, requires_grad) as bytes: "
       "the dispatcher's cache key");
+  m.def("decode", &qkv::decode_output, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("mask"),
+        py::arg("scale"), py::arg("causal"), py::arg("window"),
+        "the decode kernel's output for 4-D q, k, v and a (Nb, h_kv, G, Tq, Tk) bool mask view "
+        "or None (torch.ops.qkv_decode.fwd without its schema parsing; window -1: none)");
   m.def("greedy_pick", &qkv::greedy_pick,
         "greedy search's step: each row's argmax of logits (N, V) (token block counted as -inf) "
         "into out (N,) int64; returns how many rows chose token eos (if eos >= 0)");

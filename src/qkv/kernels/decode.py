@@ -31,15 +31,16 @@ torch.Size([1, 8, 1, 64])
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
 from qkv._validate import AttentionShape, check_mask, check_options, check_qkv
-from qkv.kernels._native import decode_ops, native_status
+from qkv.kernels._native import decode_ops, native_module, native_status
 from qkv.kernels.flash import _mask_view
 
-__all__ = ["MAX_TQ", "decode_attention", "decode_rejects", "run_decode"]
+__all__ = ["MAX_TQ", "decode_attention", "decode_rejects", "prepared_call", "run_decode"]
 
 MAX_TQ = 16  # "auto" picks the decode kernel up to this many queries (bench/decode_attention.py)
 _FP32_MAX = float(torch.finfo(torch.float32).max)
@@ -128,6 +129,28 @@ def decode_attention(
         raise ValueError(f"decode_attention cannot run this call: {why}")
     out, lse = run_decode(q, k, v, shape, mask=mask, causal=causal, window=window, scale=scale)
     return (out, lse) if return_lse else out
+
+
+def prepared_call(
+    shape: AttentionShape, *, causal: bool, window: int | None, scale: float | None, four: bool
+) -> Callable[[Tensor, Tensor, Tensor, Tensor | None, Tensor | None], Tensor] | None:
+    """:func:`run_decode`'s output for every call of this signature, worked out once:
+    ``run(q, k, v, mask, bias) -> out`` for arguments already checked (the dispatcher's), a
+    direct call into the extension's module (no operator schema to parse: a few µs of a
+    short decode step). ``None`` where :func:`run_decode` takes another route (empty inputs,
+    tensors other than 4-D: ``four``)."""
+    module = native_module()
+    if module is None or shape.empty or not four:
+        return None
+    scale = 1.0 / math.sqrt(shape.d_k) if scale is None else float(scale)
+    window_arg = -1 if window is None else window
+    decode, causal = module.decode, bool(causal)
+
+    def run(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None) -> Tensor:
+        m = None if mask is None else _mask_arg(mask, shape)
+        return decode(q, k, v, m, scale, causal, window_arg)
+
+    return run
 
 
 def run_decode(
