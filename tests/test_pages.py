@@ -48,6 +48,18 @@ def test_large_buffers_are_aligned_advised_and_usable():
 
 
 @madvise_mode
+def test_only_whole_huge_pages_are_advised(monkeypatch):
+    """17 MiB: the first 16 MiB on huge pages, the last 1 MiB not (a huge page there would be
+    backed in full, 1 MiB beyond the tensor); QKV_HUGE_PAGES=0 asks for none."""
+    t = _pages.empty((17 * MiB,), torch.uint8, "cpu")
+    assert t.data_ptr() % (2 * MiB) == 0 and thp_eligible(t) and thp_eligible(t[16 * MiB - 1 :])
+    assert not thp_eligible(t[16 * MiB :])
+    monkeypatch.setenv("QKV_HUGE_PAGES", "0")
+    plain = _pages.empty((17 * MiB,), torch.uint8, "cpu")
+    assert plain.untyped_storage().nbytes() == 17 * MiB and not thp_eligible(plain)
+
+
+@madvise_mode
 def test_kv_cache_buffers_on_huge_pages_with_and_without_a_pool():
     """A 16 MiB cache is advised; with a pool, growing gives the old buffers back (found by
     their storage, which starts before the view) and the next cache reuses them."""
