@@ -18,10 +18,14 @@ inputs (:func:`qkv.kernels.packed.pack_linears`; ``--no-pack`` keeps ``nn.Linear
 Printed per row: prefill seconds; decode tokens/s (from the median step); the share of
 decode time spent inside attention (timed around each attention call); and the decode
 speed as a fraction of its memory-bound limit: every step must read all the weights
-plus the whole KV cache once, so the limit is ``(weight bytes + mean KV bytes per step) ÷
-read bandwidth``, the read bandwidth measured before and after each round, the higher
-reading taken (a sum over 1 GiB written first: reading fresh ``torch.empty`` memory hits
-the kernel's shared zero page and reports about twice the truth).
+plus the whole KV cache once, so the limit is ``1 ÷ (weight bytes ÷ read bandwidth + mean
+KV bytes per step ÷ read bandwidth on the cache's pages)``: the weights sit on 4 KiB pages,
+the cache's buffers on 2 MiB pages where Linux offers them (``qkv._pages``), and each kind
+is read at its own speed. The bandwidths are measured before and after each round, the
+higher reading taken, over 1 GiB written first (reading fresh ``torch.empty`` memory hits
+the kernel's shared zero page and reports about twice the truth): by torch's ``sum``
+("of limit"), and by the prefetching read loop of ``bench/read_peak.cpp`` ("of peak", the
+stricter figure: a plain loop's best).
 """
 
 from __future__ import annotations
@@ -34,22 +38,37 @@ from contextlib import contextmanager
 import torch
 
 import qkv.functional as qf
-from _measure import cpu_name
+from _measure import cpu_name, peak_reader
+from qkv import _pages
 from qkv.kernels.packed import pack_linears
 from qkv.models import CausalLM, TransformerConfig
 from qkv.models.incremental import PreparedSteps
 from qkv.models.lm_decoder import LMDecoder
 
 
-def read_bandwidth(gib: float = 1.0, repeats: int = 3) -> float:
-    """Bytes/s of a streaming read (a sum) over ``gib`` GiB written first."""
-    x = torch.ones(int(gib * 2**30) // 4)  # written: every page is real memory
+def read_bandwidth(gib: float = 1.0, repeats: int = 3, huge: bool = False, read=None) -> float:
+    """Bytes/s of a streaming read over ``gib`` GiB written first (``read``: torch's sum, or
+    another reader such as the prefetching loop), on 4 KiB pages as the weights, or
+    (``huge``) as the KV cache holds its buffers (``qkv._pages``: 2 MiB pages where Linux
+    offers them)."""
+    n = int(gib * 2**30) // 4
+    x = _pages.empty((n,), torch.float32, "cpu") if huge else torch.empty(n)
+    x.fill_(1.0)  # written: every page is real memory
+    read = read or torch.sum
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
-        x.sum()
+        read(x)
         best = min(best, time.perf_counter() - t0)
     return x.numel() * 4 / best
+
+
+def bandwidths(peak) -> dict[tuple[str, bool], float]:
+    """{(reader, on 2 MiB pages): bytes/s}: torch's sum, and the prefetching loop if built."""
+    out = {("sum", huge): read_bandwidth(huge=huge) for huge in (False, True)}
+    if peak is not None:
+        out |= {("peak", huge): read_bandwidth(huge=huge, read=peak) for huge in (False, True)}
+    return out
 
 
 class AttentionTimer:
@@ -165,8 +184,12 @@ def main() -> None:
           f"{weight_bytes / 1e6:.0f} MB of weights | KV cache {args.cache_dtype} | "
           f"linears {'nn.Linear' if args.no_pack else 'packed panels'} | decode through "
           f"{'the module forward' if args.module_forward else 'LMDecoder'} | {new} new tokens")  # fmt: skip
+    peak = peak_reader()
+    if isinstance(peak, str):
+        print(f"prefetching read loop {peak}")
+        peak = None
     print(f"{'threads':>7} {'prompt':>6} {'attention':>10} {'prefill s':>9} {'tok/s':>7} "
-          f"{'attn %':>6} {'limit tok/s':>11} {'of limit':>8}")  # fmt: skip
+          f"{'attn %':>6} {'limit tok/s':>11} {'of limit':>8} {'of peak':>7}")  # fmt: skip
     run(lm, torch.randint(3, args.vocab, (1, 64)), 2, args.chunk, cache_dtype,
         module_forward=args.module_forward)  # warm-up
     for threads in args.threads:
@@ -176,7 +199,8 @@ def main() -> None:
                 3, args.vocab, (1, T), generator=torch.Generator().manual_seed(T)
             )
             for _ in range(args.rounds):  # the bandwidth is read again in every round
-                before, rows = read_bandwidth(), []
+                before = bandwidths(peak)
+                rows = []
                 for label, backend in (("qkv auto", "auto"), ("torch SDPA", "torch")):
                     set_backend(lm, backend)
                     t_start = time.perf_counter()
@@ -185,13 +209,19 @@ def main() -> None:
                     rows.append((label, prefill, step, attn, kv, time.perf_counter() - t_start))
                 # this VM's bandwidth drifts within minutes: the higher of the readings
                 # before and after the round (the stricter limit)
-                bw = max(before, read_bandwidth())
+                bw = {key: max(x, y) for (key, x), y in zip(before.items(), bandwidths(peak).values())}
                 for label, prefill, step, attn, kv, seconds in rows:
-                    limit = bw / (weight_bytes + kv)  # tokens/s if every byte is read once
-                    speed = 1 / step
+                    limit = {how: 1 / (weight_bytes / bw[how, False] + kv / bw[how, True])
+                             for how in ("sum", "peak") if (how, True) in bw}  # fmt: skip
+                    speed = 1 / step  # limits: tokens/s if each byte is read once at that speed
+                    of_peak = f"{speed / limit['peak']:>7.0%}" if "peak" in limit else "      —"
                     print(f"{threads:>7} {T:>6} {label:>10} {prefill:>9.2f} {speed:>7.2f} "
-                          f"{100 * attn:>5.0f}% {limit:>11.2f} {speed / limit:>7.0%}"
-                          f"   (read {bw / 1e9:.1f} GB/s, {seconds:.0f} s)", flush=True)  # fmt: skip
+                          f"{100 * attn:>5.0f}% {limit['sum']:>11.2f} {speed / limit['sum']:>7.0%} "
+                          f"{of_peak}   (sum {bw['sum', False] / 1e9:.1f} GB/s, cache pages "
+                          f"{bw['sum', True] / 1e9:.1f}; prefetching loop "
+                          + (f"{bw['peak', False] / 1e9:.1f} / {bw['peak', True] / 1e9:.1f}"
+                             if ("peak", True) in bw else "not built")
+                          + f"; {seconds:.0f} s)", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":
