@@ -4,15 +4,15 @@ A decode step streams the whole KV cache once. On 4 KiB pages every 4 KiB of it 
 entry to walk for, and the hardware prefetchers stop at each page boundary; on 2 MiB pages
 the same read runs faster (measured on a 2-core Xeon, 1 GiB read by a prefetching loop:
 12.7 -> 16.3 GB/s with 1 thread, 25.4 -> 32.1 with 2; qkv's fp32 decode over a 537 MB cache
-11.2 -> 12.2 and 21.0 -> 24.1 GB/s). Linux's default ("madvise"
-mode) gives huge pages only to memory that asks for them, so :func:`empty` asks: it
-over-allocates by 2 MiB of address space (never touched, so never backed by memory),
-advises the whole 2 MiB pages of the 2 MiB-aligned part (``madvise(MADV_HUGEPAGE)``) before
-anything touches them, and returns a view of that part; a tail shorter than 2 MiB stays on
-4 KiB pages, so no page is backed beyond the tensor. Elsewhere (not Linux, huge pages off, a
-GPU tensor, a buffer under 16 MiB, ``QKV_HUGE_PAGES=0`` in the environment) it is
-``torch.empty``. Huge pages are a request: the kernel falls back to 4 KiB pages when it has
-none free, and the tensor works the same either way.
+11.2 -> 12.2 and 21.0 -> 24.1 GB/s). Linux's default ("madvise" mode) gives huge pages only
+to memory that asks for them, so :func:`empty` asks: it over-allocates by 2 MiB of address
+space (never touched, so never backed by memory), advises the whole 2 MiB pages of the
+2 MiB-aligned part (``madvise(MADV_HUGEPAGE)``) before anything touches them, and returns a
+view of that part; a tail shorter than 2 MiB stays on 4 KiB pages, so no page is backed
+beyond the tensor. Elsewhere (not Linux, huge pages off, a GPU tensor, a buffer under 16 MiB,
+``QKV_HUGE_PAGES=0`` in the environment) it is ``torch.empty``. Huge pages are a request: the
+kernel falls back to 4 KiB pages when it has none free, and the tensor works the same either
+way.
 """
 
 from __future__ import annotations

@@ -439,7 +439,8 @@ def log_decision(decision: Decision, case: Case) -> None:
 def _fast_path(q, k, v, case: Case, decision: Decision, mask, bias) -> Callable | None:
     """``run(q, k, v, mask, bias) -> output`` for every call of this signature, worked out
     once: torch SDPA with its keyword arguments, flash with its plan, or the decode kernel
-    (all read only metadata and options). ``None`` where the call needs more (weights, a mask to build)."""
+    (all read only metadata and options). ``None`` where the call needs more (weights, a mask
+    to build)."""
     if case.return_weights:
         return None
     if decision.backend == "torch":
