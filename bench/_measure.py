@@ -126,6 +126,17 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine() or "unknown CPU"
 
 
+def written(huge: bool, nbytes: int = 2**30) -> torch.Tensor:
+    """``nbytes`` of fp32 that have been written (a fresh mapping reads the kernel's shared zero
+    page, about twice the true speed): on 2 MiB pages where Linux offers them (``huge``, as
+    a ``qkv.KVCache`` holds its buffers) or on plain 4 KiB pages."""
+    from qkv import _pages
+
+    x = _pages.empty((nbytes // 4,), torch.float32, "cpu") if huge else torch.empty(nbytes // 4)
+    x.fill_(1.0)
+    return x
+
+
 def peak_reader() -> Callable[[torch.Tensor], float] | str:
     """``read(x)``: a prefetching fp32 read loop (bench/read_peak.cpp, built here once), the
     machine's streaming read limit as a plain loop reaches it; or why it could not be built."""

@@ -38,23 +38,15 @@ from contextlib import contextmanager
 import torch
 
 import qkv.functional as qf
-from _measure import cpu_name, peak_reader
-from qkv import _pages
+from _measure import cpu_name, peak_reader, written
 from qkv.kernels.packed import pack_linears
 from qkv.models import CausalLM, TransformerConfig
 from qkv.models.incremental import PreparedSteps
 from qkv.models.lm_decoder import LMDecoder
 
 
-def read_bandwidth(gib: float = 1.0, repeats: int = 3, huge: bool = False, read=None) -> float:
-    """Bytes/s of a streaming read over ``gib`` GiB written first (``read``: torch's sum, or
-    another reader such as the prefetching loop), on 4 KiB pages as the weights, or
-    (``huge``) as the KV cache holds its buffers (``qkv._pages``: 2 MiB pages where Linux
-    offers them)."""
-    n = int(gib * 2**30) // 4
-    x = _pages.empty((n,), torch.float32, "cpu") if huge else torch.empty(n)
-    x.fill_(1.0)  # written: every page is real memory
-    read = read or torch.sum
+def read_bandwidth(x: torch.Tensor, read=torch.sum, repeats: int = 3) -> float:
+    """Bytes/s of a streaming read of ``x`` (``read``: torch's sum, or the prefetching loop)."""
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -63,12 +55,12 @@ def read_bandwidth(gib: float = 1.0, repeats: int = 3, huge: bool = False, read=
     return x.numel() * 4 / best
 
 
-def bandwidths(peak) -> dict[tuple[str, bool], float]:
-    """{(reader, on 2 MiB pages): bytes/s}: torch's sum, and the prefetching loop if built."""
-    out = {("sum", huge): read_bandwidth(huge=huge) for huge in (False, True)}
-    if peak is not None:
-        out |= {("peak", huge): read_bandwidth(huge=huge, read=peak) for huge in (False, True)}
-    return out
+def bandwidths(buffers: dict[bool, torch.Tensor], peak) -> dict[tuple[str, bool], float]:
+    """{(reader, on 2 MiB pages): bytes/s}: torch's sum, and the prefetching loop if built,
+    over 1 GiB written first on each kind of page (``buffers``)."""
+    readers = {"sum": torch.sum} | ({"peak": peak} if peak is not None else {})
+    return {(name, huge): read_bandwidth(x, read)
+            for name, read in readers.items() for huge, x in buffers.items()}  # fmt: skip
 
 
 class AttentionTimer:
@@ -184,6 +176,7 @@ def main() -> None:
           f"{weight_bytes / 1e6:.0f} MB of weights | KV cache {args.cache_dtype} | "
           f"linears {'nn.Linear' if args.no_pack else 'packed panels'} | decode through "
           f"{'the module forward' if args.module_forward else 'LMDecoder'} | {new} new tokens")  # fmt: skip
+    buffers = {huge: written(huge) for huge in (False, True)}  # the weights' pages, the cache's
     peak = peak_reader()
     if isinstance(peak, str):
         print(f"prefetching read loop {peak}")
@@ -199,7 +192,7 @@ def main() -> None:
                 3, args.vocab, (1, T), generator=torch.Generator().manual_seed(T)
             )
             for _ in range(args.rounds):  # the bandwidth is read again in every round
-                before = bandwidths(peak)
+                before = bandwidths(buffers, peak)
                 rows = []
                 for label, backend in (("qkv auto", "auto"), ("torch SDPA", "torch")):
                     set_backend(lm, backend)
@@ -209,7 +202,8 @@ def main() -> None:
                     rows.append((label, prefill, step, attn, kv, time.perf_counter() - t_start))
                 # this VM's bandwidth drifts within minutes: the higher of the readings
                 # before and after the round (the stricter limit)
-                bw = {key: max(x, y) for (key, x), y in zip(before.items(), bandwidths(peak).values())}
+                after = bandwidths(buffers, peak)
+                bw = {key: max(before[key], after[key]) for key in before}
                 for label, prefill, step, attn, kv, seconds in rows:
                     limit = {how: 1 / (weight_bytes / bw[how, False] + kv / bw[how, True])
                              for how in ("sum", "peak") if (how, True) in bw}  # fmt: skip

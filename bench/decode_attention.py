@@ -50,7 +50,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as TF  # noqa: E402
 
-from _measure import cpu_name, peak_reader  # noqa: E402
+from _measure import cpu_name, peak_reader, written  # noqa: E402
 from qkv import KVCache, _pages  # noqa: E402
 from qkv.functional import explain_dispatch, scaled_dot_product_attention  # noqa: E402
 from qkv.kernels._native import native_status  # noqa: E402
@@ -70,14 +70,6 @@ def isa_flags() -> str:
         return "unknown"
     keep = [f for f in flags if f.startswith(("avx512", "amx", "avx2", "fma"))]
     return " ".join(sorted(set(keep))) or "none of avx2/avx512/amx"
-
-
-def written(huge: bool, nbytes: int = 2**30) -> torch.Tensor:
-    """1 GiB of fp32 that has been written (a fresh mapping reads the shared zero page), on
-    the pages the K/V sit on."""
-    x = _pages.empty((nbytes // 4,), torch.float32, "cpu") if huge else torch.empty(nbytes // 4)
-    x.fill_(1.0)
-    return x
 
 
 def cached(k: torch.Tensor, v: torch.Tensor, huge: bool) -> tuple[torch.Tensor, torch.Tensor]:
