@@ -7,6 +7,8 @@ import torch
 
 from qkv.data import Tokenizer
 from qkv.generate import beam_search, greedy_search, translate
+from qkv.kernels._native import int8_ops, native_status
+from qkv.kernels.int8 import quantize_linears
 from qkv.models import Seq2SeqTransformer, TransformerConfig
 from qkv.models.incremental import IncrementalDecoder
 
@@ -357,6 +359,17 @@ def test_repeated_searches_reuse_the_cache_memory():
     assert pool.nbytes == held  # nothing new was needed: the same buffers went round
 
 
+def _nonzero_biases(model):
+    """Random biases and norm parameters (the model starts with zeros and ones there, which
+    a path that dropped a bias or a norm's affine part would pass unnoticed)."""
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or ".norm" in name:
+                p.add_(0.1 * torch.randn(p.shape, generator=g))
+    return model
+
+
 class _Counted:
     """The fused step, counting its calls (it is a compiled class: not patchable)."""
 
@@ -378,12 +391,17 @@ class _Counted:
 )
 @pytest.mark.parametrize("cache_dtype", [None, torch.bfloat16])
 @pytest.mark.parametrize("K", [1, 3])
-def test_fused_step_equals_the_python_loop(kw, cache_dtype, K):
+@pytest.mark.parametrize("int8", [False, True])
+def test_fused_step_equals_the_python_loop(kw, cache_dtype, K, int8):
     """The compiled decoder step (one call per step) gives the logits of the Python loop it
     replaces, step by step: one row per sentence, then (K > 1) beams expanded and reordered
     through the rows table, and a sentence leaving the batch (the cache rows stay where they
-    are)."""
-    model = model_(seed=12, **kw)
+    are). With every linear in int8 (quantize_linears) both run the same int8 kernel."""
+    model = _nonzero_biases(model_(seed=12, **kw))
+    if int8:
+        if int8_ops() is None:
+            pytest.skip(f"no compiled int8 kernel: {native_status()}")
+        model = quantize_linears(model)
     dec = IncrementalDecoder.for_model(model)
     assert dec is not None and dec.fused is not None
     counted = _Counted(dec.fused)
@@ -417,7 +435,13 @@ def test_fused_step_equals_the_python_loop(kw, cache_dtype, K):
             # a bf16 cache rounds keys and values whose fp32 values differ in the last bit
             # (the norms' summation order) to neighbouring bf16 values (2^-8 apart)
             tol = 1e-5 if cache_dtype is None else 1e-3
-            torch.testing.assert_close(logits[0], logits[1], atol=tol, rtol=tol)
+            if not int8:
+                torch.testing.assert_close(logits[0], logits[1], atol=tol, rtol=tol)
+            else:  # such a difference in a linear's input can move its row to the next int8
+                # level (1/255 of the row's range): a hypothesis' logits then differ by up to
+                # a few 1e-3 (logits ~ N(0, 1) here); all others stay within fp32 rounding
+                diff = (logits[0] - logits[1]).abs()
+                assert float(diff.max()) < 0.05 and float(diff.median()) < 1e-5, diff
             tokens = torch.randint(3, 40, tokens.shape, generator=g)
     assert counted.calls == T  # every step
     dec.fused = counted.fused
@@ -440,10 +464,16 @@ def test_fused_step_is_not_used_where_it_does_not_apply():
     ],
 )
 @pytest.mark.parametrize("S", [6, 23])  # the decode kernel (<= 16 queries), PyTorch's SDPA
-def test_fused_encoder_equals_model_encode(kw, S):
+@pytest.mark.parametrize("int8", [False, True])
+def test_fused_encoder_equals_model_encode(kw, S, int8):
     """The encoder in one compiled call gives model.encode's vectors at the real tokens and
-    zeros at padding; a source with no visible token and bad ids take the Python layers."""
-    model = model_(seed=13, **kw)
+    zeros at padding (also with every linear in int8); a source with no visible token and
+    bad ids take the Python layers."""
+    model = _nonzero_biases(model_(seed=13, **kw))
+    if int8:
+        if int8_ops() is None:
+            pytest.skip(f"no compiled int8 kernel: {native_status()}")
+        model = quantize_linears(model)
     dec = IncrementalDecoder.for_model(model)
     assert dec is not None and dec.fused_encoder is not None
     g = torch.Generator().manual_seed(S)

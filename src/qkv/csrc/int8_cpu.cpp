@@ -315,49 +315,32 @@ Tensor matmul_s32(const Tensor& q_, const Tensor& zero_, const Tensor& packed,
   return out;
 }
 
-// y = act(s_x s_w (Σ (q - z) W_q) + b) (M, N) fp32 for x (M, K) fp32.
-Tensor linear(const Tensor& x_, const Tensor& packed, const Tensor& wscale, const Tensor& wsum,
-              const std::optional<Tensor>& bias_, int64_t N, int64_t K, bool relu) {
-  TORCH_CHECK(x_.scalar_type() == at::kFloat && x_.is_cpu(),
-              "qkv int8: x must be a float32 CPU tensor");
-  const Tensor x = rows_of(x_, K, "x");
-  const int64_t M = x.size(0), Kp = (K + 3) / 4 * 4;
-  check_packed(packed, wsum, N, Kp);
-  const int64_t Np = wsum.numel();
-  TORCH_CHECK(wscale.scalar_type() == at::kFloat && wscale.is_contiguous() &&
-                  wscale.numel() == Np,
-              "qkv int8: wscale must be a contiguous float32 tensor of ", Np, " elements");
-  Tensor bias;
-  if (bias_.has_value() && bias_->defined()) {
-    bias = *bias_;
-    TORCH_CHECK(bias.scalar_type() == at::kFloat && bias.is_contiguous() && bias.numel() == N,
-                "qkv int8: bias must be a contiguous float32 tensor of ", N, " elements");
-  }
-  Tensor out = at::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return out;
+// y (M, N), row stride ldy = act(s_x s_w (Σ (q - z) W_q) + b) for x (M, K) fp32, row
+// stride ldx; the operands as checked by linear() (also called by the compiled decoder step
+// on its own buffers).
+static void linear_rows(const float* xp, int64_t ldx, int64_t M, int64_t K, const int8_t* packed,
+                        const float* sw, const int32_t* wsum, const float* b, int64_t N,
+                        bool relu, float* o, int64_t ldy) {
+  if (M == 0 || N == 0) return;
+  const int64_t Kp = (K + 3) / 4 * 4;
   // the quantized rows, kept between calls (no allocation per call)
   static thread_local std::vector<uint8_t> qbuf;
   static thread_local std::vector<float> sbuf;
   static thread_local std::vector<int32_t> zbuf;
   if (qbuf.size() < static_cast<size_t>(M * Kp)) qbuf.resize(M * Kp);
   if (sbuf.size() < static_cast<size_t>(M)) sbuf.resize(M), zbuf.resize(M);
-  const float* xp = x.const_data_ptr<float>();
   for (int64_t m = 0; m < M; ++m) {
-    const RowQuant p = quantize_row(xp + m * K, K, Kp, qbuf.data() + m * Kp);
+    const RowQuant p = quantize_row(xp + m * ldx, K, Kp, qbuf.data() + m * Kp);
     sbuf[m] = p.finite ? p.scale : NAN;
     zbuf[m] = p.zero;
   }
-  const Problem P{qbuf.data(), zbuf.data(), packed.const_data_ptr<int8_t>(),
-                  wsum.const_data_ptr<int32_t>(), M, N, Kp};
-  const float* sw = wscale.const_data_ptr<float>();
-  const float* b = bias.defined() ? bias.const_data_ptr<float>() : nullptr;
+  const Problem P{qbuf.data(), zbuf.data(), packed, wsum, M, N, Kp};
   const float* sx = sbuf.data();
-  float* o = out.data_ptr<float>();
   for_blocks(P, [&](int64_t m0, int64_t rows, int64_t n0, const int32_t* acc) {
     const int64_t cols = std::min(kGroup, N - n0);
     for (int64_t r = 0; r < rows; ++r) {
       const float s = sx[m0 + r];
-      float* orow = o + (m0 + r) * N + n0;
+      float* orow = o + (m0 + r) * ldy + n0;
       const int32_t* a = acc + r * kGroup;
 #ifdef QKV_VNNI
       const __m512 vs = _mm512_set1_ps(s);
@@ -380,6 +363,35 @@ Tensor linear(const Tensor& x_, const Tensor& packed, const Tensor& wscale, cons
 #endif
     }
   });
+}
+
+// The checks of linear()'s weight operands: packed, wscale (Np,), wsum (Np,) for N outputs
+// of K inputs; returns the bias pointer (nullptr: none).
+static const float* check_weight(const Tensor& packed, const Tensor& wscale, const Tensor& wsum,
+                                 const std::optional<Tensor>& bias, int64_t N, int64_t K) {
+  TORCH_CHECK(K >= 0, "qkv int8: K must be >= 0");
+  check_packed(packed, wsum, N, (K + 3) / 4 * 4);
+  const int64_t Np = wsum.numel();
+  TORCH_CHECK(wscale.scalar_type() == at::kFloat && wscale.is_contiguous() &&
+                  wscale.numel() == Np,
+              "qkv int8: wscale must be a contiguous float32 tensor of ", Np, " elements");
+  if (!bias.has_value() || !bias->defined()) return nullptr;
+  TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
+              "qkv int8: bias must be a contiguous float32 tensor of ", N, " elements");
+  return bias->const_data_ptr<float>();
+}
+
+// y = act(s_x s_w (Σ (q - z) W_q) + b) (M, N) fp32 for x (M, K) fp32.
+Tensor linear(const Tensor& x_, const Tensor& packed, const Tensor& wscale, const Tensor& wsum,
+              const std::optional<Tensor>& bias, int64_t N, int64_t K, bool relu) {
+  TORCH_CHECK(x_.scalar_type() == at::kFloat && x_.is_cpu(),
+              "qkv int8: x must be a float32 CPU tensor");
+  const Tensor x = rows_of(x_, K, "x");
+  const float* b = check_weight(packed, wscale, wsum, bias, N, K);
+  Tensor out = at::empty({x.size(0), N}, x.options());
+  linear_rows(x.const_data_ptr<float>(), K, x.size(0), K, packed.const_data_ptr<int8_t>(),
+              wscale.const_data_ptr<float>(), wsum.const_data_ptr<int32_t>(), b, N, relu,
+              out.data_ptr<float>(), N);
   return out;
 }
 
@@ -392,6 +404,19 @@ std::string int8_isa() {
 }
 
 }  // namespace
+
+namespace qkv {
+// an int8 linear of the compiled decoder step (step_cpu.cpp): checks once, then runs on rows
+void int8_check_weight(const Tensor& packed, const Tensor& wscale, const Tensor& wsum,
+                       const std::optional<Tensor>& bias, int64_t N, int64_t K) {
+  check_weight(packed, wscale, wsum, bias, N, K);
+}
+void int8_linear_into(const float* x, int64_t ldx, int64_t M, int64_t K, const int8_t* packed,
+                      const float* wscale, const int32_t* wsum, const float* bias, int64_t N,
+                      bool relu, float* y, int64_t ldy) {
+  linear_rows(x, ldx, M, K, packed, wscale, wsum, bias, N, relu, y, ldy);
+}
+}  // namespace qkv
 
 TORCH_LIBRARY(qkv_int8, m) {
   m.def("quantize_rows(Tensor x, int Kp) -> (Tensor, Tensor, Tensor)");

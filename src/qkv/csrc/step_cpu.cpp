@@ -32,6 +32,11 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q, const a
                                                     const std::optional<at::Tensor>& kv_batch);
 void panel_linear_into(const float* x, int64_t ldx, int64_t M, int64_t in, const float* panels,
                        const float* bias, int64_t out, bool relu, float* y, int64_t ldy);
+void int8_check_weight(const at::Tensor& packed, const at::Tensor& wscale, const at::Tensor& wsum,
+                       const std::optional<at::Tensor>& bias, int64_t N, int64_t K);
+void int8_linear_into(const float* x, int64_t ldx, int64_t M, int64_t K, const int8_t* packed,
+                      const float* wscale, const int32_t* wsum, const float* bias, int64_t N,
+                      bool relu, float* y, int64_t ldy);
 }  // namespace qkv
 
 namespace {
@@ -40,33 +45,49 @@ using OptTensor = std::optional<Tensor>;
 
 enum Activation : int64_t { kNone = 0, kRelu = 1, kGelu = 2 };
 
-// a prepared linear: weight panels (ceil(out/64), in, 64), bias, out features, activation
-using LinearSpec = std::tuple<Tensor, OptTensor, int64_t, int64_t>;
+// a prepared linear: (weight, bias, out features, in features, activation, int8 scales,
+// int8 column sums). float32: the weight packed in panels (ceil(out/64), in, 64), no scales;
+// int8: the weight as qkv/kernels/int8.py packs it, with its per-channel scales and sums.
+using LinearSpec = std::tuple<Tensor, OptTensor, int64_t, int64_t, int64_t, OptTensor, OptTensor>;
 using NormSpec = std::tuple<Tensor, Tensor, double>;  // LayerNorm weight, bias, eps
 
 bool defined(const OptTensor& t) { return t.has_value() && t->defined(); }
 
 struct Linear {
-  Tensor panels;
-  OptTensor bias;
-  int64_t in, out, act;
+  Tensor weight;
+  OptTensor bias, wscale, wsum;
+  int64_t out, in, act;
+  bool int8;
   explicit Linear(const LinearSpec& s)
-      : panels(std::get<0>(s)), bias(std::get<1>(s)), out(std::get<2>(s)), act(std::get<3>(s)) {
-    TORCH_CHECK(panels.dim() == 3 && panels.size(2) == 64 && panels.is_contiguous() &&
-                    panels.scalar_type() == at::kFloat && out > 0 &&
-                    panels.size(0) == (out + 63) / 64 && act >= kNone && act <= kGelu,
-                "qkv DecoderStep: a linear must be float32 panels (ceil(out/64), in, 64), "
-                "activation 0/1/2");
+      : weight(std::get<0>(s)), bias(std::get<1>(s)), wscale(std::get<5>(s)),
+        wsum(std::get<6>(s)), out(std::get<2>(s)), in(std::get<3>(s)), act(std::get<4>(s)),
+        int8(weight.scalar_type() == at::kChar) {
+    TORCH_CHECK(out > 0 && in > 0 && act >= kNone && act <= kGelu,
+                "qkv DecoderStep: a linear needs out, in > 0 and activation 0/1/2");
+    if (int8) {
+      TORCH_CHECK(defined(wscale) && defined(wsum),
+                  "qkv DecoderStep: an int8 linear needs its scales and column sums");
+      qkv::int8_check_weight(weight, *wscale, *wsum, bias, out, in);
+      return;
+    }
+    TORCH_CHECK(weight.dim() == 3 && weight.size(2) == 64 && weight.is_contiguous() &&
+                    weight.scalar_type() == at::kFloat && weight.size(0) == (out + 63) / 64 &&
+                    weight.size(1) == in && !defined(wscale) && !defined(wsum),
+                "qkv DecoderStep: a float linear must be float32 panels (ceil(out/64), in, 64)");
     TORCH_CHECK(!defined(bias) || (bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
                                    bias->numel() == out),
                 "qkv DecoderStep: a bias must be a contiguous float32 (out,) tensor");
-    in = panels.size(1);
   }
   // y (M, out) = act(x Wᵀ + b), x (M, in): rows contiguous
   void operator()(const float* x, int64_t M, float* y) const {
-    qkv::panel_linear_into(x, in, M, in, panels.const_data_ptr<float>(),
-                           defined(bias) ? bias->const_data_ptr<float>() : nullptr, out,
-                           act == kRelu, y, out);
+    const float* b = defined(bias) ? bias->const_data_ptr<float>() : nullptr;
+    if (int8)
+      qkv::int8_linear_into(x, in, M, in, weight.const_data_ptr<int8_t>(),
+                            wscale->const_data_ptr<float>(), wsum->const_data_ptr<int32_t>(), b,
+                            out, act == kRelu, y, out);
+    else
+      qkv::panel_linear_into(x, in, M, in, weight.const_data_ptr<float>(), b, out, act == kRelu,
+                             y, out);
     if (act == kGelu)  // exact (erf) GELU, as torch.nn.functional.gelu's default
       for (int64_t i = 0; i < M * out; ++i)
         y[i] = 0.5f * y[i] * (1.f + std::erf(y[i] * static_cast<float>(M_SQRT1_2)));

@@ -356,6 +356,11 @@ class SmallBatchInt8Linear:
         self._op = _op()
         self._gelu = activation == "gelu"
 
+    @property
+    def compiled(self) -> bool:
+        """Whether calls run on the compiled int8 kernel (else on PyTorch ops)."""
+        return self._op is not None
+
     @classmethod
     def fuse(cls, *linears: Int8Linear, activation: str = "none") -> SmallBatchInt8Linear:
         """One call for several :class:`Int8Linear` of the same input, outputs side by side."""

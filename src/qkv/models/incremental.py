@@ -156,15 +156,26 @@ _ACTIVATIONS = {"none": 0, "relu": 1, "gelu": 2}  # step_cpu.cpp's codes
 
 
 def _compiled_specs(linears: list, norms: list) -> list | None:
-    """Prepared linears as the compiled encoder/decoder step takes them (panels, bias, out
-    features, activation code), or ``None`` where one is not in that form (int8, not fp32 on
-    the CPU) or a norm has no weight or bias; an empty list (no layers) is ``None`` too."""
-    if not linears or any(not isinstance(m, SmallBatchLinear) or m.panels is None
-                          or m.activation not in _ACTIVATIONS for m in linears):  # fmt: skip
+    """Prepared linears as the compiled encoder/decoder step takes them (weight, bias, out
+    and in features, activation code, int8 scales and column sums), or ``None`` where one is
+    in neither form the step runs (fp32 panels on the CPU, the compiled int8 kernel) or a
+    norm has no weight or bias; an empty list (no layers) is ``None`` too."""
+    if not linears or any(m.activation not in _ACTIVATIONS for m in linears):
         return None
     if any(w is None or b is None for w, b, _ in norms):
         return None
-    return [(m.panels, m.bias, m.out_features, _ACTIVATIONS[m.activation]) for m in linears]
+    specs = []
+    for m in linears:
+        act = _ACTIVATIONS[m.activation]
+        if isinstance(m, SmallBatchLinear) and m.panels is not None:
+            specs.append((m.panels, m.bias, m.out_features, m.panels.shape[1], act, None, None))
+        elif isinstance(m, SmallBatchInt8Linear) and m.compiled:
+            w = m.weight
+            specs.append((w.packed, m.bias, w.out_features, w.in_features, act, w.scale_padded,
+                          w.wsum))  # fmt: skip
+        else:
+            return None
+    return specs
 
 
 def _fuse(*linears: nn.Linear) -> tuple[Tensor, Tensor | None]:
@@ -528,8 +539,8 @@ class IncrementalDecoder(PreparedSteps):
     def _fused_step(self):
         """The whole step in one compiled call (``step_cpu.cpp``: the same operations as
         :meth:`step`'s loop, without a Python call per operation), or ``None`` where it does
-        not apply: weights that are not fp32 on the CPU in panels, int8 layers, RoPE, an
-        attention backend other than ``auto``/``decode``, no compiled extension."""
+        not apply: linears neither fp32 panels on the CPU nor on the compiled int8 kernel,
+        RoPE, an attention backend other than ``auto``/``decode``, no compiled extension."""
         module = native_module()
         lins = [m for L in self.layers for m in (L.qkv, L.o, L.cq, L.co, L.w1, L.w2)] + [self.out]
         norms = [n for L in self.layers for n in L.norms]
