@@ -8,9 +8,13 @@ The model is converted into CTranslate2's ``TransformerSpec`` in this process (b
 and the greedy tokens of both are compared *before* anything is timed: the run stops unless
 100 % agree. Then every row runs with fixed output lengths on both sides (``</s>`` blocked
 until the length is reached: ``min_new_tokens`` / ``min_decoding_length``), qkv fp32 against
-CTranslate2 float32 and int8, each engine once per round in turn (interleaved), best round
-kept. ``speed`` is CTranslate2's time over qkv's: above 1.0 qkv is faster. Prints the CPU,
-torch's ISA path and the thread counts. Without ctranslate2 it prints why and exits 0.
+CTranslate2 float32 and int8, and qkv int8 (``quantize_linears``: every linear in int8)
+against CTranslate2 int8, each engine once per round in turn (interleaved), best round kept.
+``speed`` is CTranslate2's time over qkv's in the same precision: above 1.0 qkv is faster.
+The int8 engines quantize differently (CTranslate2 also its activations' scales per row, and
+keeps some operations in float), so their tokens may differ: the run prints how many agree,
+but times fixed lengths either way. Prints the CPU, torch's ISA path and the thread counts.
+Without ctranslate2 it prints why and exits 0.
 
 With a shipped model and Multi30k at hand (``--data``), two more rows translate the first 32
 sentences of test_2016_flickr as a user would: each sentence stops at its own ``</s>`` (both
@@ -28,6 +32,7 @@ import torch
 import _ct2
 from _measure import cpu_name
 from qkv.generate import beam_search, greedy_search
+from qkv.kernels.int8 import int8_path, quantize_linears
 
 # (name, sentences, source tokens incl. </s>, output tokens, beam)
 ROWS = [
@@ -162,6 +167,10 @@ def main() -> int:
     if agree != total:
         print("conversion is not exact: nothing timed")
         return 1
+    model8 = quantize_linears(model)
+    agree8, total8 = check_agreement(model8, engines[("int8", args.threads[0])], vocab)
+    print(f"qkv int8 ({int8_path()}) greedy tokens agreeing with CTranslate2 int8: "
+          f"{agree8}/{total8} ({100 * agree8 / total8:.1f} %)")  # fmt: skip
     table = [(label, n, S, T, beam, None) for label, n, S, T, beam in ROWS]
     natural = test_sources(model, tokenizer, args.data, args.model)
     if natural is not None:
@@ -172,8 +181,8 @@ def main() -> int:
     rows = [table[i - 1] for i in args.rows if i <= len(table)] if args.rows else table
     clock = time.perf_counter if args.clock == "wall" else time.process_time
     print(f"clock: {args.clock} time, best of {args.rounds} interleaved rounds")
-    print(f"\n{'':38} {'thr':>3} {'qkv':>9} {'ct2 fp32':>9} {'ct2 int8':>9} "
-          f"{'speed/fp32':>10} {'speed/int8':>10}")  # fmt: skip
+    print(f"\n{'':38} {'thr':>3} {'qkv fp32':>9} {'ct2 fp32':>9} {'speed':>6} "
+          f"{'qkv int8':>9} {'ct2 int8':>9} {'speed':>6}")  # fmt: skip
     for threads in args.threads:
         for r, (label, n, S, T, beam, real) in enumerate(rows):
             src = sources(cfg, n, S, seed=100 + r) if real is None else real
@@ -181,7 +190,7 @@ def main() -> int:
             # fixed rows: exactly T tokens; natural rows: up to 2·S + 10, </s> ends a sentence
             T_max, T_min = (T, T) if real is None else (2 * S + 10, 0)
 
-            def ours(src=src, T=T_max, m=T_min, beam=beam):
+            def ours(model, src=src, T=T_max, m=T_min, beam=beam):
                 if beam == 1:
                     return greedy_search(model, src, max_new_tokens=T, min_new_tokens=m)
                 return beam_search(model, src, beam_size=beam, max_new_tokens=T, min_new_tokens=m)
@@ -191,7 +200,8 @@ def main() -> int:
                                           min_decoding_length=m, max_batch_size=0)  # fmt: skip
 
             calls = {
-                "qkv": ours,
+                "qkv": lambda f=ours: f(model),
+                "qkv8": lambda f=ours: f(model8),
                 "fp32": lambda tr=engines[("float32", threads)], f=theirs: f(tr),
                 "int8": lambda tr=engines[("int8", threads)], f=theirs: f(tr),
             }
@@ -206,8 +216,8 @@ def main() -> int:
                     best[k] = min(best[k], clock() - t0)
             ms = {k: 1e3 * v for k, v in best.items()}
             print(f"{label:38} {threads:>3} {ms['qkv']:>7.1f}ms {ms['fp32']:>7.1f}ms "
-                  f"{ms['int8']:>7.1f}ms {ms['fp32'] / ms['qkv']:>9.2f}x "
-                  f"{ms['int8'] / ms['qkv']:>9.2f}x", flush=True)  # fmt: skip
+                  f"{ms['fp32'] / ms['qkv']:>5.2f}x {ms['qkv8']:>7.1f}ms {ms['int8']:>7.1f}ms "
+                  f"{ms['int8'] / ms['qkv8']:>5.2f}x", flush=True)  # fmt: skip
     return 0
 
 

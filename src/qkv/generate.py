@@ -291,51 +291,63 @@ def beam_search(
     # a finished sentence leaves the batch: ys, scores, limits and the decoder's state hold
     # only the sentences still running, alive[i] is row block i's sentence
     alive, alive_limits = torch.arange(B, device=dev), limits
-    offsets = (torch.arange(B, device=dev) * K)[:, None]  # (B, 1)
+    offsets = (torch.arange(B, device=dev) * K)[:, None]  # (B_alive, 1): first row of each
     first_k = (torch.arange(2 * K, device=dev) < K)[None, :]  # (1, 2K)
+    eos, lim_min = cfg.eos_id, int(limits.min())
     n = 0
+    # Most steps end no hypothesis and no sentence: the checks for those are skipped then
+    # (each is a few small tensor operations, which add up to the cost of a step's attention).
     for t in range(T_max):
         if use_cache:
             logits = steps(ys[:, t])  # (B_alive·K, V)
         else:
             logits = model.decode(ys[:, : t + 1], memory, mask)[:, -1]
         V = logits.shape[-1]
-        block = cfg.eos_id if t < min_new_tokens else -1
+        block = eos if t < min_new_tokens else -1
         top, idx = _candidates(logits, scores.view(-1), K, 2 * K, block)  # (B_alive, 2K)
         beam, tok = idx // V, idx % V
-        is_eos = (tok == cfg.eos_id) & first_k & (top > float("-inf"))
-        norm = top / float(t + 1) ** length_penalty
-        for i, j in is_eos.nonzero().tolist():
-            b = int(alive[i])
-            if n_final[b] >= K:
-                continue
-            n_final[b] += 1
-            hyp = torch.cat([ys[i * K + beam[i, j], 1 : t + 1], tok[i, j : j + 1]])  # a copy
-            ended[b].append((float(norm[i, j]), hyp))
-            if norm[i, j] > best[b]:
-                best[b], best_tokens[b] = norm[i, j], hyp
-        for i in (t + 1 >= alive_limits).nonzero().flatten().tolist():
-            b = int(alive[i])
-            if best_tokens[b] is None:  # out of length, nothing finished: the best open beam
-                j = int(top[i].masked_fill(tok[i] == cfg.eos_id, float("-inf")).argmax())
-                best_tokens[b] = torch.cat([ys[i * K + beam[i, j], 1 : t + 1], tok[i, j : j + 1]])
-            n_final[b] = K
+        # </s> blocked: it can only appear as a -inf filler candidate, which never counts
+        hit = None if block >= 0 else tok == eos
+        ended_now = hit is not None and bool(hit.any())
+        if ended_now:
+            is_eos = hit & first_k & (top > float("-inf"))
+            norm = top / float(t + 1) ** length_penalty
+            for i, j in is_eos.nonzero().tolist():
+                b = int(alive[i])
+                if n_final[b] >= K:
+                    continue
+                n_final[b] += 1
+                hyp = torch.cat([ys[i * K + beam[i, j], 1 : t + 1], tok[i, j : j + 1]])  # a copy
+                ended[b].append((float(norm[i, j]), hyp))
+                if norm[i, j] > best[b]:
+                    best[b], best_tokens[b] = norm[i, j], hyp
+        if t + 1 >= lim_min:
+            ended_now = True
+            for i in (t + 1 >= alive_limits).nonzero().flatten().tolist():
+                b = int(alive[i])
+                if best_tokens[b] is None:  # out of length, nothing finished: the best open beam
+                    j = int(top[i].masked_fill(tok[i] == eos, float("-inf")).argmax())
+                    best_tokens[b] = torch.cat([ys[i * K + beam[i, j], 1 : t + 1],
+                                                tok[i, j : j + 1]])  # fmt: skip
+                n_final[b] = K
         n = t + 1
-        finished = n_final[alive] >= K  # (B_alive,)
-        if bool(finished.all()):
+        finished = n_final[alive] >= K if ended_now else None  # (B_alive,)
+        if finished is not None and bool(finished.all()):
             break
-        top = top.masked_fill(tok == cfg.eos_id, float("-inf"))
+        if hit is not None and ended_now:
+            top = top.masked_fill(hit, float("-inf"))
         scores, keep = top.topk(K, dim=1)  # (B_alive, K) best non-</s> continuations
-        rows = (offsets[: len(alive)] + beam.gather(1, keep)).view(-1)  # (B_alive·K,)
+        rows = (offsets + beam.gather(1, keep)).view(-1)  # (B_alive·K,)
         ys[:, : t + 1] = ys[rows, : t + 1]
         ys[:, t + 1] = tok.gather(1, keep).view(-1)
         if use_cache:
             steps.reorder(rows)
-        if bool(finished.any()):
+        if finished is not None and bool(finished.any()):
             live = (~finished).nonzero().flatten()
             hyps = hypothesis_rows(live, K)
             ys, scores = ys[hyps], scores[live]
             alive, alive_limits = alive[live], alive_limits[live]
+            offsets, lim_min = offsets[: len(alive)], int(alive_limits.min())
             if use_cache:
                 steps.keep(live)
             else:
