@@ -8,9 +8,8 @@ Variants (int8 ones made with :func:`qkv.kernels.int8.quantize_linears`):
   fp32 plain        the same through ``model.decode`` with its cache (the general path)
   int8 plain        every nn.Linear in int8, the output projection included, general path
   int8 skip-out     every nn.Linear but the (tied) output projection, general path
-  int8 incremental  int8 plain's weights in the incremental decoder, each of its prepared
-                    linears a SmallBatchInt8Linear (substituted by this script where
-                    qkv.models.incremental does not take Int8Linear layers itself)
+  int8 incremental  int8 plain's weights in the incremental decoder (its compiled step where
+                    the extension is built: the path ``load(..., int8=True)`` takes)
   ct2 float32/int8  CTranslate2 on the same weights (bench/_ct2.py), when installed
 
 BLEU (sacreBLEU) on the whole split, greedy and beam 5 with the model's length penalty (for
@@ -36,7 +35,7 @@ import qkv.models.incremental as incremental
 from _measure import cpu_name
 from qkv.apps.train import bleu_chrf
 from qkv.data import multi30k
-from qkv.kernels.int8 import Int8Linear, SmallBatchInt8Linear, int8_path, quantize_linears
+from qkv.kernels.int8 import int8_path, quantize_linears
 from qkv.translate import Translator, load
 
 
@@ -50,44 +49,6 @@ def plain_path() -> Iterator[None]:
         yield
     finally:
         cls.for_model = original
-
-
-class _Fused:
-    def __init__(self, linears: tuple) -> None:
-        self.linears = linears
-
-
-@contextlib.contextmanager
-def int8_incremental(model: torch.nn.Module) -> Iterator[None]:
-    """The incremental decoder running ``model``'s Int8Linear layers as SmallBatchInt8Linear
-    (fused like its float projections, ReLU fused), inside the block."""
-    owners = {id(m.weight): m for m in model.modules() if isinstance(m, Int8Linear)}
-    saved = incremental.unsupported, incremental._fuse, incremental.SmallBatchLinear
-
-    def unsupported(m, attention=None):
-        why = saved[0](m, attention)
-        return None if why == "weights of dtype torch.int8" else why
-
-    def fuse(*linears):
-        if all(isinstance(m, Int8Linear) for m in linears):
-            return _Fused(linears), None
-        return saved[1](*linears)
-
-    def linear(weight, bias, activation="none"):
-        if isinstance(weight, _Fused):
-            return SmallBatchInt8Linear.fuse(*weight.linears, activation=activation)
-        m = owners.get(id(weight))
-        if m is not None:
-            return SmallBatchInt8Linear(m.packed, m.bias, activation)
-        return saved[2](weight, bias, activation)
-
-    incremental.unsupported, incremental._fuse, incremental.SmallBatchLinear = (
-        unsupported, fuse, linear
-    )  # fmt: skip
-    try:
-        yield
-    finally:
-        incremental.unsupported, incremental._fuse, incremental.SmallBatchLinear = saved
 
 
 def ct2_engines(model, threads: int) -> dict | str:
@@ -136,12 +97,11 @@ def main() -> None:
         "fp32 plain": (model, plain_path),
         "int8 plain": (q_all, plain_path),
         "int8 skip-out": (q_skip, plain_path),
-        "int8 incremental": (q_all, lambda: int8_incremental(q_all)),
+        "int8 incremental": (q_all, contextlib.nullcontext),
     }
-    if incremental.IncrementalDecoder.for_model(q_all) is not None:  # it runs int8 itself
-        contexts["int8 incremental"] = (q_all, contextlib.nullcontext)
-    print("int8 incremental: " + ("qkv.models.incremental" if contexts["int8 incremental"][1]
-          is contextlib.nullcontext else "substituted by this script"))  # fmt: skip
+    dec = incremental.IncrementalDecoder.for_model(q_all)
+    print("int8 incremental: " + ("compiled step" if dec is not None and dec.fused is not None
+                                  else "Python step"))  # fmt: skip
     runs: dict[str, Callable[[list[str], int], list[str]]] = {}
     for name, (m, ctx) in contexts.items():
 

@@ -102,6 +102,12 @@ def test_translate_runs_in_eval_mode_and_gives_the_training_mode_back():
         assert model.training and all(m.training for m in model.modules())
         if beam == 1:
             assert got == expected  # dropout off while translating
+    # mixed modes come back as they were, module by module
+    model.eval()
+    model.decoder.train()
+    modes = [m.training for m in model.modules()]
+    assert translate(model, tok, sentences) == expected
+    assert [m.training for m in model.modules()] == modes
 
 
 def test_bad_inputs():

@@ -40,14 +40,17 @@ def _limits(model, src: Tensor, max_new_tokens: int | None) -> Tensor:
 
 @contextlib.contextmanager
 def _evaluating(model: torch.nn.Module) -> Iterator[None]:
-    """Eval mode (no dropout) for the call, then the caller's mode back: generating must not
-    leave a model that is being trained in eval mode."""
-    was = model.training
-    model.eval()
+    """Eval mode (no dropout) for the call, then the caller's modes back: generating must not
+    leave a model that is being trained in eval mode. A model already in eval mode is left
+    as it is (switching walks every submodule twice: ~1 ms per call for a translator)."""
+    training = [m for m in model.modules() if m.training]
+    if training:
+        model.eval()
     try:
         yield
     finally:
-        model.train(was)
+        for m in training:
+            m.train()
 
 
 def _check_src(src: Tensor) -> None:
