@@ -311,8 +311,9 @@ def beam_search(
         beam, tok = idx // V, idx % V
         # </s> blocked: it can only appear as a -inf filler candidate, which never counts
         hit = None if block >= 0 else tok == eos
-        ended_now = hit is not None and bool(hit.any())
-        if ended_now:
+        eos_seen = hit is not None and bool(hit.any())
+        ended_now = eos_seen  # a hypothesis or a sentence may have ended at this step
+        if eos_seen:
             is_eos = hit & first_k & (top > float("-inf"))
             norm = top / float(t + 1) ** length_penalty
             for i, j in is_eos.nonzero().tolist():
@@ -337,7 +338,7 @@ def beam_search(
         finished = n_final[alive] >= K if ended_now else None  # (B_alive,)
         if finished is not None and bool(finished.all()):
             break
-        if hit is not None and ended_now:
+        if eos_seen:
             top = top.masked_fill(hit, float("-inf"))
         scores, keep = top.topk(K, dim=1)  # (B_alive, K) best non-</s> continuations
         rows = (offsets + beam.gather(1, keep)).view(-1)  # (B_alive·K,)
