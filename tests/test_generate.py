@@ -376,6 +376,14 @@ def _nonzero_biases(model):
     return model
 
 
+def _quantized(model):
+    """Every linear of ``model`` in int8, or the test skipped where the int8 kernel is not
+    compiled (the compiled step and encoder take int8 only from it)."""
+    if int8_ops() is None:
+        pytest.skip(f"no compiled int8 kernel: {native_status()}")
+    return quantize_linears(model)
+
+
 class _Counted:
     """The fused step, counting its calls (it is a compiled class: not patchable)."""
 
@@ -405,9 +413,7 @@ def test_fused_step_equals_the_python_loop(kw, cache_dtype, K, int8):
     are). With every linear in int8 (quantize_linears) both run the same int8 kernel."""
     model = _nonzero_biases(model_(seed=12, **kw))
     if int8:
-        if int8_ops() is None:
-            pytest.skip(f"no compiled int8 kernel: {native_status()}")
-        model = quantize_linears(model)
+        model = _quantized(model)
     dec = IncrementalDecoder.for_model(model)
     assert dec is not None and dec.fused is not None
     counted = _Counted(dec.fused)
@@ -477,9 +483,7 @@ def test_fused_encoder_equals_model_encode(kw, S, int8):
     bad ids take the Python layers."""
     model = _nonzero_biases(model_(seed=13, **kw))
     if int8:
-        if int8_ops() is None:
-            pytest.skip(f"no compiled int8 kernel: {native_status()}")
-        model = quantize_linears(model)
+        model = _quantized(model)
     dec = IncrementalDecoder.for_model(model)
     assert dec is not None and dec.fused_encoder is not None
     g = torch.Generator().manual_seed(S)
