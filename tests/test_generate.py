@@ -403,7 +403,7 @@ class _Counted:
         dict(positional="sinusoidal", n_kv_heads=1, activation="relu"),
     ],
 )
-@pytest.mark.parametrize("cache_dtype", [None, torch.bfloat16])
+@pytest.mark.parametrize("cache_dtype", [None, torch.bfloat16, torch.int8])
 @pytest.mark.parametrize("K", [1, 3])
 @pytest.mark.parametrize("int8", [False, True])
 def test_fused_step_equals_the_python_loop(kw, cache_dtype, K, int8):
@@ -447,11 +447,12 @@ def test_fused_step_equals_the_python_loop(kw, cache_dtype, K, int8):
             # a bf16 cache rounds keys and values whose fp32 values differ in the last bit
             # (the norms' summation order) to neighbouring bf16 values (2^-8 apart)
             tol = 1e-5 if cache_dtype is None else 1e-3
-            if not int8:
+            if not int8 and cache_dtype != torch.int8:
                 torch.testing.assert_close(logits[0], logits[1], atol=tol, rtol=tol)
-            else:  # such a difference in a linear's input can move its row to the next int8
-                # level (1/255 of the row's range): a hypothesis' logits then differ by up to
-                # a few 1e-3 (logits ~ N(0, 1) here); all others stay within fp32 rounding
+            else:  # such a difference in a linear's input, or in a key or value stored as
+                # int8 rows, can move it to the next int8 level (1/255 of the row's range): a
+                # hypothesis' logits then differ by up to a few 1e-3 (logits ~ N(0, 1) here);
+                # all others stay within fp32 rounding
                 diff = (logits[0] - logits[1]).abs()
                 assert float(diff.max()) < 0.05 and float(diff.median()) < 1e-5, diff
             tokens = torch.randint(3, 40, tokens.shape, generator=g)

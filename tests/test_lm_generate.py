@@ -77,6 +77,31 @@ def test_packed_int8_and_bf16_cache_paths_run_prepared():
     assert (bf16 == want).float().mean() >= 0.8  # a rounded cache may flip a close call
 
 
+def test_int8_cache_prepared_steps_equal_the_module_forward():
+    """An int8 cache: LMDecoder (the decode kernel reading the packed rows) gives the
+    logits of the module forward over the same cache (MultiHeadAttention's own reading),
+    step by step; tokens stay those of the fp32 cache but for close calls."""
+    lm = lm_(seed=8, positional="rope", n_kv_heads=2)
+    prompt = torch.randint(3, 50, (2, 7), generator=torch.Generator().manual_seed(9))
+    with torch.inference_mode():
+        caches = [lm.new_cache(dtype=torch.int8) for _ in range(2)]
+        for c in caches:
+            lm(prompt, cache=c)
+        dec = LMDecoder.for_model(lm)
+        state = dec.start(caches[0], max_len=20)
+        tok = prompt[:, -1]
+        for _ in range(6):
+            fast = dec.step(state, tok)
+            ref = lm(tok[:, None], cache=caches[1])[:, -1]
+            torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)
+            tok = ref.argmax(-1)
+        assert caches[0][0].keys.dtype == torch.int8
+        assert torch.equal(caches[0][0].keys, caches[1][0].keys)  # the same rows written
+    want = generate(lm, prompt, max_new_tokens=10)
+    int8 = generate(lm, prompt, max_new_tokens=10, cache_dtype=torch.int8)
+    assert (int8 == want).float().mean() >= 0.8
+
+
 def test_general_path_when_an_inspection_hook_is_set():
     lm = lm_(seed=6)
     prompt = torch.randint(3, 50, (1, 4), generator=torch.Generator().manual_seed(7))

@@ -16,7 +16,8 @@ from torch import Tensor, nn
 
 from qkv import functional as F
 from qkv import masks
-from qkv.cache import KVCache
+from qkv.cache import KVCache, dequantize_rows
+from qkv.kernels.decode import MAX_TQ, decode_attention, decode_rejects
 from qkv.positional import ALiBi, RotaryEmbedding
 
 __all__ = ["MultiHeadAttention"]
@@ -179,12 +180,17 @@ class MultiHeadAttention(nn.Module):
             k, v = self.project_kv(context, value)  # (B, h_kv, Tk, d_k)
             if cache is not None:
                 k, v = cache.set(k, v)
-        if k.dtype != q.dtype:  # a cache stored in another dtype (a bf16 cache, fp32 model)
-            k, v = k.to(q.dtype), v.to(q.dtype)
         slopes = None
         if isinstance(self.position, ALiBi):  # per-head slopes: no (Tq, Tk) bias on flash
             slopes = masks.alibi_slopes(self.n_heads).to(x.device)  # (h,)
         want_weights = need_weights or self.recorder is not None
+        if k.dtype == torch.int8 and self._reads_int8(q, mask, attn_bias, slopes, want_weights):
+            out = decode_attention(q, k, v, mask=mask, causal=causal, window=window)
+            return self._finish(out, None, need_weights)
+        if k.dtype == torch.int8:  # an int8 cache's packed rows, widened for another path
+            k, v = dequantize_rows(k, q.dtype), dequantize_rows(v, q.dtype)
+        elif k.dtype != q.dtype:  # a cache stored in another dtype (a bf16 cache, fp32 model)
+            k, v = k.to(q.dtype), v.to(q.dtype)
         out = F.scaled_dot_product_attention(
             q, k, v, mask=mask, bias=attn_bias, causal=causal, window=window,
             dropout_p=self.dropout if self.training else 0.0, return_weights=want_weights,
@@ -197,10 +203,24 @@ class MultiHeadAttention(nn.Module):
             self.recorder(weights.detach(), kind)
             if need_weights and weights_heads is not None:  # the recorder took every head
                 weights = weights[:, list(weights_heads)]  # (B, len(weights_heads), Tq, Tk)
+        return self._finish(out, weights, need_weights)
+
+    def _finish(self, out: Tensor, weights: Tensor | None, need_weights: bool):
+        """Heads ``out (B, h, Tq, d_k)`` → ``W_O`` of their concatenation (and the weights)."""
         if self.head_mask is not None:
             out = out * self._head_scale(out)  # (B, h, Tq, d_k), masked heads give zeros
         y = self.w_o(self.merge_heads(out))  # (B, Tq, d_model)
         return (y, weights) if need_weights else y
+
+    def _reads_int8(self, q: Tensor, mask, attn_bias, slopes, want_weights: bool) -> bool:
+        """Whether the decode kernel reads an int8 cache's rows as stored for this call: a
+        few queries, a bool mask at most, nothing it lacks; else they are widened first."""
+        grad = torch.is_grad_enabled() and q.requires_grad
+        return (q.shape[-2] <= MAX_TQ and attn_bias is None and slopes is None
+                and not want_weights and not (self.training and self.dropout > 0)
+                and (mask is None or isinstance(mask, Tensor) and mask.dtype == torch.bool)
+                and self.backend in ("auto", "decode")
+                and decode_rejects(q.device, q.dtype, grad=grad) is None)  # fmt: skip
 
     def _head_scale(self, out: Tensor) -> Tensor:
         hm = self.head_mask

@@ -14,6 +14,12 @@ grows geometrically (×2), so appending ``T`` positions costs ``O(T)`` copies in
 Storage dtype: ``dtype=torch.bfloat16`` keeps a bf16 cache for an fp32 model (half the memory
 and half the bytes read per step); :meth:`update` then returns the bf16 views, and
 :class:`~qkv.MultiHeadAttention` widens them to the queries' dtype before attention.
+``dtype=torch.int8`` stores each key and value row (one token, one head) as ``d`` int8
+values and one fp32 scale (:func:`quantize_rows`: ``row ≈ scale · values``, ``scale =
+max|row| / 127``): about a quarter of the fp32 bytes. Its buffers and views are those packed
+rows, ``(B, h_kv, T, d + 4)`` int8, which the decode kernel reads as they are;
+:func:`dequantize_rows` widens them for any other use. Each element is off by at most half
+a step, ``max|row| / 254``.
 
 Beams: :meth:`reorder` gathers only the filled positions, into a second buffer that is
 allocated once and swapped with the first (``index_select(..., out=)``), so a beam step costs
@@ -42,9 +48,37 @@ from torch import Tensor
 
 from qkv import _pages
 
-__all__ = ["BufferPool", "KVCache"]
+__all__ = ["BufferPool", "KVCache", "dequantize_rows", "quantize_rows"]
 
 _MIN_CAPACITY = 16
+_SCALE_BYTES = 4  # the fp32 scale after each int8 row
+
+
+def quantize_rows(x: Tensor) -> Tensor:
+    """``x (..., d)`` floating → packed int8 rows ``(..., d + 4)``: ``d`` values
+    ``round(x / scale)`` in [-127, 127], then ``scale = max|x| / 127`` (fp32, its 4 bytes).
+
+    A row of zeros gets scale 0 and values 0. Rounding is to nearest, ties to even (the
+    compiled decoder step quantizes the same way, bit for bit)."""
+    if not x.dtype.is_floating_point:
+        raise TypeError(f"x must be a floating tensor, got {x.dtype}")
+    if x.numel() == 0:
+        return torch.empty(*x.shape[:-1], x.shape[-1] + _SCALE_BYTES, dtype=torch.int8,
+                           device=x.device)  # fmt: skip
+    x = x.float()
+    scale = x.abs().amax(-1, keepdim=True) / 127  # (..., 1); NaN in, NaN out (as fp32)
+    values = torch.where(scale > 0, x / scale, 0.0).round_().to(torch.int8)  # (..., d)
+    return torch.cat([values, scale.contiguous().view(torch.int8)], dim=-1)  # (..., d + 4)
+
+
+def dequantize_rows(packed: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    """Packed int8 rows ``(..., d + 4)`` (:func:`quantize_rows`) → ``(..., d)`` in ``dtype``."""
+    if packed.dtype != torch.int8 or packed.shape[-1] < _SCALE_BYTES:
+        raise ValueError(f"packed must be int8 rows (..., d + {_SCALE_BYTES}), got "
+                         f"{packed.dtype} {tuple(packed.shape)}")  # fmt: skip
+    scale = packed[..., -_SCALE_BYTES:].clone(memory_format=torch.contiguous_format)
+    scale = scale.view(torch.float32)  # (..., 1)
+    return (packed[..., :-_SCALE_BYTES].float() * scale).to(dtype)
 
 
 class BufferPool:
@@ -101,7 +135,8 @@ class KVCache:
         max_len: most positions it may hold (``None`` = unbounded); more is a ``ValueError``.
         capacity: positions to allocate on the first ``update`` (default: what that update
             needs, at least 16); grows by doubling beyond it.
-        dtype: storage dtype of keys and values (default: that of the first ``update``).
+        dtype: storage dtype of keys and values (default: that of the first ``update``);
+            ``torch.int8`` stores packed int8 rows (see the module's docstring).
         pool: a :class:`BufferPool` to take the buffers from; :meth:`reset` gives them
             back (generation loops that run again and again).
 
@@ -123,8 +158,10 @@ class KVCache:
             raise ValueError(f"max_len must be a positive int or None, got {max_len!r}")
         if capacity is not None and (not isinstance(capacity, int) or capacity < 1):
             raise ValueError(f"capacity must be a positive int or None, got {capacity!r}")
-        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-            raise TypeError(f"dtype must be a floating torch.dtype or None, got {dtype!r}")
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and (
+                dtype.is_floating_point or dtype == torch.int8)):  # fmt: skip
+            raise TypeError(f"dtype must be a floating torch.dtype, torch.int8 or None, "
+                            f"got {dtype!r}")  # fmt: skip
         self.max_len = max_len
         self.capacity_hint = capacity
         self.dtype = dtype
@@ -152,6 +189,11 @@ class KVCache:
     def capacity(self) -> int:
         """Positions the buffers hold before they grow (0 before the first update)."""
         return 0 if self._k is None else self._k.shape[2]
+
+    @property
+    def quantized(self) -> bool:
+        """Whether keys and values are stored as packed int8 rows."""
+        return self.dtype == torch.int8
 
     @property
     def keys(self) -> Tensor | None:
@@ -199,6 +241,9 @@ class KVCache:
                 raise TypeError(f"k and v must share a floating dtype, got {k.dtype}, {v.dtype}")
             return
         want_k, want_v = self._k.shape, self._v.shape
+        if self.quantized:  # stored rows carry their scale
+            want_k = (*want_k[:3], want_k[3] - _SCALE_BYTES)
+            want_v = (*want_v[:3], want_v[3] - _SCALE_BYTES)
         if rows is not None and (rows.dim() != 1 or rows.shape[0] != k.shape[0]):
             raise ValueError(f"rows must be 1-D with one batch row per row of k ({k.shape[0]}), "
                              f"got shape {tuple(rows.shape)}")  # fmt: skip
@@ -214,6 +259,8 @@ class KVCache:
             )
         if k.device != self._k.device:
             raise TypeError(f"cache lives on {self._k.device}, got k on {k.device}")
+        if not k.dtype.is_floating_point or v.dtype != k.dtype:
+            raise TypeError(f"k and v must share a floating dtype, got {k.dtype}, {v.dtype}")
         if self.dtype is None and k.dtype != self._k.dtype:
             raise TypeError(f"cache holds {self._k.dtype}, got {k.dtype}")
 
@@ -245,6 +292,8 @@ class KVCache:
             self._allocate(k, v, max(new_len, self.capacity_hint or _MIN_CAPACITY))
         elif new_len > self._k.shape[2]:
             self._resize(max(new_len, 2 * self._k.shape[2]))
+        if self.quantized:
+            k, v = quantize_rows(k), quantize_rows(v)  # (B, h_kv, T_new, d + 4)
         if rows is None:
             self._k[:, :, self._len : new_len] = k  # cast to the storage dtype, in place
             self._v[:, :, self._len : new_len] = v
@@ -275,8 +324,9 @@ class KVCache:
             capacity = min(capacity, self.max_len)
         dtype = self.dtype or k.dtype
         B, h, _, d_k = k.shape
-        self._k = self._empty(k, B, h, capacity, d_k, dtype=dtype)
-        self._v = self._empty(k, B, h, capacity, v.shape[3], dtype=dtype)
+        extra = _SCALE_BYTES if self.quantized else 0
+        self._k = self._empty(k, B, h, capacity, d_k + extra, dtype=dtype)
+        self._v = self._empty(k, B, h, capacity, v.shape[3] + extra, dtype=dtype)
         self._full = (self._k, self._v)
 
     def _resize(self, capacity: int) -> None:

@@ -86,6 +86,7 @@ constexpr int64_t kMinPairsPerThread = 4096;
 
 static inline float to_float(float x) { return x; }
 static inline float to_float(BFloat16 x) { return static_cast<float>(x); }
+static inline float to_float(int8_t x) { return static_cast<float>(x); }
 
 // fp32 -> bf16, round to nearest even (NaN stays NaN)
 static inline BFloat16 to_bf16(float x) {
@@ -158,10 +159,18 @@ constexpr bool kPairs =
 #endif
 
 // One call's sizes and pointers. Rows r = g·Tq + i of kv head n = b·h_kv + hk.
+// int8 K/V (an int8 cache): each stored row is d (dv) int8 values then its fp32 scale
+// (row = scale · values; 4 more bytes), the queries fp32.
+template <typename T>
+constexpr bool kInt8 = std::is_same_v<T, int8_t>;
+template <typename T>
+using QueryT = std::conditional_t<kInt8<T>, float, T>;
+
 template <typename T>
 struct Problem {
   int64_t N, h_kv, G, Tq, R, d, dv, Tk;
-  const T *q, *k, *v;
+  const QueryT<T>* q;
+  const T *k, *v;
   int64_t k0s, k1s, k2s, v0s, v1s, v2s;  // strides of k, v over (Nb, h_kv, Tk)
   Structure st;
   MaskView mk;
@@ -182,7 +191,16 @@ struct Problem {
   const T* vrow(int64_t n, int64_t t) const {
     return v + batch_row(n, t) * v0s + (n % h_kv) * v1s + t * v2s;
   }
+  // elements of one stored key row (int8: the values and their scale)
+  int64_t krow_len() const { return kInt8<T> ? d + 4 : d; }
 };
+
+// the scale stored after the n values of an int8 row
+static inline float row_scale(const int8_t* row, int64_t n) {
+  float s;
+  std::memcpy(&s, row + n, sizeof(s));
+  return s;
+}
 
 // Per-thread scratch (floats): the query rows, the scores S and weights P of one block, and a
 // tile of zero-padded K and V rows for the last, partial tile of a segment.
@@ -234,6 +252,14 @@ static inline __m512 load16(const BFloat16* p, __mmask16 k) {
 static inline __m512 load16(const BFloat16* p) {
   const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+}
+
+static inline __m512 load16(const int8_t* p, __mmask16 k) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(k, p)));
+}
+static inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
 // lanes j of the result = sum of the 16 lanes of a[j]: a transpose-and-add tree (45 ops)
@@ -885,7 +911,7 @@ static void run_segment(const Problem<T>& P, int64_t n, int64_t k0, int64_t k1, 
   const int64_t R = P.R, d = P.d, dv = P.dv;
   const int64_t dqp = (d + 31) / 32 * 32;  // q row stride in the scratch
   // the query rows of this head, unscaled: fp32 (bf16 pairs for the bf16 dot products)
-  const T* Q = P.q + n * R * d;
+  const QueryT<T>* Q = P.q + n * R * d;
   constexpr bool kBf16Dot = kDot;
   for (int64_t r = 0; r < R; ++r) {
     if constexpr (kBf16Dot) {
@@ -923,9 +949,14 @@ static void run_segment(const Problem<T>& P, int64_t n, int64_t k0, int64_t k1, 
       if (nt < kTile || P.rows) {  // a partial or gathered tile: its rows copied (the
         // scores after them are -inf whatever the rows hold: old, finite contents stay)
         T* buf = static_cast<T*>(sc.ktile);
-        for (int64_t j = 0; j < nt; ++j) copy_row(buf + j * d, P.krow(n, kt + j), d);
-        kp = buf, ks = d;
+        const int64_t len = P.krow_len();  // int8: the scale comes along
+        for (int64_t j = 0; j < nt; ++j) copy_row(buf + j * len, P.krow(n, kt + j), len);
+        kp = buf, ks = len;
       }
+      // int8 keys: score = scale_j · (q · k_j); c2 · scale_j per key of the tile
+      [[maybe_unused]] float kscale[kTile];
+      if constexpr (kInt8<T>)
+        for (int64_t j = 0; j < kTile; ++j) kscale[j] = j < nt ? c2 * row_scale(kp + j * ks, d) : 0.f;
 #ifdef QKV_AVX512
       // The same tile two blocks ahead, prefetched into L2 while this one is read (the
       // first query row's loop issues one prefetch per line it loads). Measured on a loaded
@@ -974,7 +1005,8 @@ static void run_segment(const Problem<T>& P, int64_t n, int64_t k0, int64_t k1, 
           x = qk_tile(sc.qf + r * dqp, kp, ks, d, pf_left);
           pf_left = nullptr;
         }
-        x = _mm512_mask_mul_ps(_mm512_set1_ps(kNegInf), vis, x, _mm512_set1_ps(c2));
+        const __m512 c2v = kInt8<T> ? _mm512_loadu_ps(kscale) : _mm512_set1_ps(c2);
+        x = _mm512_mask_mul_ps(_mm512_set1_ps(kNegInf), vis, x, c2v);
         _mm512_storeu_ps(s, x);
 #else
         const float* qf = sc.qf + r * dqp;
@@ -987,13 +1019,21 @@ static void run_segment(const Problem<T>& P, int64_t n, int64_t k0, int64_t k1, 
           const T* kr = kp + j * ks;
           float dot = 0.f;
           for (int64_t c = 0; c < d; ++c) dot += qf[c] * to_float(kr[c]);
-          s[j] = dot * c2;
+          if constexpr (kInt8<T>) s[j] = dot * kscale[j];
+          else s[j] = dot * c2;
         }
 #endif
       }
     }
     // ---- online softmax over the block
     softmax_block<kBf16Dot>(sc.S, sc.P, R, m, l, acc, dvp);
+    // int8 values: acc += Σ_j (p_j · scale_j) v_j, the scales folded into P (l keeps Σ p_j)
+    if constexpr (kInt8<T>) {
+      float vscale[kBlock];
+      for (int64_t j = 0; j < nk; ++j) vscale[j] = row_scale(P.vrow(n, kb + j), dv);
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t j = 0; j < nk; ++j) sc.P[r * kBlock + j] *= vscale[j];
+    }
     // ---- acc += P V over the block: with many rows (arithmetic-bound) at once where its
     // value rows are evenly spaced, so each accumulator block is loaded and stored once per
     // block (Tk = 16384, Tq = 16, fp32, 1 thread: 5 % faster, same process); else one tile of
@@ -1264,7 +1304,7 @@ struct Segment {
 template <typename T>
 static inline void prefetch_segment(const Problem<T>& P, const Segment& g) {
   if (g.k1 - g.k0 > 2 * kBlock) return;
-  const int64_t kb = P.d * int64_t(sizeof(T)), vb = P.dv * int64_t(sizeof(T));
+  const int64_t kb = P.krow_len() * int64_t(sizeof(T)), vb = (P.dv + (kInt8<T> ? 4 : 0)) * int64_t(sizeof(T));
   for (int64_t t = g.k0; t < g.k1; ++t) {
     const char* kr = reinterpret_cast<const char*>(P.krow(g.n, t));
     const char* vr = reinterpret_cast<const char*>(P.vrow(g.n, t));
@@ -1459,21 +1499,29 @@ std::tuple<Tensor, Tensor> decode_fwd(const Tensor& q, const Tensor& k, const Te
   // fp32 queries over a bf16 cache (an fp32 model storing K/V in bf16): the queries are
   // rounded to bf16 as the bf16 kernel's dot products take them, the output stays fp32
   const bool mixed = q.scalar_type() == at::kFloat && k.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(k.scalar_type() == v.scalar_type() && (mixed || q.scalar_type() == k.scalar_type()),
-              "qkv decode: q, k, v must share a dtype (or q float32 over bfloat16 k, v)");
-  TORCH_CHECK(k.scalar_type() == at::kFloat || k.scalar_type() == at::kBFloat16,
-              "qkv decode: float32 or bfloat16 only");
+  // an int8 cache: rows of d int8 values and their fp32 scale (d + 4 bytes), any float q
+  const bool int8 = k.scalar_type() == at::kChar;
+  TORCH_CHECK(k.scalar_type() == v.scalar_type() &&
+                  (mixed || int8 || q.scalar_type() == k.scalar_type()),
+              "qkv decode: q, k, v must share a dtype (or q float32 over bfloat16 k, v, or "
+              "int8 k, v)");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
+              "qkv decode: float32 or bfloat16 queries only");
+  TORCH_CHECK(k.scalar_type() == at::kFloat || k.scalar_type() == at::kBFloat16 || int8,
+              "qkv decode: float32, bfloat16 or int8 k, v only");
   TORCH_CHECK(scale > 0 && std::isfinite(static_cast<float>(scale)),
               "qkv decode: scale must be finite and > 0 in fp32");
   const int64_t Nb = q.size(0), h = q.size(1), Tq = q.size(2), d = q.size(3);
-  const int64_t h_kv = k.size(1), Tk = k.size(2), dv = v.size(3);
+  const int64_t extra = int8 ? 4 : 0;  // the scale's bytes at the end of an int8 row
+  const int64_t h_kv = k.size(1), Tk = k.size(2), dv = v.size(3) - extra;
   const bool gather = rows.has_value() && rows->defined();
   const bool mapped = kv_batch.has_value() && kv_batch->defined();
   TORCH_CHECK(!(gather && mapped), "qkv decode: pass rows or kv_batch, not both");
   // with rows or kv_batch, k and v may hold more batch rows than q (sentences that left)
   const int64_t Nk = k.size(0);
   TORCH_CHECK((gather || mapped ? Nb == 0 || Nk >= 1 : Nk == Nb) && v.size(0) == Nk &&
-                  v.size(1) == h_kv && v.size(2) == Tk && k.size(3) == d && d > 0 && h_kv > 0 &&
+                  v.size(1) == h_kv && v.size(2) == Tk && k.size(3) == d + extra && d > 0 &&
+                  dv >= 0 && h_kv > 0 &&
                   h % h_kv == 0,
               "qkv decode: shapes of q, k, v do not match");
   Tensor out = at::empty({Nb, h, Tq, dv}, q.options());
@@ -1511,12 +1559,13 @@ std::tuple<Tensor, Tensor> decode_fwd(const Tensor& q, const Tensor& k, const Te
   }
   const Structure st{Tq, Tk, causal, window};
   const float c2 = static_cast<float>(scale) * kLog2e;
-  const Tensor qk = mixed ? q.to(at::kBFloat16) : q;  // queries in the cache's dtype
+  // queries in the cache's dtype (fp32 over an int8 cache)
+  const Tensor qk = mixed ? q.to(at::kBFloat16) : int8 ? q.to(at::kFloat) : q;
   auto run = [&](auto tag, auto out_tag) {
     using T = decltype(tag);
     using O = decltype(out_tag);
     Problem<T> P{Nb * h_kv, h_kv, h / h_kv, Tq, (h / h_kv) * Tq, d, dv, Tk,
-                 qk.const_data_ptr<T>(), k.const_data_ptr<T>(), v.const_data_ptr<T>(),
+                 qk.const_data_ptr<QueryT<T>>(), k.const_data_ptr<T>(), v.const_data_ptr<T>(),
                  k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
                  v.stride(2), st, mk, c2};
     if (gather) P.rows = rows->const_data_ptr<int64_t>(), P.rows_s = rows->stride(0);
@@ -1534,6 +1583,8 @@ std::tuple<Tensor, Tensor> decode_fwd(const Tensor& q, const Tensor& k, const Te
     decode_impl<T, O, false>(P, out.data_ptr<O>(), lse.data_ptr<float>(), splits);
   };
   if (mixed) run(BFloat16{}, float{});
+  else if (int8 && q.scalar_type() == at::kFloat) run(int8_t{}, float{});
+  else if (int8) run(int8_t{}, BFloat16{});
   else if (q.scalar_type() == at::kFloat) run(float{}, float{});
   else run(BFloat16{}, BFloat16{});
   return {out, lse};

@@ -259,13 +259,16 @@ class DecoderStep : Stack {
       const Layer& Ly = layers_[i];
       const Tensor& kc = kbuf[i];
       const Tensor& vc = vbuf[i];
+      const bool int8 = kc.scalar_type() == at::kChar;  // packed rows: values, then the scale
       TORCH_CHECK(kc.dim() == 4 && vc.sizes() == kc.sizes() && kc.size(1) == h_kv_ &&
-                      kc.size(3) == d_k_ && t < kc.size(2) && kc.stride(3) == 1 &&
-                      vc.stride(3) == 1 && kc.scalar_type() == vc.scalar_type() &&
-                      (kc.scalar_type() == at::kFloat || kc.scalar_type() == at::kBFloat16) &&
+                      kc.size(3) == d_k_ + (int8 ? 4 : 0) && t < kc.size(2) &&
+                      kc.stride(3) == 1 && vc.stride(3) == 1 &&
+                      kc.scalar_type() == vc.scalar_type() &&
+                      (kc.scalar_type() == at::kFloat || kc.scalar_type() == at::kBFloat16 ||
+                       int8) &&
                       (has_phys || kc.size(0) == N),
-                  "qkv DecoderStep: a float32/bfloat16 cache (N_cache, h_kv, capacity > t, d_k) "
-                  "per layer");
+                  "qkv DecoderStep: a float32/bfloat16 cache (N_cache, h_kv, capacity > t, d_k), "
+                  "or int8 rows (..., d_k + 4), per layer");
       // causal self-attention over the cache
       sub_in(Ly.n_self, x, N, hb);
       Ly.qkv(pre_norm_ ? hb : x, N, qkv);  // (N, (h + 2·h_kv)·d_k)
@@ -330,6 +333,16 @@ class DecoderStep : Stack {
         const int64_t off = row * c.stride(0) + hk * c.stride(1) + t * c.stride(2);
         if (c.scalar_type() == at::kFloat) {
           std::memcpy(c.data_ptr<float>() + off, s, d_k_ * sizeof(float));
+        } else if (c.scalar_type() == at::kChar) {
+          // int8 rows as qkv.cache.quantize_rows writes them, bit for bit: scale = max|x| /
+          // 127, values round(x / scale) (ties to even), then the scale's 4 bytes
+          int8_t* dst = c.data_ptr<int8_t>() + off;
+          float amax = 0.f;
+          for (int64_t j = 0; j < d_k_; ++j) amax = std::max(amax, std::fabs(s[j]));
+          const float scale = amax / 127.f;
+          for (int64_t j = 0; j < d_k_; ++j)
+            dst[j] = scale > 0.f ? static_cast<int8_t>(std::nearbyint(s[j] / scale)) : int8_t(0);
+          std::memcpy(dst + d_k_, &scale, sizeof(scale));
         } else {
           c10::BFloat16* dst = c.data_ptr<c10::BFloat16>() + off;
           for (int64_t j = 0; j < d_k_; ++j) dst[j] = c10::BFloat16(s[j]);  // round to nearest even

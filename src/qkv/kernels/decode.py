@@ -6,7 +6,9 @@ bandwidth. :func:`decode_attention` runs the fused C++ kernel ``qkv/csrc/decode_
 (flash-decoding: the keys of all kv heads are split across the threads, each keeps a
 running max/sum/partial output per query row, and one log-sum-exp merge combines them):
 
-- K and V are read once, in their stored dtype (fp32 or bf16; sums in fp32);
+- K and V are read once, in their stored dtype (fp32, bf16, or an int8 cache's packed rows
+  of :func:`qkv.cache.quantize_rows`, scales applied to the scores and to the weights;
+  sums in fp32);
 - grouped-query heads are never repeated: the ``G`` query heads of one kv head and their
   ``Tq`` queries form one ``(G·Tq, d)`` matrix that reads its kv head once;
 - ``k``/``v`` may be any strided view whose last dim is contiguous, such as a slice
@@ -40,7 +42,9 @@ from qkv._validate import AttentionShape, check_mask, check_options, check_qkv
 from qkv.kernels._native import decode_ops, native_module, native_status
 from qkv.kernels.flash import _mask_view
 
-__all__ = ["MAX_TQ", "decode_attention", "decode_rejects", "prepared_call", "run_decode"]
+__all__ = [
+    "MAX_TQ", "as_unpacked", "decode_attention", "decode_rejects", "prepared_call", "run_decode"
+]
 
 MAX_TQ = 16  # "auto" picks the decode kernel up to this many queries (bench/decode_attention.py)
 _FP32_MAX = float(torch.finfo(torch.float32).max)
@@ -79,6 +83,15 @@ def decode_rejects(
     return None
 
 
+def as_unpacked(t: Tensor, like: Tensor) -> Tensor:
+    """``t`` as the attention call sees it: an int8 cache's packed rows ``(..., d + 4)``
+    become a stand-in ``(..., d)`` in ``like``'s dtype (a broadcast zero: metadata only, for
+    shape checks and dispatch); any other tensor is returned as it is."""
+    if t.dtype != torch.int8:
+        return t
+    return like.new_zeros(()).expand(*t.shape[:-1], t.shape[-1] - 4)
+
+
 def _mask_arg(mask: Tensor | None, shape: AttentionShape) -> Tensor | None:
     """The mask as the kernel reads it: a bool view ``(Nb, h_kv, G, Tq, Tk)``, unit key stride."""
     if mask is None:
@@ -104,8 +117,9 @@ def decode_attention(
     Args:
         q: ``(..., h, Tq, d_k)``, fp32 or bf16 (any ``Tq`` works; it is fastest up to 16).
         k: ``(..., h_kv, Tk, d_k)``, ``h % h_kv == 0``; any strides, last dim contiguous
-            (else it is copied once).
-        v: ``(..., h_kv, Tk, d_v)``, as ``k``.
+            (else it is copied once). In q's dtype, bf16 under fp32 queries, or an int8
+            cache's packed rows ``(..., h_kv, Tk, d_k + 4)`` (:func:`qkv.cache.quantize_rows`).
+        v: ``(..., h_kv, Tk, d_v)``, as ``k`` (int8 when ``k`` is).
         mask: bool, **True = may attend**, ``(Tq, Tk)`` or ``(..., h|1, Tq|1, Tk|1)``.
         causal, window, scale: as :func:`qkv.functional.scaled_dot_product_attention`
             (query ``i`` sits at key position ``Tk - Tq + i``).
@@ -120,7 +134,9 @@ def decode_attention(
         ValueError: the call is one the kernel does not run (:func:`decode_rejects`), or
             its arguments are malformed.
     """
-    shape = check_qkv(q, k, v)
+    if (k.dtype == torch.int8) != (v.dtype == torch.int8):
+        raise TypeError(f"k and v must both be int8 rows or neither, got {k.dtype}, {v.dtype}")
+    shape = check_qkv(q, as_unpacked(k, q), as_unpacked(v, q))
     check_options(window=window, scale=scale, softcap=None, dropout_p=0.0)
     check_mask(mask, shape, q.device)
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
@@ -177,8 +193,9 @@ def run_decode(
         return out, torch.full(out_shape, float("-inf"), device=q.device)
     four = q.dim() == 4  # (B, h, T, d): passed as they are (the common case, per step)
     q4 = q if four else q.reshape(-1, shape.h, shape.Tq, shape.d_k)  # (Nb, h, Tq, d_k)
-    k4 = k if four else k.reshape(-1, shape.h_kv, shape.Tk, shape.d_k)  # (Nb, h_kv, Tk, d_k)
-    v4 = v if four else v.reshape(-1, shape.h_kv, shape.Tk, shape.d_v)  # (Nb, h_kv, Tk, d_v)
+    # (Nb, h_kv, Tk, d_k), (Nb, h_kv, Tk, d_v); int8 rows 4 bytes longer
+    k4 = k if four else k.reshape(-1, shape.h_kv, shape.Tk, k.shape[-1])
+    v4 = v if four else v.reshape(-1, shape.h_kv, shape.Tk, v.shape[-1])
     if k4.stride(-1) != 1:
         k4 = k4.contiguous()
     if v4.stride(-1) != 1:

@@ -32,9 +32,9 @@ from qkv import dispatch
 from qkv import functional as F
 from qkv._validate import AttentionShape
 from qkv.attention import MultiHeadAttention
-from qkv.cache import BufferPool, KVCache
+from qkv.cache import BufferPool, KVCache, dequantize_rows
 from qkv.kernels._native import decode_ops, native_module
-from qkv.kernels.decode import MAX_TQ, _mask_arg
+from qkv.kernels.decode import MAX_TQ, _mask_arg, as_unpacked, decode_rejects
 from qkv.kernels.int8 import Int8Linear, SmallBatchInt8Linear
 from qkv.kernels.packed import SMALL_ROWS, panels
 from qkv.positional import LearnedPositionalEmbedding, RotaryEmbedding, SinusoidalPositionalEncoding
@@ -449,15 +449,20 @@ class PreparedSteps:
         if choice is None:  # shapes, dtype and backend are fixed for a state: only Tk grows
             n = q.shape[0]  # k and v may hold more batch rows than q (see rows, batch)
             # described as the call they make in q's dtype (only metadata is read)
-            like = [q.new_zeros(()).expand(t[:n].shape) for t in (k, v)]
+            like = [q.new_zeros(()).expand(as_unpacked(t, q)[:n].shape) for t in (k, v)]
             case = dispatch.describe(q, *like, mask=mask, causal=kind == "self")
             choice = choices[key] = dispatch.choose(case, backend).backend
-        if choice == "decode" and k.shape[-2] > 0 and (k.dtype == q.dtype or (
+            if (k.dtype == torch.int8 and backend in ("auto", "decode")
+                    and decode_rejects(q.device, q.dtype) is None):  # fmt: skip
+                choice = choices[key] = "decode"  # an int8 cache: only the kernel reads it
+        if choice == "decode" and k.shape[-2] > 0 and (k.dtype in (q.dtype, torch.int8) or (
                 q.dtype == torch.float32 and k.dtype == torch.bfloat16)):  # fmt: skip
-            # a bf16 cache for fp32 queries is read as it is stored: the bytes a step reads
-            # halve (widening it first would read it, write it in fp32 and read that again)
+            # a bf16 or int8 cache is read as it is stored: the bytes a step reads halve or
+            # quarter (widening it first would read it, write it wide and read that again)
             return self._decode(q, k, v, mask, kind == "self", state, rows, batch)
-        if k.dtype != q.dtype:  # a cache stored in another dtype
+        if k.dtype == torch.int8:  # an int8 cache's packed rows
+            k, v = dequantize_rows(k, q.dtype), dequantize_rows(v, q.dtype)
+        elif k.dtype != q.dtype:  # a cache stored in another dtype
             k, v = k.to(q.dtype), v.to(q.dtype)
         if rows is not None:
             k, v = _gather(k, rows), _gather(v, rows)

@@ -1,0 +1,250 @@
+"""The int8 KV cache: its row format, the decode kernel reading it, and the models using it.
+
+A stored row (one token, one kv head) is ``d`` int8 values and an fp32 scale
+(``qkv.cache.quantize_rows``). The kernel's answers are checked against fp64 attention over
+the *dequantized* keys and values (what the cache holds), with the fp32 tolerances of
+``test_decode_kernel`` plus the two extra fp32 roundings of the int8 path (the scale times
+each score, the scale times each weight); the quantization error itself is checked
+separately, against its bound ``max|row| / 254`` per element.
+"""
+
+import math
+
+import hypothesis.strategies as st
+import pytest
+import torch
+from hypothesis import given, settings
+
+from native import assert_portable_ok
+from qkv import MultiHeadAttention, masks
+from qkv.cache import KVCache, dequantize_rows, quantize_rows
+from qkv.functional import attention_steps
+from qkv.kernels._native import decode_ops, native_status
+from qkv.kernels.decode import MAX_TQ, decode_attention
+
+settings.register_profile("qkv", deadline=None, max_examples=60, derandomize=True)
+settings.load_profile("qkv")
+
+EPS32 = torch.finfo(torch.float32).eps
+
+
+# --- the row format ----------------------------------------------------------------------
+
+
+@given(
+    shape=st.tuples(st.integers(1, 3), st.integers(1, 4), st.integers(1, 70)),
+    scale=st.sampled_from([1e-30, 1e-3, 1.0, 1e4, 1e30]),
+    seed=st.integers(0, 2**16),
+)
+def test_quantized_rows_are_within_half_a_step(shape, scale, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, generator=g) * scale
+    x[0, 0] = 0.0  # a row of zeros: scale 0, values 0
+    packed = quantize_rows(x)
+    assert packed.dtype == torch.int8 and packed.shape == (*shape[:-1], shape[-1] + 4)
+    back = dequantize_rows(packed)
+    assert back.dtype == torch.float32 and back.shape == x.shape
+    step = x.abs().amax(-1, keepdim=True) / 127
+    # half a step, plus the fp32 roundings of x / scale and of scale · value
+    assert ((back - x).abs() <= step * (0.5 + 1e-5) + 1e-37).all()
+    assert (back[0, 0] == 0).all() and (packed[0, 0] == 0).all()
+    values = packed[..., :-4]
+    assert int(values.abs().max()) <= 127
+    # the largest element of each nonzero row is stored as ±127
+    assert (values.abs().amax(-1)[x.abs().amax(-1) > 0] == 127).all()
+
+
+def test_row_format_errors_name_the_argument():
+    with pytest.raises(TypeError, match="x must be a floating tensor"):
+        quantize_rows(torch.zeros(2, 3, dtype=torch.int32))
+    with pytest.raises(ValueError, match="packed must be int8 rows"):
+        dequantize_rows(torch.zeros(2, 3))
+    assert quantize_rows(torch.zeros(2, 0, 8)).shape == (2, 0, 12)
+
+
+# --- the decode kernel over int8 rows ------------------------------------------------------
+
+needs_kernel = pytest.mark.skipif(decode_ops() is None, reason=f"kernel {native_status()}")
+
+
+def _packed_view(g, B, h_kv, Tk, d, layout):
+    """Packed int8 rows of Tk positions, as a view of a larger buffer where asked."""
+    if layout == "slice":  # a preallocated buffer filled up to Tk
+        return quantize_rows(torch.randn(B, h_kv, Tk + 37, d, generator=g))[:, :, :Tk]
+    if layout == "tokens-first":  # (B, T, h_kv, d + 4) seen as (B, h_kv, T, d + 4)
+        return quantize_rows(torch.randn(B, Tk, h_kv, d, generator=g)).transpose(1, 2)
+    return quantize_rows(torch.randn(B, h_kv, Tk, d, generator=g))
+
+
+def _check(q, k8, v8, out, lse, **kw):
+    """The kernel's out and lse against fp64 attention over the dequantized rows."""
+    k, v = dequantize_rows(k8).double(), dequantize_rows(v8).double()
+    ref = attention_steps(q.double(), k, v, **kw)
+    h, h_kv, d = q.shape[-3], k.shape[-3], q.shape[-1]
+    scale = kw.get("scale") or 1 / math.sqrt(d)
+    kk = k.abs().repeat_interleave(h // h_kv, dim=-3)
+    bound = scale * (q.double().abs() @ kk.transpose(-2, -1))  # (..., h, Tq, Tk)
+    E = bound.amax(dim=-1) * (d + 5) * EPS32  # fp32 sums, the scale and c2 products
+    v_max = float(v.abs().amax()) if v.numel() else 0.0
+    low = 2.0**-8 if q.dtype == torch.bfloat16 else 0.0  # the output rounded to bf16
+    out_tol = ((2 * E).clamp(max=2.0) + (k.shape[-2] + 2) * EPS32 + low) * v_max + 1e-30
+    lse_tol = E + 4 * EPS32 * (1 + bound.amax(dim=-1))
+    assert out.dtype == q.dtype and out.shape == ref.output.shape
+    assert torch.isfinite(out).all()
+    err = (out.double() - ref.output).abs()
+    assert (err <= out_tol.unsqueeze(-1)).all(), float((err - out_tol.unsqueeze(-1)).max())
+    seen = torch.isfinite(ref.lse)
+    assert torch.equal(seen, torch.isfinite(lse))
+    assert (out[~seen] == 0).all()
+    lse_err = (lse.double() - ref.lse).abs()[seen]
+    assert (lse_err <= lse_tol[seen]).all(), float((lse_err - lse_tol[seen]).max())
+
+
+@st.composite
+def int8_case(draw):
+    B, h_kv, G = draw(st.integers(1, 2)), draw(st.integers(1, 3)), draw(st.integers(1, 4))
+    Tq = draw(st.integers(1, MAX_TQ))
+    Tk = draw(st.sampled_from([1, 2, 15, 17, 63, 65, 97, 131, 257, 301]) | st.integers(1, 400))
+    d = draw(st.sampled_from([1, 5, 16, 31, 33, 64, 80, 128]))
+    d_v = draw(st.sampled_from([0, 1, 7, 16, 24, 64, 128]))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    layout = draw(st.sampled_from(["contiguous", "slice", "tokens-first"]))
+    q = torch.randn(B, h_kv * G, Tq, d, generator=g).to(
+        draw(st.sampled_from([torch.float32, torch.bfloat16]))
+    )
+    k8 = _packed_view(g, B, h_kv, Tk, d, layout)
+    v8 = _packed_view(g, B, h_kv, Tk, d_v, layout)
+    kw = dict(
+        causal=draw(st.booleans()),
+        window=draw(st.none() | st.integers(1, 40)),
+        scale=draw(st.none() | st.sampled_from([0.01, 0.3, 2.0])),
+    )
+    mask = {
+        "none": lambda: None,
+        "2d": lambda: torch.rand(Tq, Tk, generator=g) > 0.3,
+        "padding": lambda: masks.padding(torch.randint(0, Tk + 1, (B,), generator=g), Tk),
+        "full": lambda: torch.rand(B, h_kv * G, Tq, Tk, generator=g) > 0.3,
+    }[draw(st.sampled_from(["none", "2d", "padding", "full"]))]()
+    if mask is not None:
+        kw["mask"] = mask
+    return q, k8, v8, kw, draw(st.sampled_from([1, 2]))
+
+
+@needs_kernel
+@settings(max_examples=120)
+@given(int8_case())
+def test_decode_over_int8_rows_matches_fp64(case):
+    q, k8, v8, kw, threads = case
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out, lse = decode_attention(q, k8, v8, **kw, return_lse=True)
+    finally:
+        torch.set_num_threads(before)
+    _check(q, k8, v8, out, lse, **kw)
+
+
+@needs_kernel
+@pytest.mark.parametrize("splits", [0, 3, 7])
+def test_pieces_merge_over_a_long_int8_cache(splits):
+    """More than 100k keys, cut into pieces merged by log-sum-exp."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 4, 2, 64, generator=g)
+    k8, v8 = (quantize_rows(torch.randn(1, 2, 100_003, 64, generator=g)) for _ in range(2))
+    out, lse = decode_ops().fwd(q, k8, v8, None, 0.125, True, -1, splits, None, None)
+    _check(q, k8, v8, out, lse, causal=True, scale=0.125)
+
+
+@needs_kernel
+def test_beams_read_in_place_from_int8_rows():
+    """rows (beams never reordered) and kv_batch (sentences gone) index int8 rows as fp32."""
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(3, 8, 2, 64, generator=g)
+    k8, v8 = (quantize_rows(torch.randn(4, 2, 90, 64, generator=g)) for _ in range(2))
+    rows = torch.randint(0, 4, (3, 95), generator=g)
+    out, lse = decode_ops().fwd(q, k8, v8, None, 0.125, True, -1, 2, rows, None)
+    pick = rows[:, :90]  # (3, 90): batch row of each position
+    kg = torch.stack([k8[pick[b], :, torch.arange(90)].transpose(0, 1) for b in range(3)])
+    vg = torch.stack([v8[pick[b], :, torch.arange(90)].transpose(0, 1) for b in range(3)])
+    _check(q, kg, vg, out, lse, causal=True, scale=0.125)
+    batch = torch.tensor([3, 0, 2])
+    out, lse = decode_ops().fwd(q, k8, v8, None, 0.125, False, -1, 0, None, batch)
+    _check(q, k8[batch], v8[batch], out, lse, scale=0.125)
+
+
+@needs_kernel
+def test_int8_call_errors_name_the_argument():
+    q = torch.randn(1, 2, 1, 8)
+    k8 = quantize_rows(torch.randn(1, 2, 5, 8))
+    with pytest.raises(TypeError, match="k and v must both be int8 rows"):
+        decode_attention(q, k8, torch.randn(1, 2, 5, 8))
+    with pytest.raises(ValueError, match="d_k"):  # rows of another head size
+        decode_attention(q, quantize_rows(torch.randn(1, 2, 5, 6)), k8)
+
+
+_PORTABLE_INT8 = """
+import torch
+from qkv.cache import quantize_rows, dequantize_rows
+from qkv.functional import attention_steps
+from qkv.kernels._native import decode_ops
+assert 'portable' in __import__('qkv.kernels._native', fromlist=['x']).native_status()
+g = torch.Generator().manual_seed(0)
+q = torch.randn(2, 6, 3, 40, generator=g)
+k8, v8 = (quantize_rows(torch.randn(2, 3, 301, 40, generator=g)) for _ in range(2))
+out, lse = decode_ops().fwd(q, k8, v8, None, 0.2, True, 50, 2, None, None)
+ref = attention_steps(q.double(), dequantize_rows(k8).double(), dequantize_rows(v8).double(),
+                      causal=True, window=50, scale=0.2)
+assert (out.double() - ref.output).abs().max() < 1e-5, (out.double() - ref.output).abs().max()
+assert (lse.double() - ref.lse).abs().max() < 1e-5
+print('ok')
+"""
+
+
+@needs_kernel
+def test_portable_build_reads_int8_rows():
+    assert_portable_ok(_PORTABLE_INT8)
+
+
+# --- the cache ------------------------------------------------------------------------------
+
+
+def test_int8_cache_stores_packed_rows_through_growth_beams_and_batch_rows():
+    g = torch.Generator().manual_seed(5)
+    cache = KVCache(dtype=torch.int8, capacity=2)
+    written_k, written_v = [], []
+    for T in (3, 1, 20):  # grows past its capacity twice
+        k, v = torch.randn(2, 3, T, 8, generator=g), torch.randn(2, 3, T, 6, generator=g)
+        keys, values = cache.update(k, v)
+        written_k.append(k)
+        written_v.append(v)
+    assert cache.quantized and keys.dtype == torch.int8 and keys.shape == (2, 3, 24, 12)
+    assert values.shape == (2, 3, 24, 10) and len(cache) == 24
+    assert torch.equal(keys, quantize_rows(torch.cat(written_k, 2)))
+    assert torch.equal(cache.values, quantize_rows(torch.cat(written_v, 2)))
+    before = cache.keys.clone()
+    cache.reorder(torch.tensor([1, 1, 0]))  # beams: 3 rows from 2
+    assert torch.equal(cache.keys, before[[1, 1, 0]])
+    k, v = torch.randn(2, 3, 1, 8, generator=g), torch.randn(2, 3, 1, 6, generator=g)
+    cache.update(k, v, rows=torch.tensor([2, 0]))  # rows 2 and 0 take the new position
+    assert torch.equal(cache.keys[[2, 0], :, -1:], quantize_rows(k))
+    with pytest.raises(ValueError, match=r"k \(B, 3, T, 8\)"):  # the unpacked width
+        cache.update(torch.randn(3, 3, 1, 9), torch.randn(3, 3, 1, 6))
+    with pytest.raises(TypeError, match="floating"):
+        cache.update(torch.zeros(3, 3, 1, 8, dtype=torch.int8), torch.zeros(3, 3, 1, 6))
+
+
+@pytest.mark.parametrize("kind", ["self", "causal"])
+def test_attention_over_an_int8_cache_equals_the_dequantized_cache(kind):
+    """MultiHeadAttention with an int8 cache: the decode kernel's reading of the packed rows
+    (few queries) equals attention over the widened rows (what a weights request runs)."""
+    torch.manual_seed(6)
+    mha = MultiHeadAttention(64, 8, n_kv_heads=2).eval()
+    cache = KVCache(dtype=torch.int8)
+    causal = kind == "causal"
+    with torch.no_grad():
+        mha(torch.randn(2, 30, 64), causal=causal, cache=cache)  # prefill: widened rows
+        x = torch.randn(2, 1, 64)
+        fast = mha(x, causal=causal, cache=cache)
+        cache.truncate(len(cache) - 1)
+        slow, _ = mha(x, causal=causal, cache=cache, need_weights=True)
+    torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-5)
