@@ -154,7 +154,9 @@ def main() -> None:
     p.add_argument("--chunk", type=int, default=2048, help="prefill chunk (tokens)")
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--cache-dtype", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--cache-dtype", choices=["fp32", "bf16", "int8"], default="fp32",
+                   help="int8: rows of int8 values and a scale (qkv.cache); torch SDPA then "
+                   "reads them widened to fp32 every step")  # fmt: skip
     p.add_argument("--random-cache", action="store_true",
                    help="skip the prefill: random K/V of the prompt's length (decode only)")  # fmt: skip
     p.add_argument("--rounds", type=int, default=1,
@@ -166,7 +168,7 @@ def main() -> None:
     args = p.parse_args()
     prompts = args.prompts or ([1024, 8192] if args.quick else [1024, 8192, 32768])
     new = args.new or (32 if args.quick else 128)
-    cache_dtype = torch.bfloat16 if args.cache_dtype == "bf16" else None
+    cache_dtype = {"fp32": None, "bf16": torch.bfloat16, "int8": torch.int8}[args.cache_dtype]
     lm = build(args.vocab, args.layers)
     if not args.no_pack:  # the linears of both rows: only the attention differs between them
         lm = pack_linears(lm)

@@ -20,6 +20,11 @@ every method once; the best round counts):
 
 A peer that is not installed or cannot run a case is skipped with the reason printed.
 
+``--dtypes int8``: qkv reads an int8 cache (``qkv.KVCache(dtype=torch.int8)``: int8 rows and
+a scale each, through :func:`qkv.kernels.decode.decode_attention`), fp32 queries; the peers
+run fp32 on the same (dequantized) values, what a user without an int8 cache reads. Its
+bandwidth fraction counts the int8 bytes. The targets are checked on fp32 and bf16 only.
+
 Every result is also given as a fraction of the machine's read bandwidth, measured in the same
 run at the same thread count: ``sum`` over a 1 GiB fp32 tensor that has been written first (a
 fresh ``torch.empty`` maps the kernel's shared zero page and reads at about twice the true
@@ -52,12 +57,14 @@ import torch.nn.functional as TF  # noqa: E402
 
 from _measure import cpu_name, peak_reader, written  # noqa: E402
 from qkv import KVCache, _pages  # noqa: E402
+from qkv.cache import dequantize_rows  # noqa: E402
 from qkv.functional import explain_dispatch, scaled_dot_product_attention  # noqa: E402
 from qkv.kernels._native import native_status  # noqa: E402
+from qkv.kernels.decode import decode_attention  # noqa: E402
 
 H, H_KV, D = 32, 8, 128
 G = H // H_KV
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}
 RESULTS = Path(__file__).resolve().parent / "results"
 PEERS = ("torch gqa", "torch rows", "onnxruntime", "openvino")
 METHODS = ("qkv auto", *PEERS)
@@ -72,10 +79,14 @@ def isa_flags() -> str:
     return " ".join(sorted(set(keep))) or "none of avx2/avx512/amx"
 
 
-def cached(k: torch.Tensor, v: torch.Tensor, huge: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def cached(k: torch.Tensor, v: torch.Tensor, huge: bool,
+           dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """k, v as a generating model holds them: in a qkv.KVCache (its buffers on 2 MiB pages
-    where Linux offers them), or as plain tensors (4 KiB pages)."""
-    return KVCache(capacity=k.shape[2]).update(k, v) if huge else (k, v)
+    where Linux offers them), or as plain tensors (4 KiB pages); ``dtype=torch.int8``: the
+    packed rows of an int8 cache."""
+    if huge or dtype is not None:
+        return KVCache(capacity=k.shape[2], dtype=dtype).update(k, v)
+    return k, v
 
 
 # ---- peers (each returns a callable, or a string saying why it cannot run)
@@ -171,10 +182,13 @@ def _openvino_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, threads: i
     return lambda: req.infer(tensors)
 
 
-def methods(q, k, v, threads: int) -> dict[str, object]:
+def methods(q, k, v, threads: int, int8: tuple | None = None) -> dict[str, object]:
+    """int8: the packed rows (k8, v8) qkv reads instead of k, v (their dequantized values)."""
     qr = q.view(1, H_KV, G * q.shape[2], D)  # (1, h_kv, G·Tq, d): grouped rows, a view
+    mine = (lambda: decode_attention(q, *int8)) if int8 else (
+        lambda: scaled_dot_product_attention(q, k, v))  # fmt: skip
     return {
-        "qkv auto": lambda: scaled_dot_product_attention(q, k, v),
+        "qkv auto": mine,
         "torch gqa": lambda: TF.scaled_dot_product_attention(q, k, v, enable_gqa=True),
         "torch rows": lambda: TF.scaled_dot_product_attention(qr, k, v),
         "onnxruntime": _onnx_attention(q, k, v, threads),
@@ -253,17 +267,24 @@ def main() -> None:
         section = []
         for dname in args.dtypes:
             dtype = DTYPES[dname]
+            int8 = dtype == torch.int8
+            dtype = torch.float32 if int8 else dtype  # int8: the peers' (and q's) dtype
             for Tk in args.Tk:
                 k, v = cached(  # (B, h_kv, Tk, d), written
                     torch.randn(1, H_KV, Tk, D).to(dtype), torch.randn(1, H_KV, Tk, D).to(dtype),
                     huge,
                 )
-                nbytes = (k.numel() + v.numel()) * k.element_size()
+                packed = None
+                if int8:  # qkv's int8 cache; the peers read its values in fp32
+                    packed = cached(k, v, huge, torch.int8)
+                    k, v = cached(dequantize_rows(packed[0]), dequantize_rows(packed[1]), huge)
+                ours = packed or (k, v)
+                nbytes = sum(t.numel() * t.element_size() for t in ours)
                 for Tq in args.Tq:
                     q = torch.randn(1, H, Tq, D).to(dtype)  # (B, h, Tq, d)
                     with torch.no_grad():
-                        path = explain_dispatch(q, k, v).backend
-                        fns = methods(q, k, v, threads)
+                        path = "decode, int8 rows" if int8 else explain_dispatch(q, k, v).backend
+                        fns = methods(q, k, v, threads, packed)
                         fns["read"] = x.sum
                         if callable(peak):
                             fns["peak read"] = lambda read=peak, x=x: read(x)
@@ -313,6 +334,7 @@ def targets(rows: list[dict]) -> list[str]:
         good = sum(bool(ok(r)) for r in sel)
         out.append(f"| {name} | {good}/{len(sel)} cases |")
 
+    rows = [r for r in rows if r["dtype"] != "int8"]  # int8 rows read other bytes than peers
     long = [r for r in rows if r["Tk"] >= 16384]
     line("≥ 70 % of read bandwidth, Tq = 1, Tk ≥ 16384",
          [r for r in long if r["Tq"] == 1], lambda r: r["qkv auto %bw"] >= 70)  # fmt: skip

@@ -10,6 +10,8 @@ Variants (int8 ones made with :func:`qkv.kernels.int8.quantize_linears`):
   int8 skip-out     every nn.Linear but the (tied) output projection, general path
   int8 incremental  int8 plain's weights in the incremental decoder (its compiled step where
                     the extension is built: the path ``load(..., int8=True)`` takes)
+  fp32 kv-int8      fp32, the decoder's self-attention caches in int8 rows (qkv.cache)
+  int8 kv-int8      int8 incremental with those caches
   ct2 float32/int8  CTranslate2 on the same weights (bench/_ct2.py), when installed
 
 BLEU (sacreBLEU) on the whole split, greedy and beam 5 with the model's length penalty (for
@@ -91,22 +93,27 @@ def main() -> None:
           f"{args.threads} thread(s) | model {args.model}, length penalty {lp}")  # fmt: skip
     q_all = quantize_linears(model)
     q_skip = quantize_linears(model, skip=["decoder.out"])
-    contexts: dict[str, tuple[torch.nn.Module, Callable[[], contextlib.AbstractContextManager]]]
+    Context = Callable[[], contextlib.AbstractContextManager]
+    contexts: dict[str, tuple[torch.nn.Module, Context, torch.dtype | None]]
+    nothing = contextlib.nullcontext
     contexts = {
-        "fp32": (model, contextlib.nullcontext),
-        "fp32 plain": (model, plain_path),
-        "int8 plain": (q_all, plain_path),
-        "int8 skip-out": (q_skip, plain_path),
-        "int8 incremental": (q_all, contextlib.nullcontext),
+        "fp32": (model, nothing, None),
+        "fp32 plain": (model, plain_path, None),
+        "int8 plain": (q_all, plain_path, None),
+        "int8 skip-out": (q_skip, plain_path, None),
+        "int8 incremental": (q_all, nothing, None),
+        "fp32 kv-int8": (model, nothing, torch.int8),
+        "int8 kv-int8": (q_all, nothing, torch.int8),
     }
     dec = incremental.IncrementalDecoder.for_model(q_all)
     print("int8 incremental: " + ("compiled step" if dec is not None and dec.fused is not None
                                   else "Python step"))  # fmt: skip
     runs: dict[str, Callable[[list[str], int], list[str]]] = {}
-    for name, (m, ctx) in contexts.items():
+    for name, (m, ctx, kv) in contexts.items():
 
-        def run(sentences, beam, m=m, ctx=ctx):
-            t = Translator(m, tok, src=tr.src, tgt=tr.tgt, beam=beam, length_penalty=lp)
+        def run(sentences, beam, m=m, ctx=ctx, kv=kv):
+            t = Translator(m, tok, src=tr.src, tgt=tr.tgt, beam=beam, length_penalty=lp,
+                           cache_dtype=kv)  # fmt: skip
             with ctx():
                 return t(sentences, beam=beam)
 

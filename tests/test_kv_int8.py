@@ -156,6 +156,31 @@ def test_pieces_merge_over_a_long_int8_cache(splits):
 
 
 @needs_kernel
+@pytest.mark.parametrize("G, Tq", [(4, 8), (4, 16), (2, 16)])
+@pytest.mark.parametrize("gathered", [False, True])
+def test_many_query_rows_widen_int8_runs(G, Tq, gathered):
+    """From 32 query rows per kv head (beams, drafts) the kernel widens runs of keys to fp32
+    once for all rows; the answers are those of the dequantized rows all the same, across
+    runs (Tk not a multiple of a run), a window, a mask and beams' gathered rows."""
+    g = torch.Generator().manual_seed(10 + G + Tq)
+    B, h_kv, Tk, d = 2, 2, 300, 64
+    q = torch.randn(B, h_kv * G, Tq, d, generator=g)
+    k8, v8 = (quantize_rows(torch.randn(B + 1, h_kv, Tk, d, generator=g)) for _ in range(2))
+    mask = torch.rand(Tq, Tk, generator=g) > 0.2
+    if gathered:
+        rows = torch.randint(0, B + 1, (B, Tk), generator=g)
+        out, lse = decode_ops().fwd(q, k8, v8, None, 0.125, True, 100, 2, rows, None)
+        pos = torch.arange(Tk)
+        k8 = torch.stack([k8[rows[b], :, pos].transpose(0, 1) for b in range(B)])
+        v8 = torch.stack([v8[rows[b], :, pos].transpose(0, 1) for b in range(B)])
+        _check(q, k8, v8, out, lse, causal=True, window=100, scale=0.125)
+    else:
+        k8, v8 = k8[:B], v8[:B]
+        out, lse = decode_attention(q, k8, v8, mask=mask, return_lse=True)
+        _check(q, k8, v8, out, lse, mask=mask)
+
+
+@needs_kernel
 def test_beams_read_in_place_from_int8_rows():
     """rows (beams never reordered) and kv_batch (sentences gone) index int8 rows as fp32."""
     g = torch.Generator().manual_seed(4)
@@ -189,13 +214,15 @@ from qkv.functional import attention_steps
 from qkv.kernels._native import decode_ops
 assert 'portable' in __import__('qkv.kernels._native', fromlist=['x']).native_status()
 g = torch.Generator().manual_seed(0)
-q = torch.randn(2, 6, 3, 40, generator=g)
 k8, v8 = (quantize_rows(torch.randn(2, 3, 301, 40, generator=g)) for _ in range(2))
-out, lse = decode_ops().fwd(q, k8, v8, None, 0.2, True, 50, 2, None, None)
-ref = attention_steps(q.double(), dequantize_rows(k8).double(), dequantize_rows(v8).double(),
-                      causal=True, window=50, scale=0.2)
-assert (out.double() - ref.output).abs().max() < 1e-5, (out.double() - ref.output).abs().max()
-assert (lse.double() - ref.lse).abs().max() < 1e-5
+for Tq in (3, 16):  # 6 and 32 query rows per kv head: read as stored, and widened runs
+    q = torch.randn(2, 6, Tq, 40, generator=g)
+    out, lse = decode_ops().fwd(q, k8, v8, None, 0.2, True, 50, 2, None, None)
+    ref = attention_steps(q.double(), dequantize_rows(k8).double(),
+                          dequantize_rows(v8).double(), causal=True, window=50, scale=0.2)
+    err = (out.double() - ref.output).abs().max()
+    assert err < 1e-5, err
+    assert (lse.double() - ref.lse).abs()[torch.isfinite(ref.lse)].max() < 1e-5
 print('ok')
 """
 

@@ -131,7 +131,8 @@ def greedy_search(
     ``min_new_tokens``: ``</s>`` cannot be chosen before that many tokens (the next most
     likely token is). ``ignore_eos`` keeps going for exactly ``max_new_tokens``, ``</s>`` or
     not (benchmarks). ``cache_dtype``: storage dtype of the self-attention caches (e.g.
-    ``torch.bfloat16`` for an fp32 model; the default keeps the model's dtype).
+    ``torch.bfloat16`` for an fp32 model, or ``torch.int8``: rows of int8 values and a scale,
+    see :mod:`qkv.cache`; the default keeps the model's dtype).
 
     >>> out = greedy_search(model, torch.tensor([[5, 6, 2]]))  # doctest: +SKIP
     """
@@ -403,8 +404,10 @@ def translate(
     length_penalty: float = 1.0,
     max_tokens: int = 4000,
     progress: bool = False,
+    cache_dtype: torch.dtype | None = None,
 ) -> list[str]:
-    """Translate ``sentences`` (batched by length, in order). ``beam_size=1`` is greedy."""
+    """Translate ``sentences`` (batched by length, in order). ``beam_size=1`` is greedy;
+    ``cache_dtype`` as :func:`greedy_search`'s."""
     from tqdm import tqdm
 
     if isinstance(sentences, str):
@@ -435,9 +438,10 @@ def translate(
                 src[r, : len(ids[i])] = torch.tensor(ids[i])
             src = src.to(dev)
             if beam_size == 1:
-                hyp = greedy_search(model, src)
+                hyp = greedy_search(model, src, cache_dtype=cache_dtype)
             else:
-                hyp = beam_search(model, src, beam_size=beam_size, length_penalty=length_penalty)
+                hyp = beam_search(model, src, beam_size=beam_size, length_penalty=length_penalty,
+                                  cache_dtype=cache_dtype)  # fmt: skip
             for r, i in enumerate(batch):
                 out[i] = tokenizer.decode(hyp[r].tolist())
     return out

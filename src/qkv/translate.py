@@ -19,6 +19,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from qkv.data import Tokenizer
@@ -71,6 +72,7 @@ class Translator:
     tgt: str | None = None
     beam: int = 1
     length_penalty: float = 1.0
+    cache_dtype: torch.dtype | None = None  # the decoder's self-attention caches (qkv.cache)
 
     @property
     def max_source_tokens(self) -> int:
@@ -116,7 +118,8 @@ class Translator:
             pieces += parts
             owner += [i] * len(parts)
         out = _decode(self.model, self.tokenizer, pieces, beam_size=beam,
-                      length_penalty=lenpen, progress=progress) if pieces else []  # fmt: skip
+                      length_penalty=lenpen, progress=progress,
+                      cache_dtype=self.cache_dtype) if pieces else []  # fmt: skip
         result = [""] * len(lines)
         for i, hyp in zip(owner, out):
             result[i] = f"{result[i]} {hyp}" if result[i] else hyp
