@@ -3,9 +3,11 @@
 A stored row (one token, one kv head) is ``d`` int8 values and an fp32 scale
 (``qkv.cache.quantize_rows``). The kernel's answers are checked against fp64 attention over
 the *dequantized* keys and values (what the cache holds), with the fp32 tolerances of
-``test_decode_kernel`` plus the two extra fp32 roundings of the int8 path (the scale times
-each score, the scale times each weight); the quantization error itself is checked
-separately, against its bound ``max|row| / 254`` per element.
+``test_decode_kernel`` plus what the int8 path adds: two more fp32 roundings (the scale times
+each score, the scale times each weight) and, where it takes integer dot products (AVX-512
+VNNI, d = 64 or 128), the queries rounded to int16, each within ``max|q row| / 65534``, so a
+score moves by at most ``scale · that · Σ|k|``. The quantization error of the cache itself
+is checked separately, against its bound ``max|row| / 254`` per element.
 """
 
 import math
@@ -85,6 +87,8 @@ def _check(q, k8, v8, out, lse, **kw):
     kk = k.abs().repeat_interleave(h // h_kv, dim=-3)
     bound = scale * (q.double().abs() @ kk.transpose(-2, -1))  # (..., h, Tq, Tk)
     E = bound.amax(dim=-1) * (d + 5) * EPS32  # fp32 sums, the scale and c2 products
+    q_step = q.double().abs().amax(-1, keepdim=True) / 65534  # (..., h, Tq, 1): int16 queries
+    E = E + (scale * q_step * kk.sum(-1).unsqueeze(-2)).amax(dim=-1)  # (..., h, Tq)
     v_max = float(v.abs().amax()) if v.numel() else 0.0
     low = 2.0**-8 if q.dtype == torch.bfloat16 else 0.0  # the output rounded to bf16
     out_tol = ((2 * E).clamp(max=2.0) + (k.shape[-2] + 2) * EPS32 + low) * v_max + 1e-30

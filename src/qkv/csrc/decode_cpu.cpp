@@ -506,6 +506,62 @@ static inline __m512 qk_tile_bf16(const BFloat16* q, const BFloat16* kp, int64_t
   return dots16_bf16(q, kp, ks, d, pf);
 }
 
+#ifdef __AVX512VNNI__
+#define QKV_I16_DOTS 1
+// int8 keys against queries rounded to int16 (d = 32·kC): vpdpwssd sums 32 products of
+// int16 pairs per instruction into exact int32 lanes (|sum| <= d · 32767 · 127 < 2^31 for d
+// <= 512), where widening each key to fp32 took two instructions per 16 values before the
+// FMAs. Blocks of kR rows x 4 keys as dots16xR; lanes converted to fp32 for the reduction.
+template <int kR, int kC, bool kPf>
+[[gnu::noinline]] static void dots16xR_i16(const int16_t* q, int64_t qs, const int8_t* kp,
+                                           int64_t ks, const int8_t* pf, __m512* out) {
+  __m512 v[4];
+#pragma GCC unroll 4
+  for (int kg = 0; kg < 4; ++kg) {
+    __m512i a[16];
+    for (int i = 0; i < 16; ++i) a[i] = _mm512_setzero_si512();
+    const int8_t* kr = kp + 4 * kg * ks;
+    for (int c = 0; c < kC; ++c) {
+      if constexpr (kPf)
+        if (c % 2 == 0)  // 32 bytes per chunk: a new 64-byte line every other one
+          for (int j = 0; j < 4; ++j) pf_line(pf + (4 * kg + j) * ks + 32 * c);
+      __m512i kv[4];
+      for (int j = 0; j < 4; ++j)
+        kv[j] = in_register(_mm512_cvtepi8_epi16(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kr + j * ks + 32 * c))));
+      for (int r = 0; r < kR; ++r) {
+        const __m512i qv = in_register(_mm512_loadu_si512(q + r * qs + 32 * c));
+        for (int j = 0; j < 4; ++j) a[4 * r + j] = _mm512_dpwssd_epi32(a[4 * r + j], qv, kv[j]);
+      }
+    }
+    __m512 f[16];
+    for (int i = 0; i < 16; ++i) f[i] = _mm512_cvtepi32_ps(a[i]);
+    v[kg] = reduce16(f);
+  }
+  rows_by_lanes(v, out);
+}
+
+template <int kR>
+static inline void qk_i16(const int16_t* q, int64_t qs, const int8_t* kp, int64_t ks, int64_t d,
+                          const int8_t* pf, __m512* out) {
+  if (d == 128)
+    pf ? dots16xR_i16<kR, 4, true>(q, qs, kp, ks, pf, out) : dots16xR_i16<kR, 4, false>(q, qs, kp, ks, pf, out);
+  else  // d == 64
+    pf ? dots16xR_i16<kR, 2, true>(q, qs, kp, ks, pf, out) : dots16xR_i16<kR, 2, false>(q, qs, kp, ks, pf, out);
+}
+
+// The scores of nr = 1..4 rows of int16 queries (d = 64 or 128) for a tile of 16 int8 keys.
+static inline void qk_rows_i16(int64_t nr, const int16_t* q, int64_t qs, const int8_t* kp,
+                               int64_t ks, int64_t d, const int8_t* pf, __m512* out) {
+  switch (nr) {
+    case 1: return qk_i16<1>(q, qs, kp, ks, d, pf, out);
+    case 2: return qk_i16<2>(q, qs, kp, ks, d, pf, out);
+    case 3: return qk_i16<3>(q, qs, kp, ks, d, pf, out);
+    default: return qk_i16<4>(q, qs, kp, ks, d, pf, out);
+  }
+}
+#endif
+
 // lanes allowed by a mask row (True = may attend) among those in k
 static inline __mmask16 mask_bits(const uint8_t* m, __mmask16 k) {
   return _mm_mask_cmpneq_epi8_mask(k, _mm_maskz_loadu_epi8(k, m), _mm_setzero_si128());
@@ -917,6 +973,15 @@ static void run_segment(const Problem<T>& P, int64_t n, int64_t k0, int64_t k1, 
   const float c2 = P.c2;
   const int64_t Rp = (R + 15) / 16 * 16;
   const bool bcast = sc.qt != nullptr;
+  // int8 keys with d = 64 or 128: the queries as int16 rows (each q ≈ qscale[r] · q16, an
+  // error of at most 1/65534 of the row's largest |q|) for integer dot products
+#ifdef QKV_I16_DOTS
+  const bool i16 = kInt8<T> && (d == 64 || d == 128);
+#else
+  constexpr bool i16 = false;
+#endif
+  int16_t* q16 = reinterpret_cast<int16_t*>(sc.qf);  // rows dqp apart, then R scales
+  float* qscale = sc.qf + R * dqp / 2;
   // the query rows, key ranges and running state of head n: set up once per segment (a
   // widened run after the first carries on with them: run_segment_widened)
   if (fresh) {
@@ -925,6 +990,16 @@ static void run_segment(const Problem<T>& P, int64_t n, int64_t k0, int64_t k1, 
         BFloat16* qb = reinterpret_cast<BFloat16*>(sc.qf) + r * dqp;
         std::memcpy(qb, Q + r * d, d * sizeof(T));
         std::memset(qb + d, 0, (dqp - d) * sizeof(T));
+      } else if (i16) {
+        const QueryT<T>* qr = Q + r * d;
+        float amax = 0.f;
+        for (int64_t c = 0; c < d; ++c) amax = std::max(amax, std::fabs(to_float(qr[c])));
+        const float sq = amax / 32767.f;
+        qscale[r] = sq;
+        int16_t* o = q16 + r * dqp;
+        for (int64_t c = 0; c < d; ++c)
+          o[c] = sq > 0.f ? static_cast<int16_t>(std::nearbyint(to_float(qr[c]) / sq)) : int16_t(0);
+        for (int64_t c = d; c < dqp; ++c) o[c] = 0;
       } else {
         float* qf = sc.qf + r * dqp;
         for (int64_t c = 0; c < d; ++c) qf[c] = to_float(Q[r * d + c]);
@@ -995,6 +1070,19 @@ static void run_segment(const Problem<T>& P, int64_t n, int64_t k0, int64_t k1, 
           continue;
         }
         __m512 x;
+#ifdef QKV_I16_DOTS
+        if constexpr (kInt8<T>)
+          if (i16) {  // blocks of up to 4 rows, each computed at its first visible row
+            const int64_t b0 = r / 4 * 4;
+            if (blk_r != b0) {
+              qk_rows_i16(std::min<int64_t>(4, R - b0), q16 + b0 * dqp, dqp, kp, ks, d, pf_left, blk);
+              blk_r = b0, pf_left = nullptr;
+            }
+            const __m512 sv = _mm512_mul_ps(_mm512_loadu_ps(kscale), _mm512_set1_ps(qscale[r]));
+            _mm512_storeu_ps(s, _mm512_mask_mul_ps(_mm512_set1_ps(kNegInf), vis, blk[r - b0], sv));
+            continue;
+          }
+#endif
         const int64_t r0 = r < R4 ? r / 4 * 4 : R4, nr = r < R4 ? 4 : tail;
         const void* q0 = kBf16Dot ? static_cast<const void*>(reinterpret_cast<const BFloat16*>(sc.qf) + r0 * dqp)
                                   : static_cast<const void*>(sc.qf + r0 * dqp);
