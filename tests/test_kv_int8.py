@@ -18,11 +18,13 @@ import torch
 from hypothesis import given, settings
 
 from native import assert_portable_ok
-from qkv import MultiHeadAttention, masks
+from qkv import MultiHeadAttention
+from qkv._validate import check_qkv
 from qkv.cache import KVCache, dequantize_rows, quantize_rows
 from qkv.functional import attention_steps
 from qkv.kernels._native import decode_ops, native_status
-from qkv.kernels.decode import MAX_TQ, decode_attention
+from qkv.kernels.decode import as_unpacked, decode_attention, run_decode
+from test_decode_kernel import decode_case
 
 settings.register_profile("qkv", deadline=None, max_examples=60, derandomize=True)
 settings.load_profile("qkv")
@@ -69,13 +71,14 @@ def test_row_format_errors_name_the_argument():
 needs_kernel = pytest.mark.skipif(decode_ops() is None, reason=f"kernel {native_status()}")
 
 
-def _packed_view(g, B, h_kv, Tk, d, layout):
-    """Packed int8 rows of Tk positions, as a view of a larger buffer where asked."""
+def _packed_view(x, layout, g):
+    """Packed int8 rows of ``x (B, h_kv, Tk, d)``, laid out as a cache may hold them."""
     if layout == "slice":  # a preallocated buffer filled up to Tk
-        return quantize_rows(torch.randn(B, h_kv, Tk + 37, d, generator=g))[:, :, :Tk]
+        more = torch.randn(*x.shape[:2], 37, x.shape[3], generator=g)
+        return quantize_rows(torch.cat([x.float(), more], 2))[:, :, : x.shape[2]]
     if layout == "tokens-first":  # (B, T, h_kv, d + 4) seen as (B, h_kv, T, d + 4)
-        return quantize_rows(torch.randn(B, Tk, h_kv, d, generator=g)).transpose(1, 2)
-    return quantize_rows(torch.randn(B, h_kv, Tk, d, generator=g))
+        return quantize_rows(x.float().transpose(1, 2).contiguous()).transpose(1, 2)
+    return quantize_rows(x)
 
 
 def _check(q, k8, v8, out, lse, **kw):
@@ -106,43 +109,26 @@ def _check(q, k8, v8, out, lse, **kw):
 
 @st.composite
 def int8_case(draw):
-    B, h_kv, G = draw(st.integers(1, 2)), draw(st.integers(1, 3)), draw(st.integers(1, 4))
-    Tq = draw(st.integers(1, MAX_TQ))
-    Tk = draw(st.sampled_from([1, 2, 15, 17, 63, 65, 97, 131, 257, 301]) | st.integers(1, 400))
-    d = draw(st.sampled_from([1, 5, 16, 31, 33, 64, 80, 128]))
-    d_v = draw(st.sampled_from([0, 1, 7, 16, 24, 64, 128]))
-    g = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    """decode_case's shapes, masks and options, its keys and values stored as int8 rows."""
+    q, k, v, kw, threads, splits = draw(decode_case())
     layout = draw(st.sampled_from(["contiguous", "slice", "tokens-first"]))
-    q = torch.randn(B, h_kv * G, Tq, d, generator=g).to(
-        draw(st.sampled_from([torch.float32, torch.bfloat16]))
-    )
-    k8 = _packed_view(g, B, h_kv, Tk, d, layout)
-    v8 = _packed_view(g, B, h_kv, Tk, d_v, layout)
-    kw = dict(
-        causal=draw(st.booleans()),
-        window=draw(st.none() | st.integers(1, 40)),
-        scale=draw(st.none() | st.sampled_from([0.01, 0.3, 2.0])),
-    )
-    mask = {
-        "none": lambda: None,
-        "2d": lambda: torch.rand(Tq, Tk, generator=g) > 0.3,
-        "padding": lambda: masks.padding(torch.randint(0, Tk + 1, (B,), generator=g), Tk),
-        "full": lambda: torch.rand(B, h_kv * G, Tq, Tk, generator=g) > 0.3,
-    }[draw(st.sampled_from(["none", "2d", "padding", "full"]))]()
-    if mask is not None:
-        kw["mask"] = mask
-    return q, k8, v8, kw, draw(st.sampled_from([1, 2]))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    return q, _packed_view(k, layout, g), _packed_view(v, layout, g), kw, threads, splits
 
 
 @needs_kernel
 @settings(max_examples=120)
 @given(int8_case())
 def test_decode_over_int8_rows_matches_fp64(case):
-    q, k8, v8, kw, threads = case
+    q, k8, v8, kw, threads, splits = case
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        out, lse = decode_attention(q, k8, v8, **kw, return_lse=True)
+        if splits:  # the keys cut into that many pieces, merged by log-sum-exp
+            shape = check_qkv(q, as_unpacked(k8, q), as_unpacked(v8, q))
+            out, lse = run_decode(q, k8, v8, shape, **{"mask": None, **kw}, splits=splits)
+        else:
+            out, lse = decode_attention(q, k8, v8, **kw, return_lse=True)
     finally:
         torch.set_num_threads(before)
     _check(q, k8, v8, out, lse, **kw)

@@ -393,61 +393,93 @@ static inline void rows_by_lanes(const __m512* v, __m512* out) {
   out[2] = _mm512_shuffle_f32x4(t2, t3, 0x88), out[3] = _mm512_shuffle_f32x4(t2, t3, 0xdd);
 }
 
-// Scores of kR = 3 or 4 query rows (row stride qs) for a tile of 16 keys, d = kC chunks:
-// blocks of kR rows x 4 keys keep their accumulators in registers, so each chunk of a key
-// is loaded once for all kR rows (row by row, every key is loaded kR times, and those loads,
-// not the FMAs, bound the loop). One reduce16 per block gives lanes 4·row + key.
-template <int kR, int kC, bool kPf, typename T>
-[[gnu::noinline]] static void dots16xR(const float* q, int64_t qs, const T* kp, int64_t ks,
-                                       const T* pf, __m512* out) {
-  __m512 v[4];
-#pragma GCC unroll 4
-  for (int kg = 0; kg < 4; ++kg) {
-    __m512 a[16];
-    for (int i = 0; i < 16; ++i) a[i] = _mm512_setzero_ps();
-    const T* kr = kp + 4 * kg * ks;
-    for (int c = 0; c < kC; ++c) {
-      if constexpr (kPf)
-        if ((16 * c * sizeof(T)) % 64 == 0)
-          for (int j = 0; j < 4; ++j) pf_line(pf + (4 * kg + j) * ks + 16 * c);
-      __m512 kv[4];
-      for (int j = 0; j < 4; ++j) kv[j] = in_register(load16(kr + j * ks + 16 * c));
-      for (int r = 0; r < kR; ++r) {
-        const __m512 qv = in_register(_mm512_loadu_ps(q + r * qs + 16 * c));
-        for (int j = 0; j < 4; ++j) a[4 * r + j] = _mm512_fmadd_ps(qv, kv[j], a[4 * r + j]);
-      }
-    }
-    v[kg] = reduce16(a);
-  }
-  rows_by_lanes(v, out);
-}
+// How dots16xR takes one chunk of a key row and of a query row (kWidth elements each) and
+// adds their products into an accumulator: FMAs on fp32 (keys of any dtype widened by
+// load16); vdpbf16ps on bf16 pairs; vpdpwssd on int16 pairs (int8 keys, int16 queries).
+template <typename T>
+struct FmaDots {
+  using Q = float;
+  using K = T;
+  using Acc = __m512;
+  using V = __m512;
+  static constexpr int kWidth = 16;
+  static Acc zero() { return _mm512_setzero_ps(); }
+  static V key(const K* p) { return load16(p); }
+  static V query(const Q* p) { return _mm512_loadu_ps(p); }
+  static Acc madd(Acc a, V q, V k) { return _mm512_fmadd_ps(q, k, a); }
+  static __m512 sums(Acc a) { return a; }
+};
 
 #ifdef __AVX512BF16__
-template <int kR, int kC, bool kPf>
-[[gnu::noinline]] static void dots16xR_bf16(const BFloat16* q, int64_t qs, const BFloat16* kp,
-                                            int64_t ks, const BFloat16* pf, __m512* out) {
+struct Bf16Dots {
+  using Q = BFloat16;
+  using K = BFloat16;
+  using Acc = __m512;
+  using V = __m512i;
+  static constexpr int kWidth = 32;
+  static Acc zero() { return _mm512_setzero_ps(); }
+  static V key(const K* p) { return _mm512_loadu_si512(p); }
+  static V query(const Q* p) { return _mm512_loadu_si512(p); }
+  static Acc madd(Acc a, V q, V k) { return _mm512_dpbf16_ps(a, (__m512bh)q, (__m512bh)k); }
+  static __m512 sums(Acc a) { return a; }
+};
+#endif
+
+#ifdef __AVX512VNNI__
+#define QKV_I16_DOTS 1
+// int8 keys against queries rounded to int16: vpdpwssd sums 32 products of int16 pairs per
+// instruction into exact int32 lanes (|sum| <= d · 32767 · 127 < 2^31 for d <= 512), where
+// widening each key to fp32 took two instructions per 16 values before the FMAs; the lanes
+// are converted to fp32 for the reduction.
+struct I16Dots {
+  using Q = int16_t;
+  using K = int8_t;
+  using Acc = __m512i;
+  using V = __m512i;
+  static constexpr int kWidth = 32;
+  static Acc zero() { return _mm512_setzero_si512(); }
+  static V key(const K* p) {
+    return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  static V query(const Q* p) { return _mm512_loadu_si512(p); }
+  static Acc madd(Acc a, V q, V k) { return _mm512_dpwssd_epi32(a, q, k); }
+  static __m512 sums(Acc a) { return _mm512_cvtepi32_ps(a); }
+};
+#endif
+
+// Scores of kR = 1..4 query rows (row stride qs) for a tile of 16 keys, d = kC chunks:
+// blocks of kR rows x 4 keys keep their accumulators in registers, so each chunk of a key
+// is loaded once for all kR rows (row by row, every key is loaded kR times, and those loads,
+// not the FMAs, bound the loop). One reduce16 per block gives lanes 4·row + key. kPf: the
+// same rows of pf prefetched, one line per 64 bytes of key.
+template <typename Ops, int kR, int kC, bool kPf>
+[[gnu::noinline]] static void dots16xR(const typename Ops::Q* q, int64_t qs,
+                                       const typename Ops::K* kp, int64_t ks,
+                                       const typename Ops::K* pf, __m512* out) {
+  constexpr int W = Ops::kWidth;
   __m512 v[4];
 #pragma GCC unroll 4
   for (int kg = 0; kg < 4; ++kg) {
-    __m512 a[16];
-    for (int i = 0; i < 16; ++i) a[i] = _mm512_setzero_ps();
-    const BFloat16* kr = kp + 4 * kg * ks;
+    typename Ops::Acc a[16];
+    for (int i = 0; i < 16; ++i) a[i] = Ops::zero();
+    const typename Ops::K* kr = kp + 4 * kg * ks;
     for (int c = 0; c < kC; ++c) {
       if constexpr (kPf)
-        for (int j = 0; j < 4; ++j) pf_line(pf + (4 * kg + j) * ks + 32 * c);
-      __m512bh kv[4];
-      for (int j = 0; j < 4; ++j)
-        kv[j] = (__m512bh)in_register(_mm512_loadu_si512(kr + j * ks + 32 * c));
+        if ((W * c * sizeof(typename Ops::K)) % 64 == 0)
+          for (int j = 0; j < 4; ++j) pf_line(pf + (4 * kg + j) * ks + W * c);
+      typename Ops::V kv[4];
+      for (int j = 0; j < 4; ++j) kv[j] = in_register(Ops::key(kr + j * ks + W * c));
       for (int r = 0; r < kR; ++r) {
-        const __m512bh qv = (__m512bh)in_register(_mm512_loadu_si512(q + r * qs + 32 * c));
-        for (int j = 0; j < 4; ++j) a[4 * r + j] = _mm512_dpbf16_ps(a[4 * r + j], qv, kv[j]);
+        const typename Ops::V qv = in_register(Ops::query(q + r * qs + W * c));
+        for (int j = 0; j < 4; ++j) a[4 * r + j] = Ops::madd(a[4 * r + j], qv, kv[j]);
       }
     }
-    v[kg] = reduce16(a);
+    __m512 f[16];
+    for (int i = 0; i < 16; ++i) f[i] = Ops::sums(a[i]);
+    v[kg] = reduce16(f);
   }
   rows_by_lanes(v, out);
 }
-#endif
 
 template <int kR, bool kDot, typename T>
 static inline bool qk_rows_fixed(const void* q0, int64_t qs, const T* kp, int64_t ks, int64_t d,
@@ -456,9 +488,9 @@ static inline bool qk_rows_fixed(const void* q0, int64_t qs, const T* kp, int64_
 #ifdef __AVX512BF16__
     const auto* q = static_cast<const BFloat16*>(q0);
     if (d == 128)
-      pf ? dots16xR_bf16<kR, 4, true>(q, qs, kp, ks, pf, out) : dots16xR_bf16<kR, 4, false>(q, qs, kp, ks, pf, out);
+      pf ? dots16xR<Bf16Dots, kR, 4, true>(q, qs, kp, ks, pf, out) : dots16xR<Bf16Dots, kR, 4, false>(q, qs, kp, ks, pf, out);
     else if (d == 64)
-      pf ? dots16xR_bf16<kR, 2, true>(q, qs, kp, ks, pf, out) : dots16xR_bf16<kR, 2, false>(q, qs, kp, ks, pf, out);
+      pf ? dots16xR<Bf16Dots, kR, 2, true>(q, qs, kp, ks, pf, out) : dots16xR<Bf16Dots, kR, 2, false>(q, qs, kp, ks, pf, out);
     else
       return false;
     return true;
@@ -468,9 +500,9 @@ static inline bool qk_rows_fixed(const void* q0, int64_t qs, const T* kp, int64_
   } else {
     const auto* q = static_cast<const float*>(q0);
     if (d == 128)
-      pf ? dots16xR<kR, 8, true>(q, qs, kp, ks, pf, out) : dots16xR<kR, 8, false>(q, qs, kp, ks, pf, out);
+      pf ? dots16xR<FmaDots<T>, kR, 8, true>(q, qs, kp, ks, pf, out) : dots16xR<FmaDots<T>, kR, 8, false>(q, qs, kp, ks, pf, out);
     else if (d == 64)
-      pf ? dots16xR<kR, 4, true>(q, qs, kp, ks, pf, out) : dots16xR<kR, 4, false>(q, qs, kp, ks, pf, out);
+      pf ? dots16xR<FmaDots<T>, kR, 4, true>(q, qs, kp, ks, pf, out) : dots16xR<FmaDots<T>, kR, 4, false>(q, qs, kp, ks, pf, out);
     else
       return false;
     return true;
@@ -506,48 +538,14 @@ static inline __m512 qk_tile_bf16(const BFloat16* q, const BFloat16* kp, int64_t
   return dots16_bf16(q, kp, ks, d, pf);
 }
 
-#ifdef __AVX512VNNI__
-#define QKV_I16_DOTS 1
-// int8 keys against queries rounded to int16 (d = 32·kC): vpdpwssd sums 32 products of
-// int16 pairs per instruction into exact int32 lanes (|sum| <= d · 32767 · 127 < 2^31 for d
-// <= 512), where widening each key to fp32 took two instructions per 16 values before the
-// FMAs. Blocks of kR rows x 4 keys as dots16xR; lanes converted to fp32 for the reduction.
-template <int kR, int kC, bool kPf>
-[[gnu::noinline]] static void dots16xR_i16(const int16_t* q, int64_t qs, const int8_t* kp,
-                                           int64_t ks, const int8_t* pf, __m512* out) {
-  __m512 v[4];
-#pragma GCC unroll 4
-  for (int kg = 0; kg < 4; ++kg) {
-    __m512i a[16];
-    for (int i = 0; i < 16; ++i) a[i] = _mm512_setzero_si512();
-    const int8_t* kr = kp + 4 * kg * ks;
-    for (int c = 0; c < kC; ++c) {
-      if constexpr (kPf)
-        if (c % 2 == 0)  // 32 bytes per chunk: a new 64-byte line every other one
-          for (int j = 0; j < 4; ++j) pf_line(pf + (4 * kg + j) * ks + 32 * c);
-      __m512i kv[4];
-      for (int j = 0; j < 4; ++j)
-        kv[j] = in_register(_mm512_cvtepi8_epi16(
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kr + j * ks + 32 * c))));
-      for (int r = 0; r < kR; ++r) {
-        const __m512i qv = in_register(_mm512_loadu_si512(q + r * qs + 32 * c));
-        for (int j = 0; j < 4; ++j) a[4 * r + j] = _mm512_dpwssd_epi32(a[4 * r + j], qv, kv[j]);
-      }
-    }
-    __m512 f[16];
-    for (int i = 0; i < 16; ++i) f[i] = _mm512_cvtepi32_ps(a[i]);
-    v[kg] = reduce16(f);
-  }
-  rows_by_lanes(v, out);
-}
-
+#ifdef QKV_I16_DOTS
 template <int kR>
 static inline void qk_i16(const int16_t* q, int64_t qs, const int8_t* kp, int64_t ks, int64_t d,
                           const int8_t* pf, __m512* out) {
   if (d == 128)
-    pf ? dots16xR_i16<kR, 4, true>(q, qs, kp, ks, pf, out) : dots16xR_i16<kR, 4, false>(q, qs, kp, ks, pf, out);
+    pf ? dots16xR<I16Dots, kR, 4, true>(q, qs, kp, ks, pf, out) : dots16xR<I16Dots, kR, 4, false>(q, qs, kp, ks, pf, out);
   else  // d == 64
-    pf ? dots16xR_i16<kR, 2, true>(q, qs, kp, ks, pf, out) : dots16xR_i16<kR, 2, false>(q, qs, kp, ks, pf, out);
+    pf ? dots16xR<I16Dots, kR, 2, true>(q, qs, kp, ks, pf, out) : dots16xR<I16Dots, kR, 2, false>(q, qs, kp, ks, pf, out);
 }
 
 // The scores of nr = 1..4 rows of int16 queries (d = 64 or 128) for a tile of 16 int8 keys.
