@@ -61,7 +61,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=30)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"{cpu_name()} | torch {torch.__version__} | int8 path {int8_path()} | "
+    print(f"{cpu_name()} | torch {torch.__version__} | int8 linears {int8_path()} | "
           f"quantized engine {torch.backends.quantized.engine} | {args.threads} thread(s)")  # fmt: skip
     g = torch.Generator().manual_seed(0)
     names = ["fp32 F.linear", "fp32 prepacked", "torch dyn-int8", "qkv int8"]

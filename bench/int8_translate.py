@@ -89,7 +89,7 @@ def main() -> None:
     if args.bleu_n:
         pairs = pairs[: args.bleu_n]
     src, refs = [s for s, _ in pairs], [t for _, t in pairs]
-    print(f"{cpu_name()} | torch {torch.__version__} | int8 path {int8_path()} | "
+    print(f"{cpu_name()} | torch {torch.__version__} | int8 linears {int8_path()} | "
           f"{args.threads} thread(s) | model {args.model}, length penalty {lp}")  # fmt: skip
     q_all = quantize_linears(model)
     q_skip = quantize_linears(model, skip=["decoder.out"])

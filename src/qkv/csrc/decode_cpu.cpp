@@ -2101,6 +2101,12 @@ Tensor small_linear(const Tensor& x, const Tensor& panels, const std::optional<T
 
 // Which instruction paths this build uses (for benchmarks and native_status).
 std::string decode_isa() {
+#ifdef QKV_I16_DOTS
+  const std::string int8 = "; int8 K/V: int16 dot products (vpdpwssd), widened runs from " +
+                           std::to_string(kWidenRows) + " rows";
+#else
+  const std::string int8 = "; int8 K/V: widened to fp32";
+#endif
 #if defined(QKV_AVX512) && defined(__AVX512BF16__)
   const Bf16Path p = bf16_path();
   const std::string bf16 =
@@ -2109,11 +2115,11 @@ std::string decode_isa() {
       : p == Bf16Path::kAmxAlways ? "amx tiles"
       : p == Bf16Path::kDot       ? "vdpbf16ps"
                                   : "widened to fp32";
-  return std::string(QKV_AMX_NAME) + "; bf16 K/V: " + bf16;
+  return std::string(QKV_AMX_NAME) + "; bf16 K/V: " + bf16 + int8;
 #elif defined(QKV_AVX512)
-  return "avx512";
+  return "avx512" + int8;
 #else
-  return "portable";
+  return "portable" + int8;
 #endif
 }
 

@@ -125,7 +125,7 @@ def native_ops() -> object | None:
     global _module
     _module = module
     _status = (f"loaded ({' '.join(_flags())}; decode path {torch.ops.qkv_decode.isa()}; "
-               f"int8 path {torch.ops.qkv_int8.isa()})")  # fmt: skip
+               f"int8 linears {torch.ops.qkv_int8.isa()})")  # fmt: skip
     return ops
 
 
