@@ -6,7 +6,10 @@ the *dequantized* keys and values (what the cache holds), with the fp32 toleranc
 ``test_decode_kernel`` plus what the int8 path adds: two more fp32 roundings (the scale times
 each score, the scale times each weight) and, where it takes integer dot products (AVX-512
 VNNI, d = 64 or 128), the queries rounded to int16, each within ``max|q row| / 65534``, so a
-score moves by at most ``scale · that · Σ|k|``. The quantization error of the cache itself
+score moves by at most ``scale · that · Σ|k|``; and (VNNI, d_v a multiple of 64) the weights
+of each block of 64 keys rounded to int16 per row, within ``1/65534`` of the block's largest,
+which moves the output by at most ``64 / 65534 · max|v|`` (the blocks' largest weights sum to
+at most the row's sum). The quantization error of the cache itself
 is checked separately, against its bound ``max|row| / 254`` per element.
 """
 
@@ -94,7 +97,8 @@ def _check(q, k8, v8, out, lse, **kw):
     E = E + (scale * q_step * kk.sum(-1).unsqueeze(-2)).amax(dim=-1)  # (..., h, Tq)
     v_max = float(v.abs().amax()) if v.numel() else 0.0
     low = 2.0**-8 if q.dtype == torch.bfloat16 else 0.0  # the output rounded to bf16
-    out_tol = ((2 * E).clamp(max=2.0) + (k.shape[-2] + 2) * EPS32 + low) * v_max + 1e-30
+    pv16 = 64 / 65534  # the int16 weights of P·V
+    out_tol = ((2 * E).clamp(max=2.0) + (k.shape[-2] + 2) * EPS32 + low + pv16) * v_max + 1e-30
     lse_tol = E + 4 * EPS32 * (1 + bound.amax(dim=-1))
     assert out.dtype == q.dtype and out.shape == ref.output.shape
     assert torch.isfinite(out).all()

@@ -77,6 +77,11 @@ constexpr int64_t kBlock = 64;  // keys per online-softmax step
 // (scores_bcast; below it the dot-product form wastes less on rows padded to 16) and P·V a
 // whole block at a time
 constexpr int64_t kBcastMinRows = 16;
+// int8 K/V from this many query rows per kv head: runs of keys widened to fp32 once
+// (run_segment_widened). Measured on a 2-core Xeon, Tk = 4096, G = 4, d = 128, 1 thread, same
+// process, read as stored / widened: 1.50 / 2.71 ms at 8 rows, 2.91 / 3.40 at 16, 4.02 / 4.15
+// at 24, 5.82 / 5.50 at 32, 11.75 / 8.50 at 64.
+constexpr int64_t kWidenRows = 32;
 // The running max is raised only when a block's max exceeds it by more than this (log2
 // units): p then stays below 2^8, harmless in fp32 sums, and acc is rarely rescaled.
 constexpr float kLazy = 8.f;
@@ -956,6 +961,77 @@ static inline void softmax_block(const float* S, float* P, int64_t R, float* m, 
   }
 }
 
+#ifdef QKV_I16_DOTS
+// acc += P V for one block of int8 value rows (vr[j]: row of key j, its scale already folded
+// into P, zero rows past the block's keys), P quantized per row to int16 (at most 1/65534 of
+// the row's largest weight) and multiplied in exact int32 sums by vpdpwssd on key pairs:
+// the rows j, j+1 are interleaved byte by byte (vpunpck{l,h}bw per 128-bit lane, then
+// widened to int16 pairs), so one instruction adds p_j·v_j + p_{j+1}·v_{j+1} for 16 columns,
+// where widening every value to fp32 took two instructions before the FMAs. Lanes of the
+// "lo" half hold columns 0-7 and 16-23 of each 32, "hi" 8-15 and 24-31: put back in order
+// when the block's sums are added to acc. Needs dv a multiple of 64. pf: the rows (pfs
+// apart) of the block two ahead, prefetched into L2 over the first pass, or nullptr.
+static void pv_i16(const int8_t* const* vr, int64_t dv, const float* P, int64_t R, float* acc,
+                   int64_t dvp, const int8_t* pf, int64_t pfs) {
+  alignas(64) int32_t pairs[kWidenRows][kBlock / 2];  // (w_2i, w_2i+1) as int16 pairs
+  float wscale[kWidenRows];
+  for (int64_t r = 0; r < R; ++r) {
+    const float* p = P + r * kBlock;
+    __m512 mx = _mm512_loadu_ps(p);
+    for (int64_t j = 16; j < kBlock; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(p + j));
+    const float m = _mm512_reduce_max_ps(mx);  // weights are >= 0
+    wscale[r] = m / 32767.f;
+    const __m512 inv = _mm512_set1_ps(m > 0.f ? 32767.f / m : 0.f);
+    for (int64_t j = 0; j < kBlock; j += 32) {
+      const __m512i a = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(p + j), inv));
+      const __m512i b = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(p + j + 16), inv));
+      // int16 words w_j.. in order: packs interleaves 128-bit lanes, so permute them back
+      const __m512i w = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7),
+                                                 _mm512_packs_epi32(a, b));
+      _mm512_store_si512(pairs[r] + j / 2, w);
+    }
+  }
+  const __m512i lo_idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+  const __m512i hi_idx = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int64_t c = 0; c < dv; c += 64) {
+    for (int64_t r0 = 0; r0 < R; r0 += 4) {
+      const int64_t nr = std::min<int64_t>(4, R - r0);
+      __m512i a[4][4];
+      for (int i = 0; i < 4; ++i)
+        for (int u = 0; u < 4; ++u) a[i][u] = _mm512_setzero_si512();
+      const bool fetch = pf && c == 0 && r0 == 0;
+      for (int64_t jp = 0; jp < kBlock / 2; ++jp) {
+        if (fetch)  // the lines of rows 2jp, 2jp + 1 of the block two ahead
+          for (int64_t b = 2 * jp * pfs; b < (2 * jp + 2) * pfs; b += 64) pf_line(pf + b);
+        const int8_t* x = vr[2 * jp] + c;
+        const int8_t* y = vr[2 * jp + 1] + c;
+        __m512i v[4];
+        for (int h = 0; h < 2; ++h) {
+          const __m256i xa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32 * h));
+          const __m256i ya = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y + 32 * h));
+          v[2 * h] = _mm512_cvtepi8_epi16(_mm256_unpacklo_epi8(xa, ya));
+          v[2 * h + 1] = _mm512_cvtepi8_epi16(_mm256_unpackhi_epi8(xa, ya));
+        }
+        for (int64_t i = 0; i < nr; ++i) {
+          const __m512i w = _mm512_set1_epi32(pairs[r0 + i][jp]);
+          for (int u = 0; u < 4; ++u) a[i][u] = _mm512_dpwssd_epi32(a[i][u], w, v[u]);
+        }
+      }
+      for (int64_t i = 0; i < nr; ++i) {
+        float* o = acc + (r0 + i) * dvp + c;
+        const __m512 s = _mm512_set1_ps(wscale[r0 + i]);
+        for (int h = 0; h < 2; ++h) {
+          const __m512 lo = _mm512_cvtepi32_ps(a[i][2 * h]), hi = _mm512_cvtepi32_ps(a[i][2 * h + 1]);
+          float* oh = o + 32 * h;
+          _mm512_storeu_ps(oh, _mm512_fmadd_ps(_mm512_permutex2var_ps(lo, lo_idx, hi), s, _mm512_loadu_ps(oh)));
+          _mm512_storeu_ps(oh + 16, _mm512_fmadd_ps(_mm512_permutex2var_ps(lo, hi_idx, hi), s, _mm512_loadu_ps(oh + 16)));
+        }
+      }
+    }
+  }
+}
+#endif
+
 // -------------------------------------------------------------------------------------------
 // One segment: kv head n, keys [k0, k1). Leaves m (log2 units), l and the unnormalised acc
 // (R x dvp, zeroed by the caller) of every row.
@@ -1006,6 +1082,7 @@ static void run_segment(const Problem<T>& P, int64_t n, int64_t k0, int64_t k1, 
     }
     row_ranges(P, n, sc);
     for (int64_t r = 0; r < R; ++r) m[r] = kNegInf, l[r] = 0.f;
+    if constexpr (kInt8<T>) std::memset(sc.vtile, 0, dv);  // pv_i16's zero row
     if (bcast)  // Qᵀ, rows padded with zeros
       for (int64_t c = 0; c < d; ++c)
         for (int64_t r = 0; r < Rp; ++r) sc.qt[c * Rp + r] = r < R ? to_float(Q[r * d + c]) : 0.f;
@@ -1120,12 +1197,23 @@ static void run_segment(const Problem<T>& P, int64_t n, int64_t k0, int64_t k1, 
     softmax_block<kBf16Dot>(sc.S, sc.P, R, m, l, acc, dvp);
     // int8 values: acc += Σ_j (p_j · scale_j) v_j, the scales folded into P (l keeps Σ p_j)
     if constexpr (kInt8<T>) {
-      float vscale[kBlock];
+      alignas(64) float vscale[kBlock];
       const T* vr = P.vrow(n, kb);  // rows v2s apart unless gathered (krow/vrow divide)
       for (int64_t j = 0; j < nk; ++j)
         vscale[j] = row_scale(P.rows ? P.vrow(n, kb + j) : vr + j * P.v2s, dv);
       for (int64_t r = 0; r < R; ++r)
         for (int64_t j = 0; j < nk; ++j) sc.P[r * kBlock + j] *= vscale[j];
+#ifdef QKV_I16_DOTS
+      if (dv % 64 == 0 && dv > 0) {  // P·V in int16 pairs; keys past nk read a zero row
+        const int8_t* rows[kBlock];
+        const int8_t* zero = static_cast<const int8_t*>(sc.vtile);  // zeroed per segment
+        for (int64_t j = 0; j < kBlock; ++j)
+          rows[j] = j >= nk ? zero : P.rows ? P.vrow(n, kb + j) : vr + j * P.v2s;
+        const bool ahead = !P.rows && kb + 3 * kBlock <= k1;
+        pv_i16(rows, dv, sc.P, R, acc, dvp, ahead ? P.vrow(n, kb + 2 * kBlock) : nullptr, P.v2s);
+        continue;
+      }
+#endif
     }
     // ---- acc += P V over the block: with many rows (arithmetic-bound) at once where its
     // value rows are evenly spaced, so each accumulator block is loaded and stored once per
@@ -1183,10 +1271,6 @@ static void run_segment(const Problem<T>& P, int64_t n, int64_t k0, int64_t k1, 
 // here each run of kWiden keys is widened once, scales applied, into fp32 scratch and run
 // as fp32 (with its loops for many rows), m, l and acc carried from run to run.
 constexpr int64_t kWiden = 128;  // keys per widened run: (d + dv) · 512 bytes of scratch
-// Measured on a 2-core Xeon, Tk = 4096, G = 4, d = 128, 1 thread, same process, direct /
-// widened: 1.50 / 2.71 ms at 8 rows, 2.91 / 3.40 at 16, 4.02 / 4.15 at 24, 5.82 / 5.50 at 32,
-// 11.75 / 8.50 at 64.
-constexpr int64_t kWidenRows = 32;
 
 // row = scale · values, in fp32 (as qkv.cache.dequantize_rows)
 static inline void widen_row(const int8_t* src, int64_t n, float* dst) {
