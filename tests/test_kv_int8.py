@@ -14,13 +14,14 @@ is checked separately, against its bound ``max|row| / 254`` per element.
 """
 
 import math
+from pathlib import Path
 
 import hypothesis.strategies as st
 import pytest
 import torch
 from hypothesis import given, settings
 
-from native import assert_portable_ok
+from native import assert_portable_ok, assert_script_ok
 from qkv import MultiHeadAttention
 from qkv._validate import check_qkv
 from qkv.cache import KVCache, dequantize_rows, quantize_rows
@@ -150,12 +151,13 @@ def test_pieces_merge_over_a_long_int8_cache(splits):
 
 
 @needs_kernel
-@pytest.mark.parametrize("G, Tq", [(4, 8), (4, 16), (2, 16)])
+@pytest.mark.parametrize("G, Tq", [(1, 1), (4, 1), (4, 4), (4, 8), (4, 16), (2, 16)])
 @pytest.mark.parametrize("gathered", [False, True])
-def test_many_query_rows_widen_int8_runs(G, Tq, gathered):
-    """From 32 query rows per kv head (beams, drafts) the kernel widens runs of keys to fp32
-    once for all rows; the answers are those of the dequantized rows all the same, across
-    runs (Tk not a multiple of a run), a window, a mask and beams' gathered rows."""
+def test_int8_rows_for_1_to_64_query_rows(G, Tq, gathered):
+    """1 to 64 query rows per kv head: read as stored up to 31 (in blocks of up to 4 rows),
+    from 32 (beams, drafts) runs of keys widened to fp32 once for all rows; the answers are
+    those of the dequantized rows all the same, across blocks and runs (Tk not a multiple of
+    either), a window, a mask and beams' gathered rows."""
     g = torch.Generator().manual_seed(10 + G + Tq)
     B, h_kv, Tk, d = 2, 2, 300, 64
     q = torch.randn(B, h_kv * G, Tq, d, generator=g)
@@ -224,6 +226,33 @@ print('ok')
 @needs_kernel
 def test_portable_build_reads_int8_rows():
     assert_portable_ok(_PORTABLE_INT8)
+
+
+_WIDENED_INT8 = f"""
+import sys
+sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
+from qkv.kernels._native import native_status
+assert "int8 K/V: widened to fp32" in native_status(), native_status()
+import test_kv_int8 as t
+t.test_decode_over_int8_rows_matches_fp64()
+for G, Tq in ((1, 1), (4, 1), (4, 4), (2, 16)):
+    for gathered in (False, True):
+        t.test_int8_rows_for_1_to_64_query_rows(G, Tq, gathered)
+t.test_beams_read_in_place_from_int8_rows()
+print("ok")
+"""
+
+
+@needs_kernel
+def test_int8_rows_widened_to_fp32_as_without_vnni():
+    """QKV_DECODE_INT8=widen: the path of CPUs without AVX-512 VNNI (keys and values widened
+    to fp32 for the FMA loops), in its own process, over the same cases."""
+    assert_script_ok(_WIDENED_INT8, QKV_DECODE_INT8="widen")
+
+
+def test_bad_int8_path_setting_is_an_error():
+    with pytest.raises(AssertionError, match="QKV_DECODE_INT8 must be auto, int16 or widen"):
+        assert_script_ok(_WIDENED_INT8, QKV_DECODE_INT8="fast")
 
 
 # --- the cache ------------------------------------------------------------------------------

@@ -962,6 +962,19 @@ static inline void softmax_block(const float* S, float* P, int64_t R, float* m, 
 }
 
 #ifdef QKV_I16_DOTS
+// int8 K/V on int16 pairs (the default here), or widened to fp32 as on CPUs without VNNI:
+// QKV_DECODE_INT8=int16|widen (read once per process; the tests run both)
+static bool int8_on_int16() {
+  static const bool on = [] {
+    const char* e = std::getenv("QKV_DECODE_INT8");
+    const std::string want = e ? e : "";
+    TORCH_CHECK(want.empty() || want == "auto" || want == "int16" || want == "widen",
+                "QKV_DECODE_INT8 must be auto, int16 or widen; got '", want, "'");
+    return want != "widen";
+  }();
+  return on;
+}
+
 // acc += P V for one block of int8 value rows (vr[j]: row of key j, its scale already folded
 // into P, zero rows past the block's keys), P quantized per row to int16 (at most 1/65534 of
 // the row's largest weight) and multiplied in exact int32 sums by vpdpwssd on key pairs:
@@ -1050,7 +1063,7 @@ static void run_segment(const Problem<T>& P, int64_t n, int64_t k0, int64_t k1, 
   // int8 keys with d = 64 or 128: the queries as int16 rows (each q ≈ qscale[r] · q16, an
   // error of at most 1/65534 of the row's largest |q|) for integer dot products
 #ifdef QKV_I16_DOTS
-  const bool i16 = kInt8<T> && (d == 64 || d == 128);
+  const bool i16 = kInt8<T> && (d == 64 || d == 128) && int8_on_int16();
 #else
   constexpr bool i16 = false;
 #endif
@@ -1204,7 +1217,8 @@ static void run_segment(const Problem<T>& P, int64_t n, int64_t k0, int64_t k1, 
       for (int64_t r = 0; r < R; ++r)
         for (int64_t j = 0; j < nk; ++j) sc.P[r * kBlock + j] *= vscale[j];
 #ifdef QKV_I16_DOTS
-      if (dv % 64 == 0 && dv > 0) {  // P·V in int16 pairs; keys past nk read a zero row
+      if (dv % 64 == 0 && dv > 0 && int8_on_int16()) {  // P·V in int16 pairs; keys past nk
+        // read a zero row
         const int8_t* rows[kBlock];
         const int8_t* zero = static_cast<const int8_t*>(sc.vtile);  // zeroed per segment
         for (int64_t j = 0; j < kBlock; ++j)
@@ -2186,8 +2200,9 @@ Tensor small_linear(const Tensor& x, const Tensor& panels, const std::optional<T
 // Which instruction paths this build uses (for benchmarks and native_status).
 std::string decode_isa() {
 #ifdef QKV_I16_DOTS
-  const std::string int8 = "; int8 K/V: int16 dot products (vpdpwssd), widened runs from " +
-                           std::to_string(kWidenRows) + " rows";
+  const std::string int8 = std::string("; int8 K/V: ") +
+                           (int8_on_int16() ? "int16 dot products (vpdpwssd)" : "widened to fp32") +
+                           ", widened runs from " + std::to_string(kWidenRows) + " rows";
 #else
   const std::string int8 = "; int8 K/V: widened to fp32";
 #endif
