@@ -306,8 +306,8 @@ class KVCache:
 
     def extend(self, n: int = 1) -> tuple[Tensor, Tensor]:
         """Count ``n`` more positions as filled and return the whole buffers ``(B, h_kv,
-        capacity, d)``: the caller writes positions ``[len - n, len)`` itself (a fused decode
-        step writes them in place). The buffers grow first if needed; the cache must hold a
+        capacity, d)`` (int8: the packed rows, ``d + 4``): the caller writes positions
+        ``[len - n, len)`` itself (a fused decode step writes them in place). The buffers grow first if needed; the cache must hold a
         batch already (a first :meth:`update` sets its shape and dtype)."""
         if self._k is None:
             raise ValueError("extend() needs a cache that holds a batch: update() it first")
