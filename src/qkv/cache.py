@@ -48,10 +48,10 @@ from torch import Tensor
 
 from qkv import _pages
 
-__all__ = ["BufferPool", "KVCache", "dequantize_rows", "quantize_rows"]
+__all__ = ["SCALE_BYTES", "BufferPool", "KVCache", "dequantize_rows", "quantize_rows"]
 
 _MIN_CAPACITY = 16
-_SCALE_BYTES = 4  # the fp32 scale after each int8 row
+SCALE_BYTES = 4  # the fp32 scale after each int8 row
 
 
 def quantize_rows(x: Tensor) -> Tensor:
@@ -63,7 +63,7 @@ def quantize_rows(x: Tensor) -> Tensor:
     if not x.dtype.is_floating_point:
         raise TypeError(f"x must be a floating tensor, got {x.dtype}")
     if x.numel() == 0:
-        return torch.empty(*x.shape[:-1], x.shape[-1] + _SCALE_BYTES, dtype=torch.int8,
+        return torch.empty(*x.shape[:-1], x.shape[-1] + SCALE_BYTES, dtype=torch.int8,
                            device=x.device)  # fmt: skip
     x = x.float()
     scale = x.abs().amax(-1, keepdim=True) / 127  # (..., 1); NaN in, NaN out (as fp32)
@@ -73,12 +73,12 @@ def quantize_rows(x: Tensor) -> Tensor:
 
 def dequantize_rows(packed: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
     """Packed int8 rows ``(..., d + 4)`` (:func:`quantize_rows`) → ``(..., d)`` in ``dtype``."""
-    if packed.dtype != torch.int8 or packed.shape[-1] < _SCALE_BYTES:
-        raise ValueError(f"packed must be int8 rows (..., d + {_SCALE_BYTES}), got "
+    if packed.dtype != torch.int8 or packed.shape[-1] < SCALE_BYTES:
+        raise ValueError(f"packed must be int8 rows (..., d + {SCALE_BYTES}), got "
                          f"{packed.dtype} {tuple(packed.shape)}")  # fmt: skip
-    scale = packed[..., -_SCALE_BYTES:].clone(memory_format=torch.contiguous_format)
+    scale = packed[..., -SCALE_BYTES:].clone(memory_format=torch.contiguous_format)
     scale = scale.view(torch.float32)  # (..., 1)
-    return (packed[..., :-_SCALE_BYTES].float() * scale).to(dtype)
+    return (packed[..., :-SCALE_BYTES].float() * scale).to(dtype)
 
 
 class BufferPool:
@@ -236,14 +236,14 @@ class KVCache:
                 "k and v must be (B, h_kv, T, d) with equal B, h_kv, T, got "
                 f"k={tuple(k.shape)}, v={tuple(v.shape)}"
             )
+        if not k.dtype.is_floating_point or v.dtype != k.dtype:
+            raise TypeError(f"k and v must share a floating dtype, got {k.dtype}, {v.dtype}")
         if self._k is None:
-            if not k.dtype.is_floating_point or v.dtype != k.dtype:
-                raise TypeError(f"k and v must share a floating dtype, got {k.dtype}, {v.dtype}")
             return
         want_k, want_v = self._k.shape, self._v.shape
         if self.quantized:  # stored rows carry their scale
-            want_k = (*want_k[:3], want_k[3] - _SCALE_BYTES)
-            want_v = (*want_v[:3], want_v[3] - _SCALE_BYTES)
+            want_k = (*want_k[:3], want_k[3] - SCALE_BYTES)
+            want_v = (*want_v[:3], want_v[3] - SCALE_BYTES)
         if rows is not None and (rows.dim() != 1 or rows.shape[0] != k.shape[0]):
             raise ValueError(f"rows must be 1-D with one batch row per row of k ({k.shape[0]}), "
                              f"got shape {tuple(rows.shape)}")  # fmt: skip
@@ -259,8 +259,6 @@ class KVCache:
             )
         if k.device != self._k.device:
             raise TypeError(f"cache lives on {self._k.device}, got k on {k.device}")
-        if not k.dtype.is_floating_point or v.dtype != k.dtype:
-            raise TypeError(f"k and v must share a floating dtype, got {k.dtype}, {v.dtype}")
         if self.dtype is None and k.dtype != self._k.dtype:
             raise TypeError(f"cache holds {self._k.dtype}, got {k.dtype}")
 
@@ -307,8 +305,9 @@ class KVCache:
     def extend(self, n: int = 1) -> tuple[Tensor, Tensor]:
         """Count ``n`` more positions as filled and return the whole buffers ``(B, h_kv,
         capacity, d)`` (int8: the packed rows, ``d + 4``): the caller writes positions
-        ``[len - n, len)`` itself (a fused decode step writes them in place). The buffers grow first if needed; the cache must hold a
-        batch already (a first :meth:`update` sets its shape and dtype)."""
+        ``[len - n, len)`` itself (a fused decode step writes them in place). The buffers
+        grow first if needed; the cache must hold a batch already (a first :meth:`update`
+        sets its shape and dtype)."""
         if self._k is None:
             raise ValueError("extend() needs a cache that holds a batch: update() it first")
         new_len = self._len + n
@@ -324,7 +323,7 @@ class KVCache:
             capacity = min(capacity, self.max_len)
         dtype = self.dtype or k.dtype
         B, h, _, d_k = k.shape
-        extra = _SCALE_BYTES if self.quantized else 0
+        extra = SCALE_BYTES if self.quantized else 0
         self._k = self._empty(k, B, h, capacity, d_k + extra, dtype=dtype)
         self._v = self._empty(k, B, h, capacity, v.shape[3] + extra, dtype=dtype)
         self._full = (self._k, self._v)

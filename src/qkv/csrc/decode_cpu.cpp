@@ -486,31 +486,32 @@ template <typename Ops, int kR, int kC, bool kPf>
   rows_by_lanes(v, out);
 }
 
+// dots16xR for the head sizes with a fixed-size loop (d = 64, 128), with or without the
+// prefetch; false: another d (no such loop).
+template <typename Ops, int kR>
+static inline bool dots16xR_fixed(const typename Ops::Q* q, int64_t qs, const typename Ops::K* kp,
+                                  int64_t ks, int64_t d, const typename Ops::K* pf, __m512* out) {
+  constexpr int kC = 128 / Ops::kWidth;  // chunks of a row of 128
+  if (d == 128)
+    pf ? dots16xR<Ops, kR, kC, true>(q, qs, kp, ks, pf, out) : dots16xR<Ops, kR, kC, false>(q, qs, kp, ks, pf, out);
+  else if (d == 64)
+    pf ? dots16xR<Ops, kR, kC / 2, true>(q, qs, kp, ks, pf, out) : dots16xR<Ops, kR, kC / 2, false>(q, qs, kp, ks, pf, out);
+  else
+    return false;
+  return true;
+}
+
 template <int kR, bool kDot, typename T>
 static inline bool qk_rows_fixed(const void* q0, int64_t qs, const T* kp, int64_t ks, int64_t d,
                                  const T* pf, __m512* out) {
   if constexpr (kDot) {
 #ifdef __AVX512BF16__
-    const auto* q = static_cast<const BFloat16*>(q0);
-    if (d == 128)
-      pf ? dots16xR<Bf16Dots, kR, 4, true>(q, qs, kp, ks, pf, out) : dots16xR<Bf16Dots, kR, 4, false>(q, qs, kp, ks, pf, out);
-    else if (d == 64)
-      pf ? dots16xR<Bf16Dots, kR, 2, true>(q, qs, kp, ks, pf, out) : dots16xR<Bf16Dots, kR, 2, false>(q, qs, kp, ks, pf, out);
-    else
-      return false;
-    return true;
+    return dots16xR_fixed<Bf16Dots, kR>(static_cast<const BFloat16*>(q0), qs, kp, ks, d, pf, out);
 #else
     return false;
 #endif
   } else {
-    const auto* q = static_cast<const float*>(q0);
-    if (d == 128)
-      pf ? dots16xR<FmaDots<T>, kR, 8, true>(q, qs, kp, ks, pf, out) : dots16xR<FmaDots<T>, kR, 8, false>(q, qs, kp, ks, pf, out);
-    else if (d == 64)
-      pf ? dots16xR<FmaDots<T>, kR, 4, true>(q, qs, kp, ks, pf, out) : dots16xR<FmaDots<T>, kR, 4, false>(q, qs, kp, ks, pf, out);
-    else
-      return false;
-    return true;
+    return dots16xR_fixed<FmaDots<T>, kR>(static_cast<const float*>(q0), qs, kp, ks, d, pf, out);
   }
 }
 
@@ -544,23 +545,14 @@ static inline __m512 qk_tile_bf16(const BFloat16* q, const BFloat16* kp, int64_t
 }
 
 #ifdef QKV_I16_DOTS
-template <int kR>
-static inline void qk_i16(const int16_t* q, int64_t qs, const int8_t* kp, int64_t ks, int64_t d,
-                          const int8_t* pf, __m512* out) {
-  if (d == 128)
-    pf ? dots16xR<I16Dots, kR, 4, true>(q, qs, kp, ks, pf, out) : dots16xR<I16Dots, kR, 4, false>(q, qs, kp, ks, pf, out);
-  else  // d == 64
-    pf ? dots16xR<I16Dots, kR, 2, true>(q, qs, kp, ks, pf, out) : dots16xR<I16Dots, kR, 2, false>(q, qs, kp, ks, pf, out);
-}
-
 // The scores of nr = 1..4 rows of int16 queries (d = 64 or 128) for a tile of 16 int8 keys.
 static inline void qk_rows_i16(int64_t nr, const int16_t* q, int64_t qs, const int8_t* kp,
                                int64_t ks, int64_t d, const int8_t* pf, __m512* out) {
   switch (nr) {
-    case 1: return qk_i16<1>(q, qs, kp, ks, d, pf, out);
-    case 2: return qk_i16<2>(q, qs, kp, ks, d, pf, out);
-    case 3: return qk_i16<3>(q, qs, kp, ks, d, pf, out);
-    default: return qk_i16<4>(q, qs, kp, ks, d, pf, out);
+    case 1: dots16xR_fixed<I16Dots, 1>(q, qs, kp, ks, d, pf, out); break;
+    case 2: dots16xR_fixed<I16Dots, 2>(q, qs, kp, ks, d, pf, out); break;
+    case 3: dots16xR_fixed<I16Dots, 3>(q, qs, kp, ks, d, pf, out); break;
+    default: dots16xR_fixed<I16Dots, 4>(q, qs, kp, ks, d, pf, out); break;
   }
 }
 #endif
@@ -1210,19 +1202,18 @@ static void run_segment(const Problem<T>& P, int64_t n, int64_t k0, int64_t k1, 
     softmax_block<kBf16Dot>(sc.S, sc.P, R, m, l, acc, dvp);
     // int8 values: acc += Σ_j (p_j · scale_j) v_j, the scales folded into P (l keeps Σ p_j)
     if constexpr (kInt8<T>) {
+      // the block's value rows: v2s apart unless gathered (krow/vrow divide, so only then)
+      const T* vr = P.vrow(n, kb);
+      const int8_t* rows[kBlock];
+      for (int64_t j = 0; j < nk; ++j) rows[j] = P.rows ? P.vrow(n, kb + j) : vr + j * P.v2s;
       alignas(64) float vscale[kBlock];
-      const T* vr = P.vrow(n, kb);  // rows v2s apart unless gathered (krow/vrow divide)
-      for (int64_t j = 0; j < nk; ++j)
-        vscale[j] = row_scale(P.rows ? P.vrow(n, kb + j) : vr + j * P.v2s, dv);
+      for (int64_t j = 0; j < nk; ++j) vscale[j] = row_scale(rows[j], dv);
       for (int64_t r = 0; r < R; ++r)
         for (int64_t j = 0; j < nk; ++j) sc.P[r * kBlock + j] *= vscale[j];
 #ifdef QKV_I16_DOTS
-      if (dv % 64 == 0 && dv > 0 && int8_on_int16()) {  // P·V in int16 pairs; keys past nk
-        // read a zero row
-        const int8_t* rows[kBlock];
+      if (dv % 64 == 0 && dv > 0 && int8_on_int16()) {  // P·V in int16 pairs
         const int8_t* zero = static_cast<const int8_t*>(sc.vtile);  // zeroed per segment
-        for (int64_t j = 0; j < kBlock; ++j)
-          rows[j] = j >= nk ? zero : P.rows ? P.vrow(n, kb + j) : vr + j * P.v2s;
+        for (int64_t j = nk; j < kBlock; ++j) rows[j] = zero;  // keys past nk: weight 0
         const bool ahead = !P.rows && kb + 3 * kBlock <= k1;
         pv_i16(rows, dv, sc.P, R, acc, dvp, ahead ? P.vrow(n, kb + 2 * kBlock) : nullptr, P.v2s);
         continue;

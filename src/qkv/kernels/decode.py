@@ -39,6 +39,7 @@ import torch
 from torch import Tensor
 
 from qkv._validate import AttentionShape, check_mask, check_options, check_qkv
+from qkv.cache import SCALE_BYTES
 from qkv.kernels._native import decode_ops, native_module, native_status
 from qkv.kernels.flash import _mask_view
 
@@ -89,7 +90,7 @@ def as_unpacked(t: Tensor, like: Tensor) -> Tensor:
     shape checks and dispatch); any other tensor is returned as it is."""
     if t.dtype != torch.int8:
         return t
-    return like.new_zeros(()).expand(*t.shape[:-1], t.shape[-1] - 4)
+    return like.new_zeros(()).expand(*t.shape[:-1], t.shape[-1] - SCALE_BYTES)
 
 
 def _mask_arg(mask: Tensor | None, shape: AttentionShape) -> Tensor | None:
