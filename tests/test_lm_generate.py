@@ -4,6 +4,7 @@ decoding without a cache; sampling, end tokens and bad input."""
 import pytest
 import torch
 
+from qkv.cache import SCALE_BYTES
 from qkv.generate import generate
 from qkv.kernels.int8 import quantize_linears
 from qkv.kernels.packed import pack_linears
@@ -96,7 +97,15 @@ def test_int8_cache_prepared_steps_equal_the_module_forward():
             torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)
             tok = ref.argmax(-1)
         assert caches[0][0].keys.dtype == torch.int8
-        assert torch.equal(caches[0][0].keys, caches[1][0].keys)  # the same rows written
+        # the same rows written, up to the projections' rounding: LMDecoder's few-row linears
+        # and PyTorch's sum in other orders (bit for bit alike on some CPUs only), so a value
+        # on a rounding boundary may land one step apart and a scale a few ulps apart
+        for fast_layer, ref_layer in zip(caches[0], caches[1]):
+            for a, b in ((fast_layer.keys, ref_layer.keys), (fast_layer.values, ref_layer.values)):
+                sa, sb = (x[..., -SCALE_BYTES:].contiguous().view(torch.float32) for x in (a, b))
+                torch.testing.assert_close(sa, sb, rtol=1e-5, atol=0)
+                steps = (a[..., :-SCALE_BYTES].int() - b[..., :-SCALE_BYTES].int()).abs()
+                assert steps.max() <= 1 and (steps > 0).float().mean() < 0.05
     want = generate(lm, prompt, max_new_tokens=10)
     int8 = generate(lm, prompt, max_new_tokens=10, cache_dtype=torch.int8)
     assert (int8 == want).float().mean() >= 0.8

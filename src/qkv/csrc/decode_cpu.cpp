@@ -953,19 +953,25 @@ static inline void softmax_block(const float* S, float* P, int64_t R, float* m, 
   }
 }
 
-#ifdef QKV_I16_DOTS
-// int8 K/V on int16 pairs (the default here), or widened to fp32 as on CPUs without VNNI:
-// QKV_DECODE_INT8=int16|widen (read once per process; the tests run both)
+// int8 K/V on int16 pairs (the default where the build has VNNI), or widened to fp32 as on
+// CPUs without it: QKV_DECODE_INT8=int16|widen, read once per process (the tests run both).
+// Parsed on every build, so that a bad value is an error whatever the CPU.
 static bool int8_on_int16() {
   static const bool on = [] {
     const char* e = std::getenv("QKV_DECODE_INT8");
     const std::string want = e ? e : "";
     TORCH_CHECK(want.empty() || want == "auto" || want == "int16" || want == "widen",
                 "QKV_DECODE_INT8 must be auto, int16 or widen; got '", want, "'");
+#ifdef QKV_I16_DOTS
     return want != "widen";
+#else
+    return false;
+#endif
   }();
   return on;
 }
+
+#ifdef QKV_I16_DOTS
 
 // acc += P V for one block of int8 value rows (vr[j]: row of key j, its scale already folded
 // into P, zero rows past the block's keys), P quantized per row to int16 (at most 1/65534 of
@@ -1795,6 +1801,10 @@ std::tuple<Tensor, Tensor> decode_fwd(const Tensor& q, const Tensor& k, const Te
     for (int64_t b = 0; b < Nb; ++b)
       TORCH_CHECK(r[b] >= 0 && r[b] < Nk, "qkv decode: kv_batch out of range");
   }
+  // the path settings are checked on every build (once per process), not only where they
+  // choose something
+  if (int8) (void)int8_on_int16();
+  else if (k.scalar_type() == at::kBFloat16) (void)bf16_path();
   const Structure st{Tq, Tk, causal, window};
   const float c2 = static_cast<float>(scale) * kLog2e;
   // queries in the cache's dtype (fp32 over an int8 cache)
@@ -2195,6 +2205,7 @@ std::string decode_isa() {
                            (int8_on_int16() ? "int16 dot products (vpdpwssd)" : "widened to fp32") +
                            ", widened runs from " + std::to_string(kWidenRows) + " rows";
 #else
+  (void)int8_on_int16();  // a bad setting is an error here too
   const std::string int8 = "; int8 K/V: widened to fp32";
 #endif
 #if defined(QKV_AVX512) && defined(__AVX512BF16__)
