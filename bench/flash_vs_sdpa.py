@@ -6,11 +6,11 @@
 Each repeat runs flash then SDPA on the same inputs, so machine load hits both alike; the
 printed ratio is SDPA's best time / flash's best time (> 1 = flash faster). B=1, h=8, d=64,
 1 torch thread by default (see README ``## Speed (issue 3)`` for why). The header names the
-CPU and the bf16 matmul path of the fused kernel (``QKV_ISA``: AMX tiles, the AVX512_BF16
+CPU and the bf16 matmul path of the fused kernel (``QKV_BF16_MATMUL``: AMX tiles, the AVX512_BF16
 dot-product kernel, or oneDNN's brgemm).
 
 ``--bf16``: one table for bf16, each repeat running in turn the fused kernel on its bf16 path,
-the same kernel forced onto oneDNN's unpacked brgemm (``QKV_ISA=brgemm``), PyTorch's SDPA in
+the same kernel forced onto oneDNN's unpacked brgemm (``QKV_BF16_MATMUL=brgemm``), PyTorch's SDPA in
 bf16, the fused kernel in fp32 and SDPA in fp32; ratios of best times, and the bf16 flash
 throughput as a % of this run's measured bf16 matmul peak (what ``torch.matmul`` reaches on
 2048² here; the attention FLOPs are those of ``bench/_measure.attention_flops``).
@@ -38,7 +38,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def isa_path() -> str:
-    """The fused kernel's bf16 matmul path here (with QKV_ISA as set), or why there is none."""
+    """The fused kernel's bf16 matmul path here (with QKV_BF16_MATMUL as set), or why there is
+    none."""
     ops = native_ops()
     if ops is None:
         return f"no fused kernel ({native_status()})"
@@ -46,20 +47,20 @@ def isa_path() -> str:
 
 
 def with_isa(fn, isa: str | None):
-    """``fn`` run with ``QKV_ISA=isa`` (read by the kernel on each call); None: as set."""
+    """``fn`` run with ``QKV_BF16_MATMUL=isa`` (read by the kernel on each call); None: as set."""
     if isa is None:
         return fn
 
     def run():
-        old = os.environ.get("QKV_ISA")
-        os.environ["QKV_ISA"] = isa
+        old = os.environ.get("QKV_BF16_MATMUL")
+        os.environ["QKV_BF16_MATMUL"] = isa
         try:
             return fn()
         finally:
             if old is None:
-                del os.environ["QKV_ISA"]
+                del os.environ["QKV_BF16_MATMUL"]
             else:
-                os.environ["QKV_ISA"] = old
+                os.environ["QKV_BF16_MATMUL"] = old
 
     return run
 

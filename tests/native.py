@@ -17,11 +17,30 @@ def require_built(built: bool, what: str, status: str) -> None:
     pytest.skip(f"{what}: {status}", allow_module_level=True)
 
 
-def assert_portable_ok(script: str) -> None:
-    """Run ``script`` against the portable build (plain C++ loops, what a CPU without AVX-512
-    runs) in a fresh process, the build mode being fixed per process; under
-    ``QKV_NATIVE_PORTABLE=1`` it must print ``ok`` as its last line."""
-    assert_script_ok(script, QKV_NATIVE_PORTABLE="1")
+def other_levels() -> list[str]:
+    """The kernel levels this CPU can run besides the one loaded by default (which the rest
+    of the suite tests in-process): each is tested in a process of its own."""
+    from qkv.kernels import _levels
+
+    default = _levels.select_level("")[1]
+    features = _levels.cpu_features()
+    runnable = [lv.name for lv in _levels.levels_for_machine() if lv.needs <= features]
+    if default == "amx":  # the avx512_bf16 build with its tiles off is a level of its own
+        return runnable
+    return [lv for lv in runnable if lv != default]
+
+
+_LEVEL_CHECK = """import os
+from qkv.kernels._native import native_level, native_status
+assert native_level() == os.environ["QKV_ISA"], (os.environ["QKV_ISA"], native_status())
+"""
+
+
+def assert_level_ok(script: str, level: str) -> None:
+    """Run ``script`` in a fresh process on kernel level ``level`` (``QKV_ISA``; the level is
+    fixed per process), checking first that this level is the one loaded; it must print ``ok``
+    as its last line."""
+    assert_script_ok(_LEVEL_CHECK + script, QKV_ISA=level)
 
 
 def assert_script_ok(script: str, **env: str) -> None:

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as TF
 from hypothesis import given, settings
 
-from native import assert_portable_ok, assert_script_ok, require_built
+from native import assert_level_ok, assert_script_ok, other_levels, require_built
 from qkv import masks
 from qkv._validate import check_qkv
 from qkv.functional import attention_steps, explain_dispatch, scaled_dot_product_attention
@@ -293,12 +293,11 @@ def test_selected_heads_weights_through_decode_match_math():
     torch.testing.assert_close(w, ref_w[:, [5, 2]], atol=1e-5, rtol=1e-5)
 
 
-_PORTABLE_CHECK = """
+_LEVEL_CHECK_SCRIPT = """
 import torch
 from qkv.functional import attention_steps
 from qkv.kernels._native import native_status
 from qkv.kernels.decode import decode_attention
-assert "decode path portable" in native_status(), native_status()
 torch.manual_seed(0)
 for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
     q = torch.randn(2, 6, 5, 40).to(dtype)
@@ -417,9 +416,11 @@ def test_bad_bf16_path_setting_is_an_error():
         assert_script_ok(_BF16_PATH_CHECK, QKV_DECODE_BF16="fast")
 
 
-def test_portable_build_without_avx512_code():
-    """The plain-C++ fallback (what a CPU without AVX-512 runs) gives the same answers."""
-    assert_portable_ok(_PORTABLE_CHECK)
+@pytest.mark.parametrize("level", other_levels())
+def test_every_level_gives_the_same_answers(level):
+    """Each other kernel level this CPU can run (the portable build's plain C++ loops
+    included) gives the same answers."""
+    assert_level_ok(_LEVEL_CHECK_SCRIPT, level)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -16,10 +16,10 @@ import torch.nn.functional as TF
 from hypothesis import given, settings
 
 import qkv.kernels.flash as flash_mod
-from native import assert_portable_ok, require_built
+from native import assert_level_ok, other_levels, require_built
 from qkv import masks
 from qkv.functional import attention_steps, explain_dispatch
-from qkv.kernels._native import native_module, native_ops, native_status
+from qkv.kernels._native import native_level, native_module, native_ops, native_status
 from qkv.kernels.flash import flash_attention
 from strategies import draw_mask_and_bias
 
@@ -219,12 +219,11 @@ def test_auto_grad_rule_follows_no_grad_and_kernel_availability(monkeypatch):
     assert decision.backend == "torch"
 
 
-_PORTABLE_CHECK = """
+_LEVEL_CHECK_SCRIPT = """
 import torch
 from qkv.functional import attention_steps
 from qkv.kernels._native import native_module, native_status
 from qkv.kernels.flash import flash_attention
-assert native_status().startswith("loaded") and "march" not in native_status(), native_status()
 torch.manual_seed(0)
 for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
     q = torch.randn(2, 4, 70, 16).to(dtype).requires_grad_()
@@ -252,9 +251,11 @@ print("ok")
 """
 
 
-def test_portable_build_without_avx512_code():
-    """The plain-C++ fallback of the kernel (what a CPU without AVX-512 runs) is right too."""
-    assert_portable_ok(_PORTABLE_CHECK)
+@pytest.mark.parametrize("level", other_levels())
+def test_every_level_gives_the_same_answers(level):
+    """Each other kernel level this CPU can run (the portable build included: plain C++
+    loops, what a CPU without AVX2 runs) is right too."""
+    assert_level_ok(_LEVEL_CHECK_SCRIPT, level)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
@@ -305,29 +306,29 @@ def _cpu_flags() -> set[str]:
 
 
 def _bf16_paths() -> list[str]:
-    """QKV_ISA values whose path this machine has (amx only where oneDNN sees AMX)."""
-    paths = ["avx512", "brgemm"]
+    """QKV_BF16_MATMUL values whose path this machine has (amx only where oneDNN sees AMX)."""
+    paths = ["dot", "brgemm"]
     if "amx_bf16" in _cpu_flags() and os.environ.get("ONEDNN_MAX_CPU_ISA") is None:
         paths.append("amx")
     return paths
 
 
-def test_isa_switch_picks_the_path_and_rejects_unknown_values(monkeypatch):
-    has_dot = "avx512_bf16" in _cpu_flags()
-    monkeypatch.setenv("QKV_ISA", "avx512")
+def test_bf16_matmul_switch_picks_the_path_and_rejects_unknown_values(monkeypatch):
+    has_dot = "avx512_bf16" in _cpu_flags() and native_level() in ("avx512_bf16", "amx")
+    monkeypatch.setenv("QKV_BF16_MATMUL", "dot")
     assert native_ops().bf16_path().startswith("avx512_bf16" if has_dot else "brgemm")
-    monkeypatch.setenv("QKV_ISA", "brgemm")
+    monkeypatch.setenv("QKV_BF16_MATMUL", "brgemm")
     assert native_ops().bf16_path().startswith("brgemm")
     assert native_status().endswith("bf16 path: " + native_ops().bf16_path())
     if "amx_bf16" not in _cpu_flags():  # asking for AMX where there is none: a clear error
-        monkeypatch.setenv("QKV_ISA", "amx")
-        with pytest.raises(RuntimeError, match="QKV_ISA=amx: oneDNN reports no AMX"):
+        monkeypatch.setenv("QKV_BF16_MATMUL", "amx")
+        with pytest.raises(RuntimeError, match="QKV_BF16_MATMUL=amx: no AMX here"):
             native_ops().bf16_path()
-    monkeypatch.setenv("QKV_ISA", "sse2")
-    with pytest.raises(RuntimeError, match="QKV_ISA must be auto, amx, avx512 or brgemm"):
+    monkeypatch.setenv("QKV_BF16_MATMUL", "sse2")
+    with pytest.raises(RuntimeError, match="QKV_BF16_MATMUL must be auto, amx, dot or brgemm"):
         native_ops().bf16_path()
     q = torch.randn(1, 1, 4, 8).bfloat16()
-    with pytest.raises(RuntimeError, match="QKV_ISA"):
+    with pytest.raises(RuntimeError, match="QKV_BF16_MATMUL"):
         flash_attention(q, q, q)
 
 
@@ -340,17 +341,17 @@ def test_bf16_paths_equal_math_within_bf16_error(path, case):
     q, k, v, kw, blocks = case
     q, k, v = (t.bfloat16().requires_grad_() for t in (q, k, v))
     ref, ref_inputs = _ref(q, k, v, **kw)
-    old = os.environ.get("QKV_ISA")
-    os.environ["QKV_ISA"] = path
+    old = os.environ.get("QKV_BF16_MATMUL")
+    os.environ["QKV_BF16_MATMUL"] = path
     try:
         out = flash_attention(q, k, v, **kw, **blocks)
         g = torch.randn(ref.output.shape, generator=torch.Generator().manual_seed(1))
         ours = torch.autograd.grad(out, (q, k, v), g.bfloat16())
     finally:
         if old is None:
-            del os.environ["QKV_ISA"]
+            del os.environ["QKV_BF16_MATMUL"]
         else:
-            os.environ["QKV_ISA"] = old
+            os.environ["QKV_BF16_MATMUL"] = old
     # inputs are exact bf16 numbers; the kernel rounds p (<= 1) and the output to bf16
     ref_out = ref.output
     assert (out.double() - ref_out).abs().max() <= 2e-2 * max(1.0, v.abs().max().item())

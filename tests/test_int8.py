@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import qkv.kernels.int8 as int8_mod
-from native import assert_portable_ok, require_built
+from native import assert_level_ok, other_levels, require_built
 from qkv.generate import beam_search, greedy_search
 from qkv.kernels._native import int8_ops, native_status
 from qkv.kernels.int8 import (
@@ -335,12 +335,11 @@ def test_doctests():
     assert tried > 0 and failed == 0
 
 
-_PORTABLE_CHECK = """
+_LEVEL_CHECK_SCRIPT = """
 import torch
 from qkv.kernels._native import native_status
 from qkv.kernels.int8 import int8_path, int8_linear, quantize_rows, quantize_weight
 from qkv.kernels.int8 import _quantize_rows_torch
-assert int8_path() == "portable", (int8_path(), native_status())
 g = torch.Generator().manual_seed(0)
 for M, K, N in ((1, 256, 130), (9, 67, 64), (40, 1024, 70)):
     x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g)
@@ -359,7 +358,9 @@ print("ok")
 """
 
 
-def test_portable_build_gives_the_same_integers():
-    """The plain-C++ path (what a CPU without AVX512-VNNI runs) gives the same quantized
-    rows (as the PyTorch formula) and the same integer sums (as an int64 matmul)."""
-    assert_portable_ok(_PORTABLE_CHECK)
+@pytest.mark.parametrize("level", other_levels())
+def test_every_level_gives_the_same_integers(level):
+    """Each other kernel level this CPU can run (the plain-C++ path: what a CPU without
+    AVX512-VNNI runs) gives the same quantized rows (as the PyTorch formula) and the same
+    integer sums (as an int64 matmul)."""
+    assert_level_ok(_LEVEL_CHECK_SCRIPT, level)

@@ -21,7 +21,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from native import assert_portable_ok, assert_script_ok
+from native import assert_level_ok, assert_script_ok, other_levels
 from qkv import MultiHeadAttention
 from qkv._validate import check_qkv
 from qkv.cache import KVCache, dequantize_rows, quantize_rows
@@ -203,12 +203,11 @@ def test_int8_call_errors_name_the_argument():
         decode_attention(q, quantize_rows(torch.randn(1, 2, 5, 6)), k8)
 
 
-_PORTABLE_INT8 = """
+_LEVEL_INT8 = """
 import torch
 from qkv.cache import quantize_rows, dequantize_rows
 from qkv.functional import attention_steps
 from qkv.kernels._native import decode_ops
-assert 'portable' in __import__('qkv.kernels._native', fromlist=['x']).native_status()
 g = torch.Generator().manual_seed(0)
 k8, v8 = (quantize_rows(torch.randn(2, 3, 301, 40, generator=g)) for _ in range(2))
 for Tq in (3, 16):  # 6 and 32 query rows per kv head: read as stored, and widened runs
@@ -224,8 +223,9 @@ print('ok')
 
 
 @needs_kernel
-def test_portable_build_reads_int8_rows():
-    assert_portable_ok(_PORTABLE_INT8)
+@pytest.mark.parametrize("level", other_levels())
+def test_every_level_reads_int8_rows(level):
+    assert_level_ok(_LEVEL_INT8, level)
 
 
 _WIDENED_INT8 = f"""

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as TF
 
-from native import assert_portable_ok, require_built
+from native import assert_level_ok, other_levels, require_built
 from qkv.kernels._native import decode_ops, native_module, native_status
 from qkv.kernels.packed import panels as _panels
 from qkv.models.incremental import SmallBatchLinear, _gather
@@ -210,11 +210,10 @@ def test_decode_rows_table_out_of_range_is_an_error():
         decode_ops().fwd(q, k, k, None, 0.3, True, -1, 0, torch.full((2, 5), 2))
 
 
-_PORTABLE_CHECK = """
+_LEVEL_CHECK_SCRIPT = """
 import torch
 from qkv.kernels._native import decode_ops, native_module, native_status
 from qkv.kernels.packed import panels as _panels
-assert "decode path portable" in native_status(), native_status()
 torch.manual_seed(0)
 ops = decode_ops()
 logits, scores = torch.randn(6, 101) * 4, torch.randn(6)
@@ -261,9 +260,11 @@ print("ok")
 """
 
 
-def test_portable_build_without_avx512_code():
-    """The plain-C++ fallback (what a CPU without AVX-512 runs) gives the same answers."""
-    assert_portable_ok(_PORTABLE_CHECK)
+@pytest.mark.parametrize("level", other_levels())
+def test_every_level_gives_the_same_answers(level):
+    """Each other kernel level this CPU can run (the portable build's plain C++ included)
+    gives the same answers."""
+    assert_level_ok(_LEVEL_CHECK_SCRIPT, level)
 
 
 @pytest.mark.parametrize("Tk", [1, 33, 300])

@@ -21,9 +21,7 @@
 #include <ATen/native/CPUBlas.h>
 #include <torch/library.h>
 
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
+#include "simd.h"
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -56,25 +54,8 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr int64_t kPack = 64;  // oneDNN's VNNI pack takes blocks of 64 columns
 constexpr float kLazyLog2 = 8.f;  // see forward_impl
 
-// 2^t for t <= 0 (0 below 2^-126, also for t = -inf): round-to-nearest split t = n + f,
-// |f| <= 1/2, a degree-5 polynomial of 2^f fitted for relative error (< 2e-7), 2^n from the
-// exponent bits. Branch-free so that `omp simd` vectorises it. Callers pass t <= kLazyLog2;
-// t is clamped at 64 anyway so that the exponent bits can never overflow.
-static inline float exp2_neg(float t) {
-  const float tc = t < -126.f ? -126.f : (t > 64.f ? 64.f : t);
-  const float n = (tc + 12582912.f) - 12582912.f;  // round to nearest (1.5 * 2^23 trick)
-  const float f = tc - n;
-  float p = 0.0013264614390209317f;
-  p = p * f + 0.009671480394899845f;
-  p = p * f + 0.05550733581185341f;
-  p = p * f + 0.24022242426872253f;
-  p = p * f + 0.6931470036506653f;
-  p = p * f + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return t < -126.f ? 0.f : p * scale;
-}
+using qkv_simd::exp2_neg;
+using qkv_simd::to_bf16_bits;
 
 #ifdef __AVX512F__
 // 2^t for 16 lanes of finite t <= 0 (lanes off in k give 0): t = n + f with |f| <= 1/2,
@@ -102,14 +83,6 @@ static inline __m512 exp2_v(__m512 t, __mmask16 k) {
   return k == 0xffff ? _mm512_scalef_ps(p, n) : _mm512_maskz_scalef_ps(k, p, n);
 }
 #endif
-
-// fp32 -> bf16, round to nearest even (inputs are finite here).
-static inline uint16_t to_bf16_bits(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, sizeof(u));
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
 
 // max of x[0:n]; four accumulators hide vmaxps latency
 static inline float row_max(const float* x, int64_t n) {
@@ -378,7 +351,7 @@ static inline void mm(int64_t M, int64_t N, int64_t K, const T* A, int64_t ld_a,
 //
 // Which path bf16 takes (Bf16Path): AMX tiles through oneDNN's VNNI-packed brgemm where the
 // CPU has AMX (the forward; the backward uses oneDNN's unpacked brgemm there), this kernel
-// where it has AVX512_BF16, oneDNN's unpacked brgemm otherwise. QKV_ISA=amx|avx512|brgemm
+// where it has AVX512_BF16, oneDNN's unpacked brgemm otherwise. QKV_BF16_MATMUL=amx|dot|brgemm
 // forces one (oneDNN's own ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 also hides AMX from it).
 enum class Bf16Path { kAmx, kDot, kBrgemm };
 
@@ -505,22 +478,23 @@ static void pack_row_pairs(const BFloat16* x_, int64_t rows, int64_t n, int64_t 
   }
 }
 
-// The path bf16 calls take (see above); QKV_ISA is read on each call so that a process can
-// compare the paths.
+// The path bf16 calls take (see above); QKV_BF16_MATMUL=auto|amx|dot|brgemm is read on each
+// call so that a process can compare the paths. AMX needs oneDNN's view of the CPU and the
+// level (QKV_ISA=avx512_bf16 turns it off).
 static Bf16Path bf16_path(int64_t d) {
-  const char* env = std::getenv("QKV_ISA");
+  const char* env = std::getenv("QKV_BF16_MATMUL");
   const std::string want = env ? env : "";
-  const bool amx = cpublas::could_pack(at::kBFloat16);
-  TORCH_CHECK(want.empty() || want == "auto" || want == "amx" || want == "avx512" ||
+  const bool amx = cpublas::could_pack(at::kBFloat16) && qkv_simd::amx_allowed();
+  TORCH_CHECK(want.empty() || want == "auto" || want == "amx" || want == "dot" ||
                   want == "brgemm",
-              "QKV_ISA must be auto, amx, avx512 or brgemm; got '", want, "'");
+              "QKV_BF16_MATMUL must be auto, amx, dot or brgemm; got '", want, "'");
   if (want == "brgemm") return Bf16Path::kBrgemm;
   if (want == "amx") {
-    TORCH_CHECK(amx, "QKV_ISA=amx: oneDNN reports no AMX on this CPU (or ONEDNN_MAX_CPU_ISA "
-                     "hides it)");
+    TORCH_CHECK(amx, "QKV_BF16_MATMUL=amx: no AMX here (this CPU or level has none, or "
+                     "oneDNN does not see it: ONEDNN_MAX_CPU_ISA)");
     return d % 2 == 0 ? Bf16Path::kAmx : Bf16Path::kBrgemm;
   }
-  if (want != "avx512" && amx && d % 2 == 0) return Bf16Path::kAmx;
+  if (want != "dot" && amx && d % 2 == 0) return Bf16Path::kAmx;
   return kHasDot ? Bf16Path::kDot : Bf16Path::kBrgemm;
 }
 
@@ -1615,10 +1589,11 @@ double max_abs_product(const Tensor& q, const Tensor& k) {
 }
 }  // namespace qkv
 
-// Which bf16 matmul path runs here (QKV_ISA and the CPU decide; see Bf16Path), and the
-// kernels with a query offset for ring attention's blocks.
+// Which bf16 matmul path runs here (QKV_BF16_MATMUL, the level and the CPU decide; see
+// Bf16Path), the level this build was compiled for, and the kernels with a query offset for ring attention's blocks.
 TORCH_LIBRARY_FRAGMENT(qkv_flash, m) {
   m.def("bf16_path() -> str", []() { return isa_name(); });
+  m.def("level() -> str", []() { return std::string(QKV_LEVEL_NAME); });
   m.def("fwd_at(Tensor q, Tensor k, Tensor v, float scale, bool causal, int window, "
         "int block_q, int block_k, int shift) -> (Tensor, Tensor)");
   m.def("bwd_at(Tensor q, Tensor k, Tensor v, Tensor out, Tensor dout, Tensor lse, "

@@ -23,10 +23,9 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
-    defined(__AVX512VNNI__)
+#include "simd.h"
+#ifdef QKV_VNNI512
 #define QKV_VNNI 1
-#include <immintrin.h>
 #endif
 
 #include <algorithm>

@@ -2,7 +2,10 @@
 // Every kernel is a torch.ops operator (registered in the other files); a pybind call skips
 // the operator's schema parsing (~0.3 us instead of ~2 us), which matters only for the few
 // calls made on every attention call.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>  // pybind11 with the Tensor casters (not all of torch/extension.h: ~15 s less per build)
+
+#include "simd.h"  // QKV_LEVEL_NAME
 
 #include <optional>
 #include <vector>
@@ -63,4 +66,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "greedy search's step: each row's argmax of logits (N, V) (token block counted as -inf) "
         "into out (N,) int64; returns how many rows chose token eos (if eos >= 0)");
   qkv::register_step(m);
+  m.attr("level") = QKV_LEVEL_NAME;  // the instruction-set level this build was compiled for
 }

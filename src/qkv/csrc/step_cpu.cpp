@@ -12,7 +12,8 @@
 // self-attention caches k, v (N_cache, h_kv, capacity, d_k), position t written here (batch
 // row phys[i] of hypothesis i, else row i); cross-attention keys/values (B_cache, h_kv, S, d_k)
 // per layer. Activations live in one fp32 workspace per call, rows contiguous.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>  // pybind11 with the Tensor casters (not all of torch/extension.h: ~15 s less per build)
 
 #include <c10/util/BFloat16.h>
 

@@ -1,66 +1,86 @@
-"""qkv's fused CPU kernels (``qkv/csrc/*.cpp``), compiled on first use.
+"""qkv's fused CPU kernels (``qkv/csrc/*.cpp``): the build for this CPU, loaded on first use.
 
-The C++ sources are built once per machine into one extension with PyTorch's extension
-builder (gcc + ninja, ~30 s; cached under ``~/.cache/torch_extensions``, or
-``$TORCH_EXTENSIONS_DIR``). ``flash_cpu.cpp`` registers ``torch.ops.qkv_flash.fwd`` / ``.bwd``
-(the flash backend), ``decode_cpu.cpp`` ``torch.ops.qkv_decode.fwd`` (the decode backend, a
-few queries over a long KV cache) and the generation step's ``qkv_decode.small_linear``
-(few-row linears on panel-packed weights) and ``qkv_decode.beam_topk`` (beam search's
-log-softmax + top-k in one pass), ``int8_cpu.cpp`` ``torch.ops.qkv_int8.linear`` (int8
-linear layers, :mod:`qkv.kernels.int8`); ``module.cpp`` makes the extension a Python module
-too, for the few functions called on every attention call. Where they cannot be built (no
-compiler, another OS) the flash backend keeps working on its PyTorch-ops kernel, the decode
-backend is not offered, and :func:`native_status` says why.
-``QKV_NATIVE=0`` turns the fused kernel off; ``QKV_NATIVE_PORTABLE=1`` builds it without
-``-march=native`` (plain C++ loops instead of the AVX-512 ones; used by the tests to check
-that path on machines that have AVX-512).
+The C++ sources are compiled when qkv is installed, once per instruction-set level of the
+machine's architecture (:mod:`qkv.kernels._levels`: portable, avx2, avx512, avx512_bf16 on
+x86-64; neon on aarch64), into one extension per level, ``qkv._C_<level>``. The first kernel
+call loads the best level the CPU supports, and only that one; ``QKV_ISA=<level>`` forces a
+level the CPU can run (``amx``: the avx512_bf16 build with AMX tiles; ``avx512_bf16`` on an
+AMX CPU turns them off); a level the CPU lacks is an error, never a crash.
+
+Where no prebuilt library fits (a source checkout not built, sources edited since the build,
+another torch version), the level is compiled on first use with PyTorch's extension builder
+(gcc + ninja, ~1-2 min) into ``~/.cache/torch_extensions`` (or ``$TORCH_EXTENSIONS_DIR``),
+under a name that carries the level: a cache shared by machines with different CPUs never
+hands one CPU another's build. ``QKV_NATIVE=0`` turns the kernels off;
+``QKV_NATIVE=prebuilt`` forbids the build on first use, ``QKV_NATIVE=compile`` makes it
+(ignoring the prebuilt kernels).
+
+``flash_cpu.cpp`` registers ``torch.ops.qkv_flash.fwd`` / ``.bwd`` (the flash backend),
+``decode_cpu.cpp`` ``torch.ops.qkv_decode.fwd`` (the decode backend, a few queries over a
+long KV cache) and the generation step's ``qkv_decode.small_linear`` (few-row linears on
+panel-packed weights) and ``qkv_decode.beam_topk`` (beam search's log-softmax + top-k in one
+pass), ``int8_cpu.cpp`` ``torch.ops.qkv_int8.linear`` (int8 linear layers,
+:mod:`qkv.kernels.int8`); ``module.cpp`` makes the extension a Python module too, for the
+few functions called on every attention call. Where no build can be had, the flash backend
+keeps working on its PyTorch-ops kernel, the decode backend is not offered, and
+:func:`native_status` says why.
 
 bf16 block matmuls take one of three paths, chosen per call: AMX tiles (oneDNN's brgemm on
 VNNI-packed K/V) where oneDNN sees AMX, qkv's AVX512_BF16 dot-product micro-kernel where
-the CPU has AVX512_BF16 but no AMX, oneDNN's unpacked brgemm otherwise. ``QKV_ISA=avx512``
-forces the AVX512_BF16 kernel (to develop and check it on an AMX machine), ``QKV_ISA=brgemm``
-the unpacked brgemm, ``QKV_ISA=amx`` requires AMX; oneDNN's own ``ONEDNN_MAX_CPU_ISA`` (e.g.
-``AVX512_CORE_BF16``) hides AMX from oneDNN, and so from this choice too.
-:func:`native_status` names the path (``torch.ops.qkv_flash.bf16_path()``).
+the CPU has AVX512_BF16 but no AMX, oneDNN's unpacked brgemm otherwise.
+``QKV_BF16_MATMUL=dot|brgemm|amx`` forces one (read on every call); oneDNN's own
+``ONEDNN_MAX_CPU_ISA`` (e.g. ``AVX512_CORE_BF16``) hides AMX from oneDNN, and so from this
+choice too. :func:`native_status` names the level and the paths.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
+import json
 import logging
 import os
-import platform
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
-__all__ = ["decode_ops", "int8_ops", "native_module", "native_ops", "native_status"]
+from qkv.kernels import _levels
+
+__all__ = ["decode_ops", "int8_ops", "native_level", "native_module", "native_ops",
+           "native_status"]
 
 logger = logging.getLogger("qkv.kernels")
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
-SOURCES = [
-    CSRC / "flash_cpu.cpp", CSRC / "decode_cpu.cpp", CSRC / "int8_cpu.cpp", CSRC / "step_cpu.cpp",
-    CSRC / "module.cpp",
-]  # fmt: skip
+BUILT = Path(__file__).resolve().parent / "_built.json"  # written by setup.py
 _status = "not loaded yet"
 _module = None  # the extension's Python module (module.cpp): functions on the per-call path
+_level = None  # the level loaded ("amx" for the avx512_bf16 build with its tiles on)
 
 
-def _portable() -> bool:
-    return os.environ.get("QKV_NATIVE_PORTABLE", "0") == "1"
+def _flags(build: str) -> list[str]:
+    level = next(lv for lv in _levels.LEVELS if lv.name == build)
+    return [*_levels.COMMON_FLAGS, *level.flags, f"-DQKV_LEVEL={build}"]
 
 
-def _flags() -> list[str]:
-    # -march=native: the build is per machine (the cache lives on it). No -ffast-math: the
-    # kernel relies on IEEE infinities; its reductions are vectorised by hand or `omp simd`.
-    # -fopenmp: its threads are PyTorch's own OpenMP runtime (libtorch links libgomp).
-    flags = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
-    if platform.machine() in ("x86_64", "AMD64") and not _portable():
-        flags += ["-march=native", "-mprefer-vector-width=512"]
-    return flags
+def _prebuilt(build: str) -> tuple[object | None, str]:
+    """The installed extension of level ``build``, or ``None`` and why it does not fit."""
+    try:
+        info = json.loads(BUILT.read_text())
+    except (OSError, ValueError):
+        return None, "no prebuilt kernels (qkv not built from this tree)"
+    if build not in info.get("levels", []):
+        return None, f"level {build} not among the prebuilt ones ({', '.join(info['levels'])})"
+    if info.get("torch") != torch.__version__:
+        return None, f"prebuilt for torch {info.get('torch')}, running {torch.__version__}"
+    if CSRC.is_dir() and info.get("sources") != _levels.source_digest(CSRC):
+        return None, "the kernel sources changed since the prebuilt kernels were compiled"
+    try:
+        return importlib.import_module(f"qkv._C_{build}"), "prebuilt"
+    except ImportError as e:
+        return None, f"prebuilt {build} does not load: {e}"
 
 
 @contextlib.contextmanager
@@ -94,39 +114,69 @@ def _build_lock(name: str) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def _compile(build: str) -> object:
+    """Compile level ``build`` now (a checkout without a fitting prebuilt library)."""
+    from torch.utils import cpp_extension
+
+    name = f"qkv_native_{build}"  # the level in the name: a shared cache stays per level
+    logger.warning("qkv: compiling the %s kernels for this machine (once, ~1-2 min)", build)
+    with _build_lock(name):
+        return cpp_extension.load(
+            name=name,
+            sources=[str(CSRC / s) for s in _levels.SOURCES],
+            extra_cflags=_flags(build),
+            is_python_module=True,
+            verbose=False,
+        )
+
+
 @functools.cache
-def native_ops() -> object | None:
-    """``torch.ops.qkv_flash`` once the kernel is built and loaded, else ``None``."""
-    global _status
-    if os.environ.get("QKV_NATIVE", "1") == "0":
+def _load() -> object | None:
+    global _status, _module, _level
+    mode = os.environ.get("QKV_NATIVE", "1")
+    if mode == "0":
         _status = "off (QKV_NATIVE=0)"
         return None
+    build, level = _levels.select_level()  # a bad or unsupported QKV_ISA raises here
+    module, how = (None, "QKV_NATIVE=compile") if mode == "compile" else _prebuilt(build)
+    if module is None:
+        why = how
+        if mode == "prebuilt":
+            _status = f"unavailable: {why} (QKV_NATIVE=prebuilt: no build on first use)"
+            logger.warning("qkv: fused CPU kernels %s", _status)
+            return None
+        try:
+            module, how = _compile(build), f"compiled on first use: {why}"
+        except Exception as e:  # no compiler/ninja, unsupported platform, failed build
+            first = str(e).splitlines()[0] if str(e) else ""
+            _status = f"unavailable: {why}; build failed: {type(e).__name__}: {first}"
+            logger.warning("qkv: fused CPU kernels %s; flash uses its PyTorch-ops kernel",
+                           _status)  # fmt: skip
+            return None
     try:
-        from torch.utils import cpp_extension
-
-        logger.info("qkv: loading the fused CPU kernel (the first build takes ~15 s)")
-        name = "qkv_flash_cpu_portable" if _portable() else "qkv_flash_cpu"
-        with _build_lock(name):
-            module = cpp_extension.load(
-                name=name,
-                sources=[str(p) for p in SOURCES],
-                extra_cflags=_flags(),
-                is_python_module=True,
-                verbose=False,
-            )
         ops = torch.ops.qkv_flash
-        ops.fwd  # noqa: B018 (raises if the library did not register its ops)
-        torch.ops.qkv_decode.fwd  # noqa: B018
+        assert ops.level() == build, (ops.level(), build)
+        torch.ops.qkv_decode.fwd  # noqa: B018 (raises if the library did not register its ops)
         torch.ops.qkv_int8.linear  # noqa: B018
-    except Exception as e:  # no compiler/ninja, unsupported platform, failed build
-        _status = f"unavailable: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        logger.warning("qkv: fused CPU kernel %s; flash uses its PyTorch-ops kernel", _status)
+    except Exception as e:
+        _status = f"unavailable: the {build} library is broken: {type(e).__name__}: {e}"
+        logger.warning("qkv: fused CPU kernels %s", _status)
         return None
-    global _module
-    _module = module
-    _status = (f"loaded ({' '.join(_flags())}; decode path {torch.ops.qkv_decode.isa()}; "
-               f"int8 linears {torch.ops.qkv_int8.isa()})")  # fmt: skip
+    _module, _level = module, level
+    _status = (f"loaded: level {level} ({how}); decode path {torch.ops.qkv_decode.isa()}; "
+               f"int8 linears {torch.ops.qkv_int8.isa()}")  # fmt: skip
     return ops
+
+
+def native_ops() -> object | None:
+    """``torch.ops.qkv_flash`` once the kernels are loaded, else ``None``. Raises if
+    ``QKV_ISA`` names an unknown level or one this CPU cannot run."""
+    return _load()
+
+
+def native_level() -> str | None:
+    """The instruction-set level of the loaded kernels (``None``: none loaded)."""
+    return _level if _load() is not None else None
 
 
 def native_module() -> object | None:
@@ -146,13 +196,17 @@ def int8_ops() -> object | None:
 
 
 def native_status() -> str:
-    """Whether the fused kernel is in use, and if not, why (loads it if not tried yet);
-    when loaded, also the bf16 matmul path it takes now (``QKV_ISA`` is read per call)."""
-    ops = native_ops()
-    if ops is not None and hasattr(ops, "bf16_path"):
+    """Whether the fused kernels are in use (their level, prebuilt or compiled here, and the
+    paths they take), and if not, why; loads them if not tried yet. The bf16 matmul path is
+    the one taken now (``QKV_BF16_MATMUL`` is read per call)."""
+    try:
+        ops = native_ops()
+    except (ValueError, RuntimeError) as e:  # a bad QKV_ISA: say so rather than raise here
+        return f"unavailable: {e}"
+    if ops is not None:
         try:
             path = ops.bf16_path()
-        except RuntimeError as e:  # a bad QKV_ISA value: say so rather than raise here
+        except RuntimeError as e:  # a bad QKV_BF16_MATMUL value
             path = str(e).splitlines()[0]
         return f"{_status}; bf16 path: {path}"
     return _status

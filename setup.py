@@ -1,0 +1,86 @@
+"""Builds qkv's C++ kernels when the package is built or installed (metadata: pyproject.toml).
+
+Every source in src/qkv/csrc is compiled once per instruction-set level of this machine's
+architecture (qkv/kernels/_levels.py) into the extension ``qkv._C_<level>``; at run time qkv
+loads the best one the CPU supports, so using qkv needs no compiler. The build runs against
+the installed torch (``pip install --no-build-isolation``, as the Makefile does) and records
+its version and the sources' digest in ``qkv/kernels/_built.json``.
+
+``QKV_BUILD_LEVELS=avx2,portable`` builds only those levels (a quicker developer build; the
+others are then compiled on first use, if a compiler is there).
+"""
+
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+
+from setuptools import setup
+
+ROOT = Path(__file__).resolve().parent
+CSRC = ROOT / "src" / "qkv" / "csrc"
+
+
+def _levels_module():
+    spec = importlib.util.spec_from_file_location("_qkv_levels", ROOT / "src/qkv/kernels/_levels.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _extensions():
+    import torch
+    from torch.utils.cpp_extension import BuildExtension, CppExtension
+
+    L = _levels_module()
+    wanted = os.environ.get("QKV_BUILD_LEVELS")
+    levels = L.levels_for_machine()
+    if wanted:
+        names = {w.strip() for w in wanted.split(",") if w.strip()}
+        levels = [lv for lv in levels if lv.name in names]
+    sources = [str(Path("src/qkv/csrc") / s) for s in L.SOURCES]
+    exts = [
+        CppExtension(
+            f"qkv._C_{lv.name}",
+            sources,
+            extra_compile_args=[*L.COMMON_FLAGS, *lv.flags, f"-DQKV_LEVEL={lv.name}"],
+            extra_link_args=["-fopenmp"],
+        )
+        for lv in levels
+    ]
+
+    class Build(BuildExtension):
+        def finalize_options(self):
+            super().finalize_options()
+            # objects kept in the tree's build/ (editable installs would use a fresh temporary
+            # directory): ninja then recompiles only the sources that changed
+            self.build_temp = str(ROOT / "build" / "temp-qkv")
+
+        def build_extension(self, ext):
+            # one object directory per level: the levels compile the same files
+            temp = self.build_temp
+            self.build_temp = os.path.join(temp, ext.name.rsplit(".", 1)[-1])
+            try:
+                super().build_extension(ext)
+            finally:
+                self.build_temp = temp
+
+        def run(self):
+            super().run()
+            info = {
+                "torch": torch.__version__,
+                "sources": L.source_digest(CSRC),
+                "levels": [lv.name for lv in levels],
+            }
+            for out in {Path(self.build_lib), ROOT / "src"} if self.inplace else {Path(self.build_lib)}:
+                target = out / "qkv" / "kernels" / "_built.json"
+                if target.parent.is_dir():
+                    target.write_text(json.dumps(info, indent=1) + "\n")
+
+    return exts, {"build_ext": Build.with_options(use_ninja=True)}
+
+
+ext_modules, cmdclass = _extensions()
+setup(ext_modules=ext_modules, cmdclass=cmdclass)

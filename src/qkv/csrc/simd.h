@@ -1,0 +1,144 @@
+// One set of instruction-set macros and the scalar helpers every kernel shares.
+//
+// Each kernel source is compiled once per level (qkv/kernels/_levels.py: portable, avx2,
+// avx512, avx512_bf16; neon on aarch64) with that level's -march flags; the code below and
+// the kernels' #if blocks pick what a level has from the compiler's own feature macros:
+//   QKV_AVX512       AVX-512 F + BW + VL (16 fp32 lanes, byte/word masks)
+//   QKV_AVX512_BF16  + AVX512_BF16 (vdpbf16ps, vcvtneps2bf16)
+//   QKV_VNNI512      + AVX512_VNNI (vpdpbusd, vpdpwssd)
+//   QKV_AVX2         AVX2 + FMA + F16C (8 fp32 lanes; also defined on AVX-512 levels)
+// Only the loaded level runs, and only on a CPU that has its instructions (the loader checks).
+#pragma once
+
+#include <c10/util/BFloat16.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define QKV_AVX512 1
+#endif
+#if defined(QKV_AVX512) && defined(__AVX512BF16__)
+#define QKV_AVX512_BF16 1
+#endif
+#if defined(QKV_AVX512) && defined(__AVX512VNNI__)
+#define QKV_VNNI512 1
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define QKV_AVX2 1
+#endif
+#if defined(__x86_64__) && (defined(QKV_AVX2) || defined(QKV_AVX512))
+#include <immintrin.h>
+#endif
+
+// QKV_LEVEL: the level's name as a bare token (-DQKV_LEVEL=avx2, set by the build: setup.py or
+// the just-in-time build; a token survives every shell and build tool, a string may not)
+#define QKV_STR_(x) #x
+#define QKV_STR(x) QKV_STR_(x)
+#ifdef QKV_LEVEL
+#define QKV_LEVEL_NAME QKV_STR(QKV_LEVEL)
+#else
+#define QKV_LEVEL_NAME "unknown"
+#endif
+
+namespace qkv_simd {
+
+// fp32 -> bf16 bits, round to nearest even (finite inputs; see to_bf16 for NaN)
+inline uint16_t to_bf16_bits(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof(u));
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+// 2^t for t <= 0 (0 below 2^-126, also for t = -inf): round-to-nearest split t = n + f,
+// |f| <= 1/2, a degree-5 polynomial of 2^f fitted for relative error (< 2e-7), 2^n from the
+// exponent bits. Branch-free so that `omp simd` vectorises it. t is clamped at 64 so that
+// the exponent bits can never overflow.
+inline float exp2_neg(float t) {
+  const float tc = t < -126.f ? -126.f : (t > 64.f ? 64.f : t);
+  const float n = (tc + 12582912.f) - 12582912.f;  // round to nearest (1.5 * 2^23 trick)
+  const float f = tc - n;
+  float p = 0.0013264614390209317f;
+  p = p * f + 0.009671480394899845f;
+  p = p * f + 0.05550733581185341f;
+  p = p * f + 0.24022242426872253f;
+  p = p * f + 0.6931470036506653f;
+  p = p * f + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return t < -126.f ? 0.f : p * scale;
+}
+
+// Whether AMX tiles may be used: not when QKV_ISA=avx512_bf16 asks for that level on a CPU
+// that also has AMX (the tiles also need the OS's permission and oneDNN's view of the CPU,
+// which the kernels check).
+inline bool amx_allowed() {
+  static const bool ok = [] {
+    const char* e = std::getenv("QKV_ISA");
+    std::string s = e ? e : "";
+    for (char& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    return s != "avx512_bf16";
+  }();
+  return ok;
+}
+
+#ifdef QKV_AVX2
+// ---- 8 fp32 lanes (AVX2 + FMA) ---------------------------------------------------------
+
+// 8 values as fp32: fp32 as is, bf16 widened (a 16-bit shift: bf16 is the top half of an
+// fp32), int8 converted
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
+}
+inline __m256 load8(const int8_t* p) {
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+}
+
+inline float hsum8(__m256 x) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+inline float hmax8(__m256 x) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+
+// lane i = the sum of the 8 lanes of a[i] (a transpose-and-add tree)
+inline __m256 hsum8x8(const __m256* a) {
+  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// 2^t for 8 lanes of t <= 0 (as exp2_neg: 0 below 2^-126 and for -inf; NaN stays NaN)
+inline __m256 exp2_v8(__m256 t) {
+  // max/min return their second operand when one is NaN: t second keeps a NaN
+  const __m256 tc = _mm256_min_ps(_mm256_set1_ps(64.f), _mm256_max_ps(_mm256_set1_ps(-127.f), t));
+  const __m256 n = _mm256_round_ps(tc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(tc, n);
+  __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(0.0013264614390209317f), f,
+                             _mm256_set1_ps(0.009671480394899845f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.05550733581185341f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.24022242426872253f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.6931470036506653f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  // 2^n from the exponent bits; n = -127 gives 0 (so does every t below -126.5)
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  const __m256 r = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+  // t < -126: 0, as exp2_neg (a NaN compares false and stays)
+  return _mm256_andnot_ps(_mm256_cmp_ps(t, _mm256_set1_ps(-126.f), _CMP_LT_OQ), r);
+}
+#endif  // QKV_AVX2
+
+}  // namespace qkv_simd

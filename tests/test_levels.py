@@ -1,0 +1,146 @@
+"""The kernels' instruction-set levels: which one a CPU gets, forcing one with QKV_ISA, and
+which build is loaded (prebuilt, or compiled on first use under a name that carries the level)."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from qkv.kernels import _levels, _native
+
+# /proc/cpuinfo flags of real CPUs (the relevant subset)
+ZEN3 = frozenset("sse2 avx avx2 fma f16c bmi1 bmi2 movbe abm".split())
+SKYLAKE_X = ZEN3 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"}
+ICE_LAKE = SKYLAKE_X | {"avx512_vnni"}
+ZEN4 = ICE_LAKE | {"avx512_bf16"}
+SAPPHIRE_RAPIDS = ZEN4 | {"amx_tile", "amx_bf16", "amx_int8"}
+OLD = frozenset({"sse2", "avx"})  # Sandy Bridge: AVX without AVX2/FMA
+
+
+@pytest.mark.parametrize(
+    ("features", "build", "name"),
+    [(OLD, "portable", "portable"), (ZEN3, "avx2", "avx2"), (SKYLAKE_X, "avx512", "avx512"),
+     (ICE_LAKE, "avx512", "avx512"), (ZEN4, "avx512_bf16", "avx512_bf16"),
+     (SAPPHIRE_RAPIDS, "avx512_bf16", "amx")],
+)  # fmt: skip
+def test_each_cpu_gets_the_best_level_it_can_run(features, build, name):
+    assert _levels.select_level("", features, "x86_64") == (build, name)
+    assert _levels.select_level("auto", features, "x86_64") == (build, name)
+
+
+def test_aarch64_has_its_own_levels():
+    assert _levels.select_level("", frozenset({"fp", "asimd"}), "aarch64") == ("neon", "neon")
+    with pytest.raises(ValueError, match="QKV_ISA must be one of auto, neon; got 'avx2'"):
+        _levels.select_level("avx2", frozenset(), "aarch64")
+
+
+def test_forcing_a_level():
+    assert _levels.select_level("portable", SAPPHIRE_RAPIDS, "x86_64") == ("portable", "portable")
+    assert _levels.select_level("AVX2", SAPPHIRE_RAPIDS, "x86_64") == ("avx2", "avx2")
+    # avx512_bf16 on an AMX CPU: that build with its tiles off
+    assert _levels.select_level("avx512_bf16", SAPPHIRE_RAPIDS, "x86_64") == (
+        "avx512_bf16", "avx512_bf16")
+    assert _levels.select_level("amx", SAPPHIRE_RAPIDS, "x86_64") == ("avx512_bf16", "amx")
+
+
+@pytest.mark.parametrize(
+    ("features", "requested", "missing"),
+    [(ZEN3, "avx512", "avx512bw, avx512cd, avx512dq, avx512f, avx512vl"),
+     (ICE_LAKE, "avx512_bf16", "avx512_bf16"), (ZEN4, "amx", "amx_bf16, amx_tile"),
+     (OLD, "avx2", "abm, avx2, bmi1, bmi2, f16c, fma, movbe")],
+)  # fmt: skip
+def test_a_level_the_cpu_lacks_is_refused_naming_what_is_missing(features, requested, missing):
+    with pytest.raises(RuntimeError, match=f"QKV_ISA={requested}: this CPU cannot run that "
+                                           f"level \\(it lacks {missing}\\)"):  # fmt: skip
+        _levels.select_level(requested, features, "x86_64")
+
+
+def test_an_unknown_level_is_refused_listing_the_choices():
+    with pytest.raises(ValueError, match="QKV_ISA must be one of auto, portable, avx2, avx512, "
+                                         "avx512_bf16, amx; got 'sse4'"):  # fmt: skip
+        _levels.select_level("sse4", ZEN3, "x86_64")
+
+
+def test_the_level_agrees_with_pytorchs_view_of_this_cpu():
+    """PyTorch's own dispatch (its CPU capability) against ours: the same vector width."""
+    if _levels._machine() != "x86_64" or os.environ.get("ATEN_CPU_CAPABILITY"):
+        pytest.skip("x86-64 with PyTorch's own capability detection only")
+    ours = _levels.best_level()
+    theirs = torch.backends.cpu.get_cpu_capability()  # DEFAULT, AVX2, AVX512 (or ZVECTOR...)
+    expected = {"portable": "DEFAULT", "avx2": "AVX2", "avx512": "AVX512",
+                "avx512_bf16": "AVX512"}[ours]  # fmt: skip
+    assert theirs == expected, (ours, theirs)
+
+
+def _run(code: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], env=dict(os.environ, **env),
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+
+
+def test_forcing_a_level_this_cpu_lacks_is_a_clear_error_not_a_crash():
+    """In a process of its own: the attention call raises naming the level, and the process
+    goes on (nothing of that level is loaded)."""
+    features = _levels.cpu_features()
+    lacking = [lv.name for lv in _levels.levels_for_machine() if not lv.needs <= features]
+    requested = lacking[-1] if lacking else "neon" if _levels._machine() == "x86_64" else "avx2"
+    code = """
+import torch
+from qkv.kernels._native import native_status
+from qkv.kernels.flash import flash_attention
+q = torch.randn(1, 1, 8, 16)
+try:
+    flash_attention(q, q, q)
+except (RuntimeError, ValueError) as e:
+    print("refused:", e)
+print("status:", native_status())
+"""
+    res = _run(code, QKV_ISA=requested)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "refused: QKV_ISA" in res.stdout and requested in res.stdout, res.stdout
+    assert "status: unavailable: QKV_ISA" in res.stdout, res.stdout
+
+
+def test_a_prebuilt_library_is_used_only_for_its_sources_and_torch(tmp_path, monkeypatch):
+    info = {"torch": torch.__version__, "sources": _levels.source_digest(_native.CSRC),
+            "levels": [lv.name for lv in _levels.levels_for_machine()]}  # fmt: skip
+    built = tmp_path / "_built.json"
+    monkeypatch.setattr(_native, "BUILT", built)
+    assert _native._prebuilt("avx2")[1] == "no prebuilt kernels (qkv not built from this tree)"
+    built.write_text(json.dumps({**info, "torch": "1.0.0"}))
+    assert _native._prebuilt("avx2") == (None, f"prebuilt for torch 1.0.0, running "
+                                               f"{torch.__version__}")  # fmt: skip
+    built.write_text(json.dumps({**info, "sources": "0" * 16}))
+    assert _native._prebuilt("avx2") == (
+        None, "the kernel sources changed since the prebuilt kernels were compiled")
+    built.write_text(json.dumps({**info, "levels": ["portable"]}))
+    assert _native._prebuilt("avx2") == (
+        None, "level avx2 not among the prebuilt ones (portable)")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None,
+                    reason="no C++ compiler here (the wheel's install test)")  # fmt: skip
+def test_a_build_cache_shared_by_two_cpus_never_loads_the_other_level(tmp_path):
+    """A just-in-time build cache (``TORCH_EXTENSIONS_DIR``) shared by two machines: one
+    compiles the portable level into it; the other, of another level, must not load that
+    build. Simulated with QKV_ISA: the second process, with no compiler on PATH, has to
+    report its own level unavailable rather than load the portable one."""
+    features = _levels.cpu_features()
+    runnable = [lv.name for lv in _levels.levels_for_machine() if lv.needs <= features]
+    if len(runnable) < 2:
+        pytest.skip("this CPU runs one level only")
+    env = {"TORCH_EXTENSIONS_DIR": str(tmp_path), "QKV_NATIVE": "compile"}
+    code = "from qkv.kernels._native import native_status; print(native_status())"
+    first = _run(code, QKV_ISA="portable", **env)
+    assert "loaded: level portable (compiled on first use" in first.stdout, first.stderr[-2000:]
+    no_compiler = tmp_path / "bin"
+    no_compiler.mkdir()
+    (no_compiler / "python").symlink_to(sys.executable)
+    second = _run(code, QKV_ISA=runnable[-1], PATH=str(no_compiler), CXX="/nonexistent/c++",
+                  **env)  # fmt: skip
+    assert second.stdout.startswith("unavailable:"), (second.stdout, second.stderr[-2000:])
+    assert "level portable" not in second.stdout
