@@ -37,4 +37,4 @@ bench: $(STAMP)
 	$(PY) bench/attention.py
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info src/*.egg-info src/qkv/_C_*.so src/qkv/kernels/_built.json
+	rm -rf $(VENV) build dist *.egg-info src/*.egg-info src/qkv/_C_*.kernels src/qkv/kernels/_built.json

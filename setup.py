@@ -1,8 +1,9 @@
 """Builds qkv's C++ kernels when the package is built or installed (metadata: pyproject.toml).
 
 Every source in src/qkv/csrc is compiled once per instruction-set level of this machine's
-architecture (qkv/kernels/_levels.py) into the extension ``qkv._C_<level>``; at run time qkv
-loads the best one the CPU supports, so using qkv needs no compiler. The build runs against
+architecture (qkv/kernels/_levels.py) into the extension ``qkv._C_<level>``, stored as
+``qkv/_C_<level>.kernels``; at run time qkv loads the best one the CPU supports, so using
+qkv needs no compiler. The build runs against
 the installed torch (``pip install --no-build-isolation``, as the Makefile does) and records
 its version and the sources' digest in ``qkv/kernels/_built.json``.
 
@@ -52,6 +53,17 @@ def _extensions():
     ]
 
     class Build(BuildExtension):
+        def get_ext_filename(self, fullname):
+            # qkv._C_<level> -> qkv/_C_<level>.kernels: a name no import machinery takes for a
+            # module, so that nothing that walks the package (documentation tools, pkgutil)
+            # loads a level this CPU cannot run; qkv loads the one it chooses by path
+            # (called with the full dotted name and with its last part alone)
+            name = super().get_ext_filename(fullname)
+            last = fullname.rsplit(".", 1)[-1]
+            if last.startswith("_C_"):
+                return os.path.join(os.path.dirname(name), f"{last}.kernels")
+            return name
+
         def finalize_options(self):
             super().finalize_options()
             # objects kept in the tree's build/ (editable installs would use a fresh temporary

@@ -24,21 +24,27 @@ V=$WORK/venv/bin/python
 SITE=$("$V" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 "$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' > "$SITE/qkv-deps.pth"
 
-# the tests, away from the source tree (nothing of src/ on the path), with no compiler
+# the tests, away from the source tree (nothing of src/ on the path), with no compiler: PATH
+# holds the fresh venv's bin/ alone
 cp -r tests "$WORK/tests"
+cp pyproject.toml "$WORK/"  # the pytest settings (markers)
 cd "$WORK"
-mkdir bin
-ln -s "$V" bin/python
-export PATH=$WORK/bin CC=/nonexistent/cc CXX=/nonexistent/c++
+(
+export PATH=$WORK/venv/bin CC=/nonexistent/cc CXX=/nonexistent/c++
 export TORCH_EXTENSIONS_DIR=$WORK/torch_extensions  # an empty build cache
 python - <<'PY'
+import shutil
+
 import qkv
 from qkv.kernels._native import native_status
+
 status = native_status()
 print("wheel-test:", qkv.__file__)
 print("wheel-test:", status)
+assert shutil.which("c++") is None and shutil.which("gcc") is None
 assert "site-packages" in qkv.__file__ and "(prebuilt)" in status, status
 PY
 python -m pytest -q -p no:cacheprovider tests/test_levels.py tests/test_flash_native.py \
     tests/test_decode_kernel.py tests/test_kv_int8.py tests/test_int8.py \
     tests/test_step_kernels.py tests/test_flash_variants.py
+)

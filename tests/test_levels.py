@@ -144,3 +144,20 @@ def test_a_build_cache_shared_by_two_cpus_never_loads_the_other_level(tmp_path):
                   **env)  # fmt: skip
     assert second.stdout.startswith("unavailable:"), (second.stdout, second.stderr[-2000:])
     assert "level portable" not in second.stdout
+
+
+def test_no_tool_walking_the_package_can_load_a_level():
+    """The levels' libraries are no modules to the import system: a documentation tool or
+    pkgutil walking qkv must never load one this CPU cannot run (SIGILL)."""
+    import importlib.util
+    import pkgutil
+
+    import qkv
+
+    files = sorted(p.name for p in _native.LIB.glob("_C_*.kernels"))
+    if not files:
+        pytest.skip("no prebuilt kernels in this install")
+    for name in files:
+        assert importlib.util.find_spec(f"qkv.{name.split('.')[0]}") is None, name
+    walked = [m.name for m in pkgutil.walk_packages(qkv.__path__, "qkv.", onerror=lambda _: None)]
+    assert walked and not [m for m in walked if "._C_" in m], walked

@@ -2,8 +2,10 @@
 
 The C++ sources are compiled when qkv is installed, once per instruction-set level of the
 machine's architecture (:mod:`qkv.kernels._levels`: portable, avx2, avx512, avx512_bf16 on
-x86-64; neon on aarch64), into one extension per level, ``qkv._C_<level>``. The first kernel
-call loads the best level the CPU supports, and only that one; ``QKV_ISA=<level>`` forces a
+x86-64; neon on aarch64), into one extension per level, ``qkv/_C_<level>.kernels`` (a name
+no import machinery takes for a module: a tool that walks the package never loads a level
+the CPU cannot run). The first kernel call loads the best level the CPU supports, and only
+that one; ``QKV_ISA=<level>`` forces a
 level the CPU can run (``amx``: the avx512_bf16 build with AMX tiles; ``avx512_bf16`` on an
 AMX CPU turns them off); a level the CPU lacks is an error, never a crash.
 
@@ -37,7 +39,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
+import importlib.machinery
+import importlib.util
 import json
 import logging
 import os
@@ -55,6 +58,7 @@ logger = logging.getLogger("qkv.kernels")
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 BUILT = Path(__file__).resolve().parent / "_built.json"  # written by setup.py
+LIB = Path(__file__).resolve().parent.parent  # the prebuilt levels: qkv/_C_<level>.kernels
 _status = "not loaded yet"
 _module = None  # the extension's Python module (module.cpp): functions on the per-call path
 _level = None  # the level loaded ("amx" for the avx512_bf16 build with its tiles on)
@@ -77,8 +81,13 @@ def _prebuilt(build: str) -> tuple[object | None, str]:
         return None, f"prebuilt for torch {info.get('torch')}, running {torch.__version__}"
     if CSRC.is_dir() and info.get("sources") != _levels.source_digest(CSRC):
         return None, "the kernel sources changed since the prebuilt kernels were compiled"
-    try:
-        return importlib.import_module(f"qkv._C_{build}"), "prebuilt"
+    path = LIB / f"_C_{build}.kernels"
+    try:  # by path: the file's name is no module's (see setup.py), so nothing else loads it
+        loader = importlib.machinery.ExtensionFileLoader(f"qkv._C_{build}", str(path))
+        spec = importlib.util.spec_from_file_location(f"qkv._C_{build}", path, loader=loader)
+        module = importlib.util.module_from_spec(spec)
+        loader.exec_module(module)
+        return module, "prebuilt"
     except ImportError as e:
         return None, f"prebuilt {build} does not load: {e}"
 
