@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from torch import nn
 
-from qkv import MultiHeadAttention
+from qkv import MultiHeadAttention, dispatch
 from qkv.functional import explain_dispatch, scaled_dot_product_attention
 from strategies import draw_mask_and_bias
 
@@ -263,3 +263,36 @@ def test_remembered_fast_paths_follow_each_calls_values(backend, dtype):
             ref_grads = torch.autograd.grad(ref.square().sum(), ref_in)
             for a, b in zip(grads, ref_grads):
                 torch.testing.assert_close(a.double(), b, **tol)
+
+
+# --- the rules of each kernel level ---------------------------------------------------------
+
+
+def _auto(level, monkeypatch, q, k, v, **kw):
+    monkeypatch.setattr(dispatch, "native_level", lambda: level)
+    return dispatch.choose(dispatch.describe(q, k, v, **kw)).backend
+
+
+@pytest.mark.parametrize("level", ["avx512", "avx512_bf16", "amx", "avx2", "portable"])
+def test_each_level_has_its_measured_rules(level, monkeypatch):
+    """On levels without AVX-512 (avx2, portable) the fused flash kernel loses to torch's dense
+    kernels where the AVX-512 table picks it, and the decode kernel beyond a few rows."""
+    if dispatch._fused_reason(dispatch.describe(*(torch.randn(1, 1, 4, 8) for _ in "qkv"))):
+        pytest.skip("fused kernel not built here")
+    tuned = level not in dispatch.UNTUNED_LEVELS
+    big = [torch.randn(1, 2, 1024, 16) for _ in range(3)]
+    assert _auto(level, monkeypatch, *big) == ("flash" if tuned else "torch")
+    assert _auto(level, monkeypatch, *big, window=64) == "flash"  # Tk >= 4·window everywhere
+    grad = [t.bfloat16().requires_grad_() for t in big]
+    assert _auto(level, monkeypatch, *grad, causal=True) == "flash"
+    fp32_grad = [t.clone().requires_grad_() for t in big]
+    assert _auto(level, monkeypatch, *fp32_grad, causal=True) == ("flash" if tuned else "torch")
+    # decode: G·Tq query rows per kv head (GQA 4:1)
+    cache = [torch.randn(1, 2, 2048, 32) for _ in range(2)]
+    for Tq, dtype in ((1, torch.float32), (4, torch.float32), (16, torch.float32),
+                      (1, torch.bfloat16), (4, torch.bfloat16)):  # fmt: skip
+        q = torch.randn(1, 8, Tq, 32).to(dtype)
+        got = _auto(level, monkeypatch, q, *(t.to(dtype) for t in cache))
+        rows, dtypes = dispatch.UNTUNED_DECODE.get(level, (16, (dtype,)))
+        want = "decode" if tuned or (4 * Tq <= rows and dtype in dtypes) else "torch"
+        assert got == want, (level, Tq, dtype, got)

@@ -35,6 +35,27 @@ fused, ``Tq·Tk >= 1024²``                           flash    forward 1.0-1.2×
 everything else (shorter inference, fp64)           torch    flash's forward is 0.3-1.1× of it there
 ==================================================  =======  =======================================
 
+On the kernel levels without AVX-512 (``avx2``, ``portable``, ``neon``: see
+:mod:`qkv.kernels._levels`) the fused flash kernel's block matmuls and softmax lack the
+AVX-512 code the table above was measured with, and these rows replace the fused ones (the
+first five rows and the decode row hold on every level). Measured on a 2-core AMD EPYC
+(Zen 3: AVX2, no AVX-512), 1 thread, q ``(1, 8, T, 64)``, ``python bench/flash_vs_sdpa.py`` and
+``bench/decode_attention.py`` (portable: the flash rows within 0.1-0.3×; its decode loops
+2.2× torch for bf16 at 4 rows, 0.1-0.9× otherwise):
+
+==================================================  =======  =======================================
+case (first matching row wins)                      backend  why (measured, avx2)
+==================================================  =======  =======================================
+decode-able, ``Tq <= 16``, ``G·Tq <= 16`` rows      decode   1.0-17× (fp32/bf16, Tk=512-16384);
+                                                             portable: bf16 and ``G·Tq <= 4`` only
+fused, gradients needed, bf16                       flash    fwd+bwd 4.0-5.4× (T=256-4096)
+fused, ``window``, ``Tk >= 4·window``               flash    1.3× (T=1024) to 5.0× (T=4096), w=256
+``window`` (not fused), as above                    flash    as above
+everything else                                     torch    fused flash 0.4-0.8× forward,
+                                                             0.7-1.1× fp32 fwd+bwd; decode
+                                                             0.6-1.0× at G·Tq = 64 rows
+==================================================  =======  =======================================
+
 "decode-able": CPU fp32/bf16 inference (no gradients), no bias/soft-cap/dropout, the fused
 kernels built (:func:`qkv.kernels.decode.decode_rejects`), bool masks and causal/window
 allowed. Measured with ``python bench/decode_attention.py`` on a 2-core AMD EPYC (Zen 4,
@@ -86,7 +107,7 @@ from qkv._validate import (
 )
 from qkv.kernels import decode as _decode
 from qkv.kernels import flash as _flash
-from qkv.kernels._native import native_module
+from qkv.kernels._native import native_level, native_module
 from qkv.kernels.decode import MAX_TQ, decode_rejects
 from qkv.kernels.flash import fused_kernel_rejects
 
@@ -108,6 +129,17 @@ WINDOW_RATIO_LOW = 16  # bf16/fp16: from Tk >= 16·window (0.5× at 1024/256, 2.
 FUSED_GRAD_TK = 1024
 FUSED_WINDOW_RATIO = 2
 FUSED_AREA = 1024 * 1024
+# Kernel levels without AVX-512 (qkv.kernels._levels): the second table of the docstring
+UNTUNED_LEVELS = ("avx2", "portable", "neon")
+# the decode kernel up to this many query rows per kv head (G·Tq), for these dtypes: avx2
+# 1.0-17× torch up to 16 rows (0.6-1.0× at 64); the portable loops 2.2× for bf16 at 4 rows
+# (torch's bf16 path is slow there), 0.1-0.9× for everything else
+UNTUNED_DECODE = {
+    "avx2": (16, (torch.float32, torch.bfloat16)),
+    "portable": (4, (torch.bfloat16,)),
+    "neon": (4, (torch.bfloat16,)),
+}
+UNTUNED_WINDOW_RATIO = 4  # fused flash with a window from Tk >= 4·window (1.3× at 1024/256)
 
 
 @dataclass(frozen=True)
@@ -305,6 +337,12 @@ def invalid(case: Case) -> dict[str, str]:
     return out
 
 
+def _tuned(case: Case) -> bool:
+    """Whether the loaded kernel level is one the rule table was measured on (AVX-512: its
+    hand-written flash softmax and matmul paths); else the rows of ``_rule_untuned`` hold."""
+    return case.device != "cpu" or native_level() not in UNTUNED_LEVELS
+
+
 def _rule(case: Case, fused_why: str | None, decode_why: str | None) -> tuple[str, str]:
     """The measured rule for ``"auto"``: (preferred backend, why).
 
@@ -313,7 +351,11 @@ def _rule(case: Case, fused_why: str | None, decode_why: str | None) -> tuple[st
     """
     s = case.shape
     fused = fused_why is None
-    decode = decode_why is None and s.Tq <= MAX_TQ
+    tuned = _tuned(case)
+    rows = s.group * s.Tq  # query rows per kv head: the decode kernel's arithmetic per key
+    max_rows, dtypes = UNTUNED_DECODE.get(native_level() or "", (0, ())) if not tuned else (0, ())
+    decode = decode_why is None and s.Tq <= MAX_TQ and (
+        tuned or (rows <= max_rows and case.dtype in dtypes))
     few = f"inference, Tq={s.Tq} <= {MAX_TQ} queries: the decode kernel reads K/V once"
     if case.return_weights and case.weights_heads is None:
         return "math", "all heads' weights requested: math materialises them anyway"
@@ -331,6 +373,8 @@ def _rule(case: Case, fused_why: str | None, decode_why: str | None) -> tuple[st
         return "flash", "softcap: flash supports it without materialising Tq×Tk"
     if decode:
         return "decode", f"{few}, split across threads (up to 33× the torch path)"
+    if not tuned:
+        return _rule_untuned(case, fused_why, decode_why)
     if fused and case.grad and case.dtype == torch.bfloat16:
         return "flash", "gradients needed, bf16: flash's fused kernel is 1.5-2.5× torch SDPA"
     if fused and case.grad and s.Tk >= FUSED_GRAD_TK:
@@ -351,6 +395,31 @@ def _rule(case: Case, fused_why: str | None, decode_why: str | None) -> tuple[st
         return "torch", f"{why}: torch SDPA's fwd+bwd is faster (fused flash 0.5-1.0×)"
     why = f"inference, Tq·Tk = {s.Tq}·{s.Tk} < 1024²"
     return "torch", f"{why}: torch SDPA's forward is faster (fused flash 0.3-1.1×)"
+
+
+def _rule_untuned(case: Case, fused_why: str | None, decode_why: str | None) -> tuple[str, str]:
+    """The rows of the table that hold on the kernel levels without AVX-512 (avx2, portable,
+    neon; the second table of the module docstring), after the rows common to every level."""
+    s, fused = case.shape, fused_why is None
+    level = native_level()
+    if fused and case.grad and case.dtype == torch.bfloat16:
+        return "flash", f"gradients needed, bf16: fused flash is 4.0-5.4× torch SDPA ({level})"
+    if fused and case.window is not None and UNTUNED_WINDOW_RATIO * case.window <= s.Tk:
+        return "flash", (f"window={case.window} <= Tk/{UNTUNED_WINDOW_RATIO}: fused flash skips "
+                         f"blocks, 1.3-5.0× torch ({level})")  # fmt: skip
+    low = case.dtype in (torch.bfloat16, torch.float16)
+    ratio = WINDOW_RATIO_LOW if low else WINDOW_RATIO
+    if not fused and case.window is not None and ratio * case.window <= s.Tk:
+        return "flash", f"window={case.window} <= Tk/{ratio}: flash skips empty blocks, O(T·w)"
+    if decode_why is None and s.Tq <= MAX_TQ:
+        rows, dtypes = UNTUNED_DECODE[level]
+        return "torch", (f"{s.group * s.Tq} query rows per kv head in {case.dtype}: the {level} "
+                         f"decode kernel is slower than torch SDPA beyond {rows} rows or "
+                         f"outside {', '.join(str(d) for d in dtypes)}")  # fmt: skip
+    if not fused:
+        return "torch", f"flash would run its PyTorch-ops kernel ({fused_why}): torch is faster"
+    return "torch", (f"kernel level {level}: torch SDPA's dense kernels are faster here (fused "
+                     "flash 0.4-0.8× forward, 0.7-1.1× fp32 forward+backward)")
 
 
 def _fused_reason(case: Case) -> str | None:
