@@ -862,37 +862,44 @@ static inline void pf_line(const void* p) { _mm_prefetch(static_cast<const char*
 // 10.1 / 6.0; 32 10.5 / 7.9; 64 9.5 / 7.8; 128 9.6 / 7.0; 512 8.8 / 7.2 (19.6 GB/s read peak).
 constexpr int64_t kAvx2Ahead = 2 * kTile;
 
-// Raw scores S[r][j] = q_r · k_j of kR query rows (r0.., row stride qs, fp32, zero past d) and
-// kJ keys (rows ks apart): kR x kJ accumulators in registers, each chunk of a key loaded once
-// for all kR rows. d8: d rounded down to 8; the rest is added in scalar code.
-// kPf: the same keys of pf prefetched into L2, one line per 64 bytes read, spread over the
-// arithmetic (a burst of a whole tile's prefetches stalls the loads).
+// Raw scores S[r][j] = q_r · k_j of kR query rows (row stride qs, fp32, zero past d) and the
+// keys [0, nj) in groups of kJ (rows ks apart; nj a multiple of kJ): kR x kJ accumulators in
+// registers, each chunk of a key loaded once for all kR rows, the query chunk once for all kJ
+// keys (kept in a register: GCC otherwise folds it into every FMA as a memory operand). d8:
+// d rounded down to 8; the rest is added in scalar code. kPf: the same keys of pf prefetched
+// into L2, one line per 64 bytes read, spread over the arithmetic (a burst of a whole tile's
+// prefetches stalls the loads).
 template <int kR, int kJ, bool kPf, typename T>
 [[gnu::noinline]] static void dots_avx2(const float* q, int64_t qs, const T* kp, int64_t ks,
-                                        int64_t d, float* S, int64_t ldS, const T* pf) {
+                                        int64_t d, int64_t nj, float* S, int64_t ldS,
+                                        const T* pf) {
   static_assert(kR * kJ == 8);
-  __m256 a[8];
-  for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
   const int64_t d8 = d / 8 * 8;
-  for (int64_t c = 0; c < d8; c += 8) {
-    if constexpr (kPf)
-      if ((c * int64_t(sizeof(T))) % 64 == 0)
-        for (int j = 0; j < kJ; ++j) pf_line(pf + j * ks + c);
-    __m256 kv[kJ];
-    for (int j = 0; j < kJ; ++j) kv[j] = load8(kp + j * ks + c);
-    for (int r = 0; r < kR; ++r) {
-      const __m256 qv = _mm256_loadu_ps(q + r * qs + c);
-      for (int j = 0; j < kJ; ++j) a[r * kJ + j] = _mm256_fmadd_ps(qv, kv[j], a[r * kJ + j]);
+  for (int64_t j0 = 0; j0 < nj; j0 += kJ) {
+    const T* kr = kp + j0 * ks;
+    __m256 a[8];
+    for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < d8; c += 8) {
+      if constexpr (kPf)
+        if ((c * int64_t(sizeof(T))) % 64 == 0)
+          for (int j = 0; j < kJ; ++j) pf_line(pf + (j0 + j) * ks + c);
+      __m256 kv[kJ];
+      for (int j = 0; j < kJ; ++j) kv[j] = load8(kr + j * ks + c);
+      for (int r = 0; r < kR; ++r) {
+        __m256 qv = _mm256_loadu_ps(q + r * qs + c);
+        asm("" : "+x"(qv));
+        for (int j = 0; j < kJ; ++j) a[r * kJ + j] = _mm256_fmadd_ps(qv, kv[j], a[r * kJ + j]);
+      }
     }
+    alignas(32) float sums[8];
+    _mm256_store_ps(sums, hsum8x8(a));
+    for (int r = 0; r < kR; ++r)
+      for (int j = 0; j < kJ; ++j) {
+        float x = sums[r * kJ + j];
+        for (int64_t c = d8; c < d; ++c) x += q[r * qs + c] * to_float(kr[j * ks + c]);
+        S[r * ldS + j0 + j] = x;
+      }
   }
-  alignas(32) float sums[8];
-  _mm256_store_ps(sums, hsum8x8(a));
-  for (int r = 0; r < kR; ++r)
-    for (int j = 0; j < kJ; ++j) {
-      float x = sums[r * kJ + j];
-      for (int64_t c = d8; c < d; ++c) x += q[r * qs + c] * to_float(kp[j * ks + c]);
-      S[r * ldS + j] = x;
-    }
 }
 
 // q · k over d values (a leftover key of a tile)
@@ -911,39 +918,22 @@ static inline float dot_avx2(const float* q, const T* k, int64_t d) {
 template <typename T>
 static void scores_avx2(const float* q, int64_t qs, int64_t R, const T* kp, int64_t ks,
                         int64_t d, int64_t nt, float* S, int64_t ldS, const T* pf) {
-  // kR x kJ blocks of kR rows and kJ keys (the first row block prefetches pf's keys)
-  auto block = [&](auto kR_, auto kJ_, int64_t r, int64_t j) {
+  // blocks of kR rows by kJ keys over the tile's first nt / kJ · kJ keys (the first row block
+  // prefetches pf's keys), then the keys left over one by one
+  auto rows = [&](auto kR_, auto kJ_, int64_t r) {
     constexpr int kR = decltype(kR_)::value, kJ = decltype(kJ_)::value;
-    const T* kj = kp + j * ks;
-    if (pf && r == 0)
-      dots_avx2<kR, kJ, true>(q + r * qs, qs, kj, ks, d, S + r * ldS + j, ldS, pf + j * ks);
-    else
-      dots_avx2<kR, kJ, false>(q + r * qs, qs, kj, ks, d, S + r * ldS + j, ldS, pf);
+    const int64_t nj = nt / kJ * kJ;
+    if (nj > 0) {
+      if (pf && r == 0) dots_avx2<kR, kJ, true>(q + r * qs, qs, kp, ks, d, nj, S + r * ldS, ldS, pf);
+      else dots_avx2<kR, kJ, false>(q + r * qs, qs, kp, ks, d, nj, S + r * ldS, ldS, pf);
+    }
+    for (int64_t j = nj; j < nt; ++j)
+      for (int64_t i = r; i < r + kR; ++i) S[i * ldS + j] = dot_avx2(q + i * qs, kp + j * ks, d);
   };
-  auto rest = [&](int64_t r0, int64_t nr, int64_t j0) {  // keys j0.. of rows r0..r0+nr-1
-    for (int64_t j = j0; j < nt; ++j)
-      for (int64_t i = r0; i < r0 + nr; ++i) S[i * ldS + j] = dot_avx2(q + i * qs, kp + j * ks, d);
-  };
-  using I1 = std::integral_constant<int, 1>;
-  using I2 = std::integral_constant<int, 2>;
-  using I4 = std::integral_constant<int, 4>;
-  using I8 = std::integral_constant<int, 8>;
   int64_t r = 0;
-  for (; r + 4 <= R; r += 4) {  // 4 rows x 2 keys
-    int64_t j = 0;
-    for (; j + 2 <= nt; j += 2) block(I4{}, I2{}, r, j);
-    rest(r, 4, j);
-  }
-  for (; r + 2 <= R; r += 2) {  // 2 rows x 4 keys
-    int64_t j = 0;
-    for (; j + 4 <= nt; j += 4) block(I2{}, I4{}, r, j);
-    rest(r, 2, j);
-  }
-  for (; r < R; ++r) {  // 1 row x 8 keys
-    int64_t j = 0;
-    for (; j + 8 <= nt; j += 8) block(I1{}, I8{}, r, j);
-    rest(r, 1, j);
-  }
+  for (; r + 4 <= R; r += 4) rows(std::integral_constant<int, 4>{}, std::integral_constant<int, 2>{}, r);
+  for (; r + 2 <= R; r += 2) rows(std::integral_constant<int, 2>{}, std::integral_constant<int, 4>{}, r);
+  for (; r < R; ++r) rows(std::integral_constant<int, 1>{}, std::integral_constant<int, 8>{}, r);
 }
 
 // acc[r] += Σ_j p[r][j] v_j for kR rows (p row stride kBlock, acc row stride dvp) and nj
