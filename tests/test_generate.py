@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from qkv.data import Tokenizer
+from qkv.dispatch import UNTUNED_DECODE
 from qkv.generate import beam_search, greedy_search, translate
-from qkv.kernels._native import int8_ops, native_status
+from qkv.kernels._native import int8_ops, native_level, native_status
 from qkv.kernels.int8 import quantize_linears
 from qkv.models import Seq2SeqTransformer, TransformerConfig
 from qkv.models.incremental import IncrementalDecoder
@@ -395,6 +396,13 @@ class _Counted:
         return self.fused.step(*args)
 
 
+def _auto_decodes_fp32() -> bool:
+    """Whether "auto" gives fp32 queries to the decode kernel on this kernel level (the
+    compiled step always does, rounding them to bf16 over a bf16 cache; torch does not)."""
+    level = native_level()
+    return level not in UNTUNED_DECODE or torch.float32 in UNTUNED_DECODE[level][1]
+
+
 @pytest.mark.parametrize(
     "kw",
     [
@@ -447,6 +455,11 @@ def test_fused_step_equals_the_python_loop(kw, cache_dtype, K, int8):
             # a bf16 cache rounds keys and values whose fp32 values differ in the last bit
             # (the norms' summation order) to neighbouring bf16 values (2^-8 apart)
             tol = 1e-5 if cache_dtype is None else 1e-3
+            # on levels where auto gives fp32 queries to torch, the Python loop does not round
+            # them to bf16 over a bf16 cache as the compiled step's decode kernel does
+            paths_differ = cache_dtype == torch.bfloat16 and not _auto_decodes_fp32()
+            if paths_differ:
+                tol = 1e-2
             if not int8 and cache_dtype != torch.int8:
                 torch.testing.assert_close(logits[0], logits[1], atol=tol, rtol=tol)
             else:  # such a difference in a linear's input, or in a key or value stored as
@@ -454,7 +467,8 @@ def test_fused_step_equals_the_python_loop(kw, cache_dtype, K, int8):
                 # hypothesis' logits then differ by up to a few 1e-3 (logits ~ N(0, 1) here);
                 # all others stay within fp32 rounding
                 diff = (logits[0] - logits[1]).abs()
-                assert float(diff.max()) < 0.05 and float(diff.median()) < 1e-5, diff
+                median = 1e-2 if paths_differ else 1e-5
+                assert float(diff.max()) < 0.05 and float(diff.median()) < median, diff
             tokens = torch.randint(3, 40, tokens.shape, generator=g)
     assert counted.calls == T  # every step
     dec.fused = counted.fused
