@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -23,20 +22,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import torch  # noqa: E402
 
-from _measure import cpu_name  # noqa: E402
+from _measure import cpu_name, time_call  # noqa: E402
 from qkv.functional import scaled_dot_product_attention as sdpa  # noqa: E402
 from qkv.kernels._levels import cpu_features  # noqa: E402
 from qkv.kernels._native import native_status  # noqa: E402
-
-
-def best(fn, n: int) -> float:
-    fn()
-    times = []
-    for _ in range(n):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times) * 1e3
 
 
 def versus(backend: str, q, k, v, grad: bool, n: int, **kw) -> tuple[float, float]:
@@ -49,7 +38,7 @@ def versus(backend: str, q, k, v, grad: bool, n: int, **kw) -> tuple[float, floa
         return f
 
     with torch.set_grad_enabled(grad):
-        return best(run(backend), n), best(run("torch"), n)
+        return time_call(run(backend), n) * 1e3, time_call(run("torch"), n) * 1e3
 
 
 def line(name: str, a: float, b: float) -> None:

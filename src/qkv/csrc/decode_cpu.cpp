@@ -213,18 +213,7 @@ static inline void row_ranges(const Problem<T>& P, int64_t n, const Scratch& sc)
 // -------------------------------------------------------------------------------------------
 // Vector pieces (AVX-512)
 #ifdef QKV_AVX512
-template <bool kLow>
-static inline __m512 exp2_v(__m512 t, __mmask16 k) {  // as flash_cpu.cpp's exp2_v<false>
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(0.0013264614390209317f), f,
-                             _mm512_set1_ps(0.009671480394899845f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.05550733581185341f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24022242426872253f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931470036506653f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_maskz_scalef_ps(k, p, n);
-}
+using qkv_simd::exp2_v;  // 2^t for 16 lanes
 
 static inline __mmask16 lanes(int64_t n) {  // the first n (0..16) lanes
   return n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1u);

@@ -57,31 +57,8 @@ constexpr float kLazyLog2 = 8.f;  // see forward_impl
 using qkv_simd::exp2_neg;
 using qkv_simd::to_bf16_bits;
 
-#ifdef __AVX512F__
-// 2^t for 16 lanes of finite t <= 0 (lanes off in k give 0): t = n + f with |f| <= 1/2,
-// 2^n by scalef (exact, down to 0 through the denormals). Polynomials fitted here for the
-// relative error on [-1/2, 1/2]: degree 5 (< 2e-7) for fp32; degree 4 (< 3e-6) for bf16,
-// whose p is rounded to 8 bits before the P·V matmul anyway.
-template <bool kLow>
-static inline __m512 exp2_v(__m512 t, __mmask16 k) {
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p;
-  if constexpr (kLow) {
-    p = _mm512_fmadd_ps(_mm512_set1_ps(0.009582719765603542f), f,
-                        _mm512_set1_ps(0.05590607225894928f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24024099111557007f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931242346763611f));
-  } else {
-    p = _mm512_fmadd_ps(_mm512_set1_ps(0.0013264614390209317f), f,
-                        _mm512_set1_ps(0.009671480394899845f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.05550733581185341f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24022242426872253f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931470036506653f));
-  }
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return k == 0xffff ? _mm512_scalef_ps(p, n) : _mm512_maskz_scalef_ps(k, p, n);
-}
+#ifdef QKV_AVX512
+using qkv_simd::exp2_v;
 #endif
 
 // max of x[0:n]; four accumulators hide vmaxps latency

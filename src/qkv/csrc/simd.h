@@ -58,16 +58,20 @@ inline uint16_t to_bf16_bits(float x) {
 // |f| <= 1/2, a degree-5 polynomial of 2^f fitted for relative error (< 2e-7), 2^n from the
 // exponent bits. Branch-free so that `omp simd` vectorises it. t is clamped at 64 so that
 // the exponent bits can never overflow.
+// The polynomial of 2^f on [-1/2, 1/2], highest degree first: degree 5, fitted for the
+// relative error (< 2e-7); every exp2 below (scalar, AVX2, AVX-512) evaluates it.
+constexpr float kExp2[6] = {0.0013264614390209317f, 0.009671480394899845f, 0.05550733581185341f,
+                            0.24022242426872253f, 0.6931470036506653f, 1.0f};
+// degree 4 (< 3e-6), for bf16 probabilities (rounded to 8 bits before the P·V matmul anyway)
+constexpr float kExp2Low[5] = {0.009582719765603542f, 0.05590607225894928f,
+                               0.24024099111557007f, 0.6931242346763611f, 1.0f};
+
 inline float exp2_neg(float t) {
   const float tc = t < -126.f ? -126.f : (t > 64.f ? 64.f : t);
   const float n = (tc + 12582912.f) - 12582912.f;  // round to nearest (1.5 * 2^23 trick)
   const float f = tc - n;
-  float p = 0.0013264614390209317f;
-  p = p * f + 0.009671480394899845f;
-  p = p * f + 0.05550733581185341f;
-  p = p * f + 0.24022242426872253f;
-  p = p * f + 0.6931470036506653f;
-  p = p * f + 1.0f;
+  float p = kExp2[0];
+  for (int i = 1; i < 6; ++i) p = p * f + kExp2[i];
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
@@ -127,12 +131,8 @@ inline __m256 exp2_v8(__m256 t) {
   const __m256 tc = _mm256_min_ps(_mm256_set1_ps(64.f), _mm256_max_ps(_mm256_set1_ps(-127.f), t));
   const __m256 n = _mm256_round_ps(tc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m256 f = _mm256_sub_ps(tc, n);
-  __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(0.0013264614390209317f), f,
-                             _mm256_set1_ps(0.009671480394899845f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.05550733581185341f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.24022242426872253f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.6931470036506653f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  __m256 p = _mm256_set1_ps(kExp2[0]);
+  for (int i = 1; i < 6; ++i) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExp2[i]));
   // 2^n from the exponent bits; n = -127 gives 0 (so does every t below -126.5)
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   const __m256 r = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
@@ -140,5 +140,20 @@ inline __m256 exp2_v8(__m256 t) {
   return _mm256_andnot_ps(_mm256_cmp_ps(t, _mm256_set1_ps(-126.f), _CMP_LT_OQ), r);
 }
 #endif  // QKV_AVX2
+
+#ifdef QKV_AVX512
+// 2^t for 16 lanes of finite t <= 0 (lanes off in k give 0): t = n + f with |f| <= 1/2,
+// 2^n by scalef (exact, down to 0 through the denormals); kLow: the degree-4 polynomial.
+template <bool kLow>
+inline __m512 exp2_v(__m512 t, __mmask16 k) {
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  const float* c = kLow ? kExp2Low : kExp2;
+  constexpr int kTerms = kLow ? 5 : 6;
+  __m512 p = _mm512_set1_ps(c[0]);
+  for (int i = 1; i < kTerms; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c[i]));
+  return k == 0xffff ? _mm512_scalef_ps(p, n) : _mm512_maskz_scalef_ps(k, p, n);
+}
+#endif  // QKV_AVX512
 
 }  // namespace qkv_simd
