@@ -161,3 +161,32 @@ def test_no_tool_walking_the_package_can_load_a_level():
         assert importlib.util.find_spec(f"qkv.{name.split('.')[0]}") is None, name
     walked = [m.name for m in pkgutil.walk_packages(qkv.__path__, "qkv.", onerror=lambda _: None)]
     assert walked and not [m for m in walked if "._C_" in m], walked
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("aarch64-linux-gnu-g++") is None,
+                    reason="no aarch64 cross compiler (scripts/setup-system.sh installs it)")  # fmt: skip
+def test_the_neon_level_compiles_for_aarch64(tmp_path):
+    """Every kernel source with the aarch64 level's flags, cross-compiled against this torch's
+    headers: the Arm build must at least compile (no Arm machine runs it here)."""
+    import sysconfig
+    from concurrent.futures import ThreadPoolExecutor
+
+    from torch.utils import cpp_extension
+
+    neon = next(lv for lv in _levels.LEVELS if lv.machine == "aarch64")
+    includes = [f"-isystem{p}" for p in cpp_extension.include_paths()]
+    includes.append(f"-isystem{sysconfig.get_paths()['include']}")
+
+    def compile_one(source: str) -> subprocess.CompletedProcess:
+        cmd = ["aarch64-linux-gnu-g++", "-c", "-fPIC", "-std=c++17", *_levels.COMMON_FLAGS,
+               *neon.flags, f"-DQKV_LEVEL={neon.name}", "-DTORCH_EXTENSION_NAME=qkv_neon",
+               "-DTORCH_API_INCLUDE_EXTENSION_H", *includes, str(_native.CSRC / source),
+               "-o", str(tmp_path / f"{source}.o")]  # fmt: skip
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+
+    with ThreadPoolExecutor(2) as pool:
+        results = dict(zip(_levels.SOURCES, pool.map(compile_one, _levels.SOURCES)))
+    for source, res in results.items():
+        assert res.returncode == 0, (source, res.stderr[-3000:])
+        assert (tmp_path / f"{source}.o").read_bytes()[18] == 183  # e_machine: EM_AARCH64
