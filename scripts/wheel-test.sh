@@ -14,7 +14,7 @@ rm -rf dist
 "$PY" -m pip wheel -q --no-build-isolation --no-deps -w dist .
 WHEEL=$(ls dist/qkv-*.whl)
 echo "wheel-test: built $WHEEL ($(du -h "$WHEEL" | cut -f1))"
-"$PY" -c 'import sys, zipfile; [print("wheel-test:  ", n) for n in zipfile.ZipFile(sys.argv[1]).namelist() if n.endswith(".so")]' "$WHEEL"
+"$PY" -c 'import sys, zipfile; [print("wheel-test:  ", n) for n in zipfile.ZipFile(sys.argv[1]).namelist() if n.endswith(".kernels")]' "$WHEEL"
 
 python3 -m venv "$WORK/venv"
 V=$WORK/venv/bin/python
