@@ -143,11 +143,15 @@ def peak_reader() -> Callable[[torch.Tensor], float] | str:
     try:
         from torch.utils import cpp_extension
 
-        flags = ["-O3", "-fopenmp"]
-        if platform.machine() in ("x86_64", "AMD64"):
-            flags.append("-march=native")
+        from qkv.kernels import _levels
+
+        # the flags of the level this CPU runs (not -march=native): the level is in the name,
+        # so a build cache shared with another CPU never loads this one
+        build, _ = _levels.select_level("")
+        level = next(lv for lv in _levels.LEVELS if lv.name == build)
+        flags = ["-O3", "-fopenmp", *level.flags]
         module = cpp_extension.load(
-            name="qkv_bench_read_peak",
+            name=f"qkv_bench_read_peak_{build}",
             sources=[str(Path(__file__).with_name("read_peak.cpp"))],
             extra_cflags=flags,
             verbose=False,
