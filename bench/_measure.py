@@ -148,8 +148,7 @@ def peak_reader() -> Callable[[torch.Tensor], float] | str:
         # the flags of the level this CPU runs (not -march=native): the level is in the name,
         # so a build cache shared with another CPU never loads this one
         build, _ = _levels.select_level("")
-        level = next(lv for lv in _levels.LEVELS if lv.name == build)
-        flags = ["-O3", "-fopenmp", *level.flags]
+        flags = ["-O3", "-fopenmp", *_levels.level_named(build).flags]
         module = cpp_extension.load(
             name=f"qkv_bench_read_peak_{build}",
             sources=[str(Path(__file__).with_name("read_peak.cpp"))],

@@ -23,8 +23,7 @@ def other_levels() -> list[str]:
     from qkv.kernels import _levels
 
     default = _levels.select_level("")[1]
-    features = _levels.cpu_features()
-    runnable = [lv.name for lv in _levels.levels_for_machine() if lv.needs <= features]
+    runnable = _levels.runnable_levels()
     if default == "amx":  # the avx512_bf16 build with its tiles off is a level of its own
         return runnable
     return [lv for lv in runnable if lv != default]

@@ -129,8 +129,7 @@ WINDOW_RATIO_LOW = 16  # bf16/fp16: from Tk >= 16·window (0.5× at 1024/256, 2.
 FUSED_GRAD_TK = 1024
 FUSED_WINDOW_RATIO = 2
 FUSED_AREA = 1024 * 1024
-# Kernel levels without AVX-512 (qkv.kernels._levels): the second table of the docstring
-UNTUNED_LEVELS = ("avx2", "portable", "neon")
+# The kernel levels without AVX-512 (qkv.kernels._levels), the second table of the docstring:
 # the decode kernel up to this many query rows per kv head (G·Tq), for these dtypes: avx2
 # 1.0-17× torch up to 16 rows (0.6-1.0× at 64); the portable loops 2.2× for bf16 at 4 rows
 # (torch's bf16 path is slow there), 0.1-0.9× for everything else
@@ -139,6 +138,7 @@ UNTUNED_DECODE = {
     "portable": (4, (torch.bfloat16,)),
     "neon": (4, (torch.bfloat16,)),
 }
+UNTUNED_LEVELS = tuple(UNTUNED_DECODE)
 UNTUNED_WINDOW_RATIO = 4  # fused flash with a window from Tk >= 4·window (1.3× at 1024/256)
 
 
@@ -337,10 +337,11 @@ def invalid(case: Case) -> dict[str, str]:
     return out
 
 
-def _tuned(case: Case) -> bool:
-    """Whether the loaded kernel level is one the rule table was measured on (AVX-512: its
-    hand-written flash softmax and matmul paths); else the rows of ``_rule_untuned`` hold."""
-    return case.device != "cpu" or native_level() not in UNTUNED_LEVELS
+def _decode_limit(case: Case) -> tuple[int, tuple[torch.dtype, ...]] | None:
+    """On a kernel level without AVX-512: the query rows per kv head (G·Tq) and dtypes up to
+    which "auto" takes the decode kernel (the second table); ``None`` on the others (the
+    AVX-512 table's levels, and devices other than the CPU)."""
+    return UNTUNED_DECODE.get(native_level()) if case.device == "cpu" else None
 
 
 def _rule(case: Case, fused_why: str | None, decode_why: str | None) -> tuple[str, str]:
@@ -351,11 +352,9 @@ def _rule(case: Case, fused_why: str | None, decode_why: str | None) -> tuple[st
     """
     s = case.shape
     fused = fused_why is None
-    tuned = _tuned(case)
-    rows = s.group * s.Tq  # query rows per kv head: the decode kernel's arithmetic per key
-    max_rows, dtypes = UNTUNED_DECODE.get(native_level() or "", (0, ())) if not tuned else (0, ())
+    untuned = _decode_limit(case)  # the levels of the second table
     decode = decode_why is None and s.Tq <= MAX_TQ and (
-        tuned or (rows <= max_rows and case.dtype in dtypes))
+        untuned is None or (s.group * s.Tq <= untuned[0] and case.dtype in untuned[1]))
     few = f"inference, Tq={s.Tq} <= {MAX_TQ} queries: the decode kernel reads K/V once"
     if case.return_weights and case.weights_heads is None:
         return "math", "all heads' weights requested: math materialises them anyway"
@@ -373,53 +372,45 @@ def _rule(case: Case, fused_why: str | None, decode_why: str | None) -> tuple[st
         return "flash", "softcap: flash supports it without materialising Tq×Tk"
     if decode:
         return "decode", f"{few}, split across threads (up to 33× the torch path)"
-    if not tuned:
-        return _rule_untuned(case, fused_why, decode_why)
-    if fused and case.grad and case.dtype == torch.bfloat16:
-        return "flash", "gradients needed, bf16: flash's fused kernel is 1.5-2.5× torch SDPA"
-    if fused and case.grad and s.Tk >= FUSED_GRAD_TK:
-        return "flash", f"gradients needed, Tk >= {FUSED_GRAD_TK}: fused flash is 1.1-1.2× torch"
-    if fused and case.window is not None and FUSED_WINDOW_RATIO * case.window <= s.Tk:
-        return "flash", f"window={case.window} <= Tk/{FUSED_WINDOW_RATIO}: fused flash skips blocks"
-    if fused and s.Tq * s.Tk >= FUSED_AREA:
-        return "flash", "Tq·Tk >= 1024²: fused flash forward is 1.0-1.2× (fp32), 1.3-1.7× (bf16)"
+    level = native_level()
+    if untuned is not None:  # the fused rows of the second table
+        if fused and case.grad and case.dtype == torch.bfloat16:
+            return "flash", f"gradients needed, bf16: fused flash is 4.0-5.4× torch SDPA ({level})"
+        if fused and case.window is not None and UNTUNED_WINDOW_RATIO * case.window <= s.Tk:
+            return "flash", (f"window={case.window} <= Tk/{UNTUNED_WINDOW_RATIO}: fused flash "
+                             f"skips blocks, 1.3-5.0× torch ({level})")  # fmt: skip
+    else:
+        if fused and case.grad and case.dtype == torch.bfloat16:
+            return "flash", "gradients needed, bf16: flash's fused kernel is 1.5-2.5× torch SDPA"
+        if fused and case.grad and s.Tk >= FUSED_GRAD_TK:
+            return "flash", (f"gradients needed, Tk >= {FUSED_GRAD_TK}: fused flash is 1.1-1.2× "
+                             "torch")
+        if fused and case.window is not None and FUSED_WINDOW_RATIO * case.window <= s.Tk:
+            return "flash", (f"window={case.window} <= Tk/{FUSED_WINDOW_RATIO}: fused flash skips "
+                             "blocks")
+        if fused and s.Tq * s.Tk >= FUSED_AREA:
+            return "flash", ("Tq·Tk >= 1024²: fused flash forward is 1.0-1.2× (fp32), 1.3-1.7× "
+                             "(bf16)")
     low = case.dtype in (torch.bfloat16, torch.float16)
     ratio = WINDOW_RATIO_LOW if low else WINDOW_RATIO
     if case.window is not None and ratio * case.window <= s.Tk:
         return "flash", f"window={case.window} <= Tk/{ratio}: flash skips empty blocks, O(T·w)"
     # the last row of the table, said for this call (no bias is named unless it was given)
-    if not fused:
-        return "torch", f"flash would run its PyTorch-ops kernel ({fused_why}): torch is faster"
-    if case.grad:
-        why = f"gradients needed, fp32, Tk={s.Tk} < {FUSED_GRAD_TK}"
-        return "torch", f"{why}: torch SDPA's fwd+bwd is faster (fused flash 0.5-1.0×)"
-    why = f"inference, Tq·Tk = {s.Tq}·{s.Tk} < 1024²"
-    return "torch", f"{why}: torch SDPA's forward is faster (fused flash 0.3-1.1×)"
-
-
-def _rule_untuned(case: Case, fused_why: str | None, decode_why: str | None) -> tuple[str, str]:
-    """The rows of the table that hold on the kernel levels without AVX-512 (avx2, portable,
-    neon; the second table of the module docstring), after the rows common to every level."""
-    s, fused = case.shape, fused_why is None
-    level = native_level()
-    if fused and case.grad and case.dtype == torch.bfloat16:
-        return "flash", f"gradients needed, bf16: fused flash is 4.0-5.4× torch SDPA ({level})"
-    if fused and case.window is not None and UNTUNED_WINDOW_RATIO * case.window <= s.Tk:
-        return "flash", (f"window={case.window} <= Tk/{UNTUNED_WINDOW_RATIO}: fused flash skips "
-                         f"blocks, 1.3-5.0× torch ({level})")  # fmt: skip
-    low = case.dtype in (torch.bfloat16, torch.float16)
-    ratio = WINDOW_RATIO_LOW if low else WINDOW_RATIO
-    if not fused and case.window is not None and ratio * case.window <= s.Tk:
-        return "flash", f"window={case.window} <= Tk/{ratio}: flash skips empty blocks, O(T·w)"
-    if decode_why is None and s.Tq <= MAX_TQ:
-        rows, dtypes = UNTUNED_DECODE[level]
+    if untuned is not None and decode_why is None and s.Tq <= MAX_TQ:
+        rows, dtypes = untuned
         return "torch", (f"{s.group * s.Tq} query rows per kv head in {case.dtype}: the {level} "
                          f"decode kernel is slower than torch SDPA beyond {rows} rows or "
                          f"outside {', '.join(str(d) for d in dtypes)}")  # fmt: skip
     if not fused:
         return "torch", f"flash would run its PyTorch-ops kernel ({fused_why}): torch is faster"
-    return "torch", (f"kernel level {level}: torch SDPA's dense kernels are faster here (fused "
-                     "flash 0.4-0.8× forward, 0.7-1.1× fp32 forward+backward)")
+    if untuned is not None:
+        return "torch", (f"kernel level {level}: torch SDPA's dense kernels are faster here "
+                         "(fused flash 0.4-0.8× forward, 0.7-1.1× fp32 forward+backward)")
+    if case.grad:
+        why = f"gradients needed, fp32, Tk={s.Tk} < {FUSED_GRAD_TK}"
+        return "torch", f"{why}: torch SDPA's fwd+bwd is faster (fused flash 0.5-1.0×)"
+    why = f"inference, Tq·Tk = {s.Tq}·{s.Tk} < 1024²"
+    return "torch", f"{why}: torch SDPA's forward is faster (fused flash 0.3-1.1×)"
 
 
 def _fused_reason(case: Case) -> str | None:

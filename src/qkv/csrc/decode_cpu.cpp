@@ -968,15 +968,15 @@ static void pv_tile_avx2(const T* vp, int64_t vs, int64_t dv, const float* p, in
     while (r + 2 <= R) run(std::integral_constant<int, 2>{});
     while (r < R) run(std::integral_constant<int, 1>{});
   }
-  if (pf && d16 < dv)  // the columns past d16 (fewer than 16): the lines of their ends
-    for (int64_t j = 0; j < nj; ++j) pf_line(pf + j * vs + d16), pf_line(pf + j * vs + dv - 1);
-  if (d16 < dv)
-    for (int64_t j = 0; j < nj; ++j)
+  if (d16 < dv)  // the columns past d16 (fewer than 16), and the lines of pf that hold them
+    for (int64_t j = 0; j < nj; ++j) {
+      if (pf) pf_line(pf + j * vs + d16), pf_line(pf + j * vs + dv - 1);
       for (int64_t r = 0; r < R; ++r) {
         const float w = p[r * kBlock + j];
         float* o = acc + r * dvp;
         for (int64_t c = d16; c < dv; ++c) o[c] += w * to_float(vp[j * vs + c]);
       }
+    }
 }
 #endif  // QKV_AVX2 && !QKV_AVX512
 
@@ -1862,9 +1862,11 @@ static Bf16Path bf16_path() {
     TORCH_CHECK(want.empty() || want == "auto" || want == "dot" || want == "widen" ||
                     want == "amx",
                 "QKV_DECODE_BF16 must be auto, amx, dot or widen; got '", want, "'");
-    const bool onednn_amx = at::native::cpublas::could_pack(at::kBFloat16);
+    // oneDNN sees AMX and the level allows it (QKV_ISA=avx512_bf16 turns it off)
+    const bool onednn_amx =
+        at::native::cpublas::could_pack(at::kBFloat16) && qkv_simd::amx_allowed();
 #ifdef QKV_AMX
-    const bool amx = onednn_amx && amx_permitted() && qkv_simd::amx_allowed();
+    const bool amx = onednn_amx && amx_permitted();
 #else
     const bool amx = false;
 #endif
@@ -1876,7 +1878,7 @@ static Bf16Path bf16_path() {
     if (want == "dot") return Bf16Path::kDot;
     if (want == "widen") return Bf16Path::kWiden;
     if (amx) return Bf16Path::kAmx;  // unset/empty: as the level
-    return onednn_amx && qkv_simd::amx_allowed() ? Bf16Path::kWiden : Bf16Path::kDot;
+    return onednn_amx ? Bf16Path::kWiden : Bf16Path::kDot;
   }();
   return path;
 }

@@ -18,8 +18,8 @@ import platform
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["COMMON_FLAGS", "LEVELS", "Level", "best_level", "cpu_features", "levels_for_machine",
-           "select_level", "source_digest", "SOURCES"]
+__all__ = ["COMMON_FLAGS", "LEVELS", "Level", "best_level", "cpu_features", "level_named",
+           "levels_for_machine", "runnable_levels", "select_level", "source_digest", "SOURCES"]
 
 # No -ffast-math: the kernels rely on IEEE infinities; their reductions are vectorised by hand
 # or `omp simd`. -fopenmp: their threads are PyTorch's own OpenMP runtime (libtorch links
@@ -94,10 +94,21 @@ def cpu_features() -> frozenset[str]:
     return frozenset()
 
 
+def level_named(name: str) -> Level:
+    """The level called ``name`` (a build's name, not an alias such as ``amx``)."""
+    return next(lv for lv in LEVELS if lv.name == name)
+
+
+def runnable_levels(features: frozenset[str] | None = None,
+                    machine: str | None = None) -> list[str]:
+    """The names of the built levels whose instructions the CPU has, least capable first."""
+    features = cpu_features() if features is None else features
+    return [lv.name for lv in levels_for_machine(machine) if lv.needs <= features]
+
+
 def best_level(features: frozenset[str] | None = None, machine: str | None = None) -> str:
     """The most capable built level whose instructions the CPU has."""
-    features = cpu_features() if features is None else features
-    ok = [lv.name for lv in levels_for_machine(machine) if lv.needs <= features]
+    ok = runnable_levels(features, machine)
     if not ok:
         raise RuntimeError(f"qkv: no kernel level for machine {machine or _machine()!r}")
     return ok[-1]
@@ -120,7 +131,7 @@ def select_level(requested: str | None = None, features: frozenset[str] | None =
     if build not in names:
         choices = ", ".join(["auto", *names, *(a for a, b in _ALIASES.items() if b in names)])
         raise ValueError(f"QKV_ISA must be one of {choices}; got {requested!r}")
-    level = next(lv for lv in LEVELS if lv.name == build)
+    level = level_named(build)
     missing = sorted(level.needs - features | (_AMX - features if requested == "amx" else set()))
     if missing:
         raise RuntimeError(

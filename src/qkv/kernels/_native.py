@@ -65,8 +65,7 @@ _level = None  # the level loaded ("amx" for the avx512_bf16 build with its tile
 
 
 def _flags(build: str) -> list[str]:
-    level = next(lv for lv in _levels.LEVELS if lv.name == build)
-    return [*_levels.COMMON_FLAGS, *level.flags, f"-DQKV_LEVEL={build}"]
+    return [*_levels.COMMON_FLAGS, *_levels.level_named(build).flags, f"-DQKV_LEVEL={build}"]
 
 
 def _prebuilt(build: str) -> tuple[object | None, str]:
@@ -148,17 +147,16 @@ def _load() -> object | None:
         return None
     build, level = _levels.select_level()  # a bad or unsupported QKV_ISA raises here
     module, how = (None, "QKV_NATIVE=compile") if mode == "compile" else _prebuilt(build)
-    if module is None:
-        why = how
+    if module is None:  # how: why no prebuilt library fits
         if mode == "prebuilt":
-            _status = f"unavailable: {why} (QKV_NATIVE=prebuilt: no build on first use)"
+            _status = f"unavailable: {how} (QKV_NATIVE=prebuilt: no build on first use)"
             logger.warning("qkv: fused CPU kernels %s", _status)
             return None
         try:
-            module, how = _compile(build), f"compiled on first use: {why}"
+            module, how = _compile(build), f"compiled on first use: {how}"
         except Exception as e:  # no compiler/ninja, unsupported platform, failed build
             first = str(e).splitlines()[0] if str(e) else ""
-            _status = f"unavailable: {why}; build failed: {type(e).__name__}: {first}"
+            _status = f"unavailable: {how}; build failed: {type(e).__name__}: {first}"
             logger.warning("qkv: fused CPU kernels %s; flash uses its PyTorch-ops kernel",
                            _status)  # fmt: skip
             return None
