@@ -85,6 +85,11 @@ def _extensions():
                 "torch": torch.__version__,
                 "sources": L.source_digest(CSRC),
                 "levels": [lv.name for lv in levels],
+                # checked before loading: a damaged or truncated file is never loaded
+                "sha256": {
+                    ext.name.rsplit("._C_", 1)[-1]: L.file_digest(Path(self.get_ext_fullpath(ext.name)))
+                    for ext in self.extensions
+                },
             }
             for out in {Path(self.build_lib), ROOT / "src"} if self.inplace else {Path(self.build_lib)}:
                 target = out / "qkv" / "kernels" / "_built.json"

@@ -184,7 +184,7 @@ def _qkv(T, dtype, grad):
 
 
 @pytest.mark.parametrize(
-    "T, dtype, grad, kw, expected, untuned",  # untuned: on the levels without AVX-512
+    "T, dtype, grad, kw, expected, untuned",  # untuned: on the portable and neon levels
     [
         (64, torch.bfloat16, True, {}, "flash", "flash"),  # training, bf16: fused flash
         (64, torch.float32, True, {}, "torch", "torch"),  # training, fp32, short: torch
@@ -200,8 +200,8 @@ def _qkv(T, dtype, grad):
     ],
 )  # fmt: skip
 def test_auto_rules_for_the_fused_kernel(T, dtype, grad, kw, expected, untuned):
-    """The rule table of qkv.dispatch, on this machine's kernel level (the levels without
-    AVX-512 have their own measured rows)."""
+    """The rule table of qkv.dispatch, on this machine's kernel level (the portable and neon
+    levels have their own measured rows)."""
     if native_level() in UNTUNED_LEVELS:
         expected = untuned
     q, k, v = _qkv(T, dtype, grad)
@@ -313,7 +313,7 @@ def _cpu_flags() -> set[str]:
 
 def _bf16_paths() -> list[str]:
     """QKV_BF16_MATMUL values whose path this machine has (amx only where oneDNN sees AMX)."""
-    paths = ["dot", "brgemm"]
+    paths = ["dot", "widen", "brgemm"]
     if "amx_bf16" in _cpu_flags() and os.environ.get("ONEDNN_MAX_CPU_ISA") is None:
         paths.append("amx")
     return paths
@@ -322,7 +322,12 @@ def _bf16_paths() -> list[str]:
 def test_bf16_matmul_switch_picks_the_path_and_rejects_unknown_values(monkeypatch):
     has_dot = "avx512_bf16" in _cpu_flags() and native_level() in ("avx512_bf16", "amx")
     monkeypatch.setenv("QKV_BF16_MATMUL", "dot")
-    assert native_ops().bf16_path().startswith("avx512_bf16" if has_dot else "brgemm")
+    assert native_ops().bf16_path().startswith("avx512_bf16" if has_dot else "widen")
+    monkeypatch.setenv("QKV_BF16_MATMUL", "widen")
+    assert native_ops().bf16_path().startswith("widen")
+    monkeypatch.delenv("QKV_BF16_MATMUL")  # auto: without AMX or bf16 dot products, widen
+    if "amx_bf16" not in _cpu_flags() and not has_dot:
+        assert native_ops().bf16_path().startswith("widen")
     monkeypatch.setenv("QKV_BF16_MATMUL", "brgemm")
     assert native_ops().bf16_path().startswith("brgemm")
     assert native_status().endswith("bf16 path: " + native_ops().bf16_path())
@@ -331,7 +336,7 @@ def test_bf16_matmul_switch_picks_the_path_and_rejects_unknown_values(monkeypatc
         with pytest.raises(RuntimeError, match="QKV_BF16_MATMUL=amx: no AMX here"):
             native_ops().bf16_path()
     monkeypatch.setenv("QKV_BF16_MATMUL", "sse2")
-    with pytest.raises(RuntimeError, match="QKV_BF16_MATMUL must be auto, amx, dot or brgemm"):
+    with pytest.raises(RuntimeError, match="QKV_BF16_MATMUL must be auto, amx, dot, widen or brgemm"):
         native_ops().bf16_path()
     q = torch.randn(1, 1, 4, 8).bfloat16()
     with pytest.raises(RuntimeError, match="QKV_BF16_MATMUL"):

@@ -121,6 +121,84 @@ def test_a_prebuilt_library_is_used_only_for_its_sources_and_torch(tmp_path, mon
         None, "level avx2 not among the prebuilt ones (portable)")
 
 
+def test_a_damaged_prebuilt_library_is_never_loaded(tmp_path, monkeypatch):
+    """A truncated or overwritten library file fails the sha256 recorded at build time and is
+    refused with a message saying what to do (loading it could kill the process)."""
+    level = _levels.runnable_levels()[0]
+    real = _native.LIB / f"_C_{level}.kernels"
+    if not real.exists():
+        pytest.skip("no prebuilt kernels in this install")
+    info = {"torch": torch.__version__, "sources": _levels.source_digest(_native.CSRC),
+            "levels": [level], "sha256": {level: _levels.file_digest(real)}}  # fmt: skip
+    monkeypatch.setattr(_native, "BUILT", tmp_path / "_built.json")
+    monkeypatch.setattr(_native, "LIB", tmp_path)
+    (tmp_path / "_built.json").write_text(json.dumps(info))
+    copy = tmp_path / real.name
+    data = real.read_bytes()
+    for damaged in (data[: len(data) // 2], os.urandom(len(data))):
+        copy.write_bytes(damaged)
+        module, why = _native._prebuilt(level)
+        assert module is None and why == (
+            f"prebuilt {copy} is damaged (its sha256 differs from the one recorded when it "
+            "was built): reinstall qkv"), why
+    copy.unlink()
+    assert _native._prebuilt(level)[1].startswith(f"prebuilt {real.name} cannot be read")
+
+
+def test_a_damaged_cached_build_is_removed_before_loading(tmp_path, monkeypatch, caplog):
+    """The just-in-time cache: a library whose checksum is not the one recorded after its
+    build (or that has none: an interrupted build) is removed so that it is built again."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    name = _native._jit_name("portable")
+    assert _levels.source_digest(_native.CSRC) in name and "portable" in name
+    lib = tmp_path / name / f"{name}.so"
+    lib.parent.mkdir()
+    lib.write_bytes(b"\x7fELF half a library")
+    record = lib.parent / "qkv-build.sha256"
+    record.write_text(_levels.file_digest(lib) + "\n")
+    assert _native._check_cached(name) == lib and lib.exists()  # intact: kept
+    with open(lib, "ab") as f:
+        f.write(b"more")
+    with caplog.at_level("WARNING", logger="qkv.kernels"):
+        assert _native._check_cached(name) == lib
+    assert not lib.exists() and "does not match the checksum" in caplog.text
+    lib.write_bytes(b"left by an interrupted build")
+    record.unlink()
+    _native._check_cached(name)
+    assert not lib.exists()
+
+
+def test_a_wait_for_another_build_is_said(tmp_path, monkeypatch, caplog):
+    """A process that finds another one building says so (and keeps saying it), instead of
+    waiting silently on the lock."""
+    import fcntl
+    import threading
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    beat = _native._heartbeat
+    monkeypatch.setattr(_native, "_heartbeat", lambda what: beat(what, every=0.05))
+    name = "qkv_native_test_wait"
+    (tmp_path / name).mkdir()
+    holder = open(tmp_path / name / "qkv-build.flock", "w")
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    threading.Timer(0.3, holder.close).start()  # the other process finishes
+    with caplog.at_level("WARNING", logger="qkv.kernels"):
+        with _native._build_lock(name):
+            pass
+    assert "waiting for another process to finish building qkv_native_test_wait" in caplog.text
+    assert "still waiting" in caplog.text  # the heartbeat, every 0.05 s here
+
+
+def test_the_heartbeat_reports_elapsed_time(caplog):
+    import time
+
+    with caplog.at_level("WARNING", logger="qkv.kernels"):
+        with _native._heartbeat("still compiling the test kernels", every=0.05):
+            time.sleep(0.2)
+    beats = [r.getMessage() for r in caplog.records if "still compiling" in r.getMessage()]
+    assert beats and beats[0].endswith("s so far)"), beats
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None,
                     reason="no C++ compiler here (the wheel's install test)")  # fmt: skip
@@ -136,6 +214,13 @@ def test_a_build_cache_shared_by_two_cpus_never_loads_the_other_level(tmp_path):
     code = "from qkv.kernels._native import native_status; print(native_status())"
     first = _run(code, QKV_ISA="portable", **env)
     assert "loaded: level portable (compiled on first use" in first.stdout, first.stderr[-2000:]
+    # a truncated library in the cache (a full disk, a killed copy) is found and rebuilt
+    name = _native._jit_name("portable")
+    lib = tmp_path / name / f"{name}.so"
+    lib.write_bytes(lib.read_bytes()[:4096])
+    again = _run(code, QKV_ISA="portable", **env)
+    assert "loaded: level portable (compiled on first use" in again.stdout, again.stderr[-2000:]
+    assert "does not match the checksum recorded after its build" in again.stderr
     no_compiler = tmp_path / "bin"
     no_compiler.mkdir()
     (no_compiler / "python").symlink_to(sys.executable)

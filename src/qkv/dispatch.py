@@ -35,25 +35,25 @@ fused, ``Tq·Tk >= 1024²``                           flash    forward 1.0-1.2×
 everything else (shorter inference, fp64)           torch    flash's forward is 0.3-1.1× of it there
 ==================================================  =======  =======================================
 
-On the kernel levels without AVX-512 (``avx2``, ``portable``, ``neon``: see
-:mod:`qkv.kernels._levels`) the fused flash kernel's block matmuls and softmax lack the
-AVX-512 code the table above was measured with, and these rows replace the fused ones (the
-first five rows and the decode row hold on every level). Measured on a 2-core AMD EPYC
-(Zen 3: AVX2, no AVX-512), 1 thread, q ``(1, 8, T, 64)``, ``python bench/flash_vs_sdpa.py`` and
-``bench/decode_attention.py`` (portable: the flash rows within 0.1-0.3×; its decode loops
-2.2× torch for bf16 at 4 rows, 0.1-0.9× otherwise):
+The kernel levels without AVX-512 (:mod:`qkv.kernels._levels`) were measured on a 2-core AMD
+EPYC (Zen 3: AVX2, no AVX-512), 1 thread, with ``python bench/level_rules.py`` (q
+``(1, 8, T, 64)`` for flash; decode as below). On ``avx2`` the fused rows above hold as they
+are (fwd+bwd bf16 6.2-7.5×, fp32 1.1-1.5×; window 2.4-9.6×; forward at ``Tq·Tk >= 1024²``
+1.0-1.6×, bf16 1.0-1.3×); its decode kernel is compute-bound beyond a few rows per kv head,
+so the decode row narrows. On ``portable`` and ``neon`` the flash softmax is the compiler's
+scalar loops and these rows replace the fused ones (the first five rows hold on every level):
 
 ==================================================  =======  =======================================
-case (first matching row wins)                      backend  why (measured, avx2)
+case (first matching row wins)                      backend  why (measured)
 ==================================================  =======  =======================================
-decode-able, ``Tq <= 16``, ``G·Tq <= 16`` rows      decode   1.0-17× (fp32/bf16, Tk=512-16384);
-                                                             portable: bf16 and ``G·Tq <= 4`` only
-fused, gradients needed, bf16                       flash    fwd+bwd 4.0-5.4× (T=256-4096)
-fused, ``window``, ``Tk >= 4·window``               flash    1.3× (T=1024) to 5.0× (T=4096), w=256
+decode-able, ``Tq <= 16``, ``G·Tq <= 16`` rows      decode   avx2: 1.0-18× (fp32/bf16, Tk=512-16384,
+                                                             0.65-1.0× at 64 rows); portable, neon:
+                                                             bf16 and ``G·Tq <= 4`` only (2.2×)
+fused, gradients needed, bf16 (portable, neon)      flash    fwd+bwd 4.0-5.6× (T=256-4096)
+fused, ``window``, ``Tk >= 4·window`` (portable)    flash    1.1× (T=1024) to 5.4× (T=4096), w=256
 ``window`` (not fused), as above                    flash    as above
-everything else                                     torch    fused flash 0.4-0.8× forward,
-                                                             0.7-1.1× fp32 fwd+bwd; decode
-                                                             0.6-1.0× at G·Tq = 64 rows
+everything else (portable, neon)                    torch    fused flash 0.4-0.9× forward,
+                                                             0.7-0.9× fp32 fwd+bwd
 ==================================================  =======  =======================================
 
 "decode-able": CPU fp32/bf16 inference (no gradients), no bias/soft-cap/dropout, the fused
@@ -131,15 +131,16 @@ FUSED_WINDOW_RATIO = 2
 FUSED_AREA = 1024 * 1024
 # The kernel levels without AVX-512 (qkv.kernels._levels), the second table of the docstring:
 # the decode kernel up to this many query rows per kv head (G·Tq), for these dtypes: avx2
-# 1.0-17× torch up to 16 rows (0.6-1.0× at 64); the portable loops 2.2× for bf16 at 4 rows
+# 1.0-18× torch up to 16 rows (0.65-1.0× at 64); the portable loops 2.2× for bf16 at 4 rows
 # (torch's bf16 path is slow there), 0.1-0.9× for everything else
 UNTUNED_DECODE = {
     "avx2": (16, (torch.float32, torch.bfloat16)),
     "portable": (4, (torch.bfloat16,)),
     "neon": (4, (torch.bfloat16,)),
 }
-UNTUNED_LEVELS = tuple(UNTUNED_DECODE)
-UNTUNED_WINDOW_RATIO = 4  # fused flash with a window from Tk >= 4·window (1.3× at 1024/256)
+# the levels whose flash softmax is scalar code: the second table's fused rows replace the first's
+UNTUNED_LEVELS = ("portable", "neon")
+UNTUNED_WINDOW_RATIO = 4  # fused flash with a window from Tk >= 4·window (1.1× at 1024/256)
 
 
 @dataclass(frozen=True)
@@ -352,9 +353,9 @@ def _rule(case: Case, fused_why: str | None, decode_why: str | None) -> tuple[st
     """
     s = case.shape
     fused = fused_why is None
-    untuned = _decode_limit(case)  # the levels of the second table
+    limit = _decode_limit(case)  # the levels of the second table
     decode = decode_why is None and s.Tq <= MAX_TQ and (
-        untuned is None or (s.group * s.Tq <= untuned[0] and case.dtype in untuned[1]))
+        limit is None or (s.group * s.Tq <= limit[0] and case.dtype in limit[1]))
     few = f"inference, Tq={s.Tq} <= {MAX_TQ} queries: the decode kernel reads K/V once"
     if case.return_weights and case.weights_heads is None:
         return "math", "all heads' weights requested: math materialises them anyway"
@@ -373,12 +374,13 @@ def _rule(case: Case, fused_why: str | None, decode_why: str | None) -> tuple[st
     if decode:
         return "decode", f"{few}, split across threads (up to 33× the torch path)"
     level = native_level()
-    if untuned is not None:  # the fused rows of the second table
+    untuned = case.device == "cpu" and level in UNTUNED_LEVELS
+    if untuned:  # the fused rows of the second table
         if fused and case.grad and case.dtype == torch.bfloat16:
-            return "flash", f"gradients needed, bf16: fused flash is 4.0-5.4× torch SDPA ({level})"
+            return "flash", f"gradients needed, bf16: fused flash is 4.0-5.6× torch SDPA ({level})"
         if fused and case.window is not None and UNTUNED_WINDOW_RATIO * case.window <= s.Tk:
             return "flash", (f"window={case.window} <= Tk/{UNTUNED_WINDOW_RATIO}: fused flash "
-                             f"skips blocks, 1.3-5.0× torch ({level})")  # fmt: skip
+                             f"skips blocks, 1.1-5.4× torch ({level})")  # fmt: skip
     else:
         if fused and case.grad and case.dtype == torch.bfloat16:
             return "flash", "gradients needed, bf16: flash's fused kernel is 1.5-2.5× torch SDPA"
@@ -396,16 +398,16 @@ def _rule(case: Case, fused_why: str | None, decode_why: str | None) -> tuple[st
     if case.window is not None and ratio * case.window <= s.Tk:
         return "flash", f"window={case.window} <= Tk/{ratio}: flash skips empty blocks, O(T·w)"
     # the last row of the table, said for this call (no bias is named unless it was given)
-    if untuned is not None and decode_why is None and s.Tq <= MAX_TQ:
-        rows, dtypes = untuned
+    if limit is not None and decode_why is None and s.Tq <= MAX_TQ:
+        rows, dtypes = limit
         return "torch", (f"{s.group * s.Tq} query rows per kv head in {case.dtype}: the {level} "
                          f"decode kernel is slower than torch SDPA beyond {rows} rows or "
                          f"outside {', '.join(str(d) for d in dtypes)}")  # fmt: skip
     if not fused:
         return "torch", f"flash would run its PyTorch-ops kernel ({fused_why}): torch is faster"
-    if untuned is not None:
+    if untuned:
         return "torch", (f"kernel level {level}: torch SDPA's dense kernels are faster here "
-                         "(fused flash 0.4-0.8× forward, 0.7-1.1× fp32 forward+backward)")
+                         "(fused flash 0.4-0.9× forward, 0.7-0.9× fp32 forward+backward)")
     if case.grad:
         why = f"gradients needed, fp32, Tk={s.Tk} < {FUSED_GRAD_TK}"
         return "torch", f"{why}: torch SDPA's fwd+bwd is faster (fused flash 0.5-1.0×)"

@@ -1006,7 +1006,12 @@ static inline void copy_row(T* dst, const T* src, int64_t n) {
     _mm512_mask_storeu_epi8(d8 + i, m, _mm512_maskz_loadu_epi8(m, s8 + i));
   }
 #else
-  std::memcpy(d8, s8, static_cast<size_t>(bytes));
+#ifdef QKV_AVX2
+  for (; i + 32 <= bytes; i += 32)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(d8 + i),
+                        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s8 + i)));
+#endif
+  std::memcpy(d8 + i, s8 + i, static_cast<size_t>(bytes - i));
 #endif
 }
 

@@ -59,6 +59,14 @@ using qkv_simd::to_bf16_bits;
 
 #ifdef QKV_AVX512
 using qkv_simd::exp2_v;
+#elif defined(QKV_AVX2)
+// AVX2 + FMA: the same loops on 8 lanes; a row's last n % 8 columns take the scalar code
+using qkv_simd::allowed8;
+using qkv_simd::exp2_v8;
+using qkv_simd::hmax8;
+using qkv_simd::hsum8;
+using qkv_simd::load8;
+using qkv_simd::store8;
 #endif
 
 // max of x[0:n]; four accumulators hide vmaxps latency
@@ -75,6 +83,16 @@ static inline float row_max(const float* x, int64_t n) {
   }
   for (; c + 16 <= n; c += 16) a0 = _mm512_max_ps(a0, _mm512_loadu_ps(x + c));
   mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(a0, a1), _mm512_max_ps(a2, a3)));
+#elif defined(QKV_AVX2)
+  __m256 a0 = _mm256_set1_ps(kNegInf), a1 = a0, a2 = a0, a3 = a0;
+  for (; c + 32 <= n; c += 32) {
+    a0 = _mm256_max_ps(a0, _mm256_loadu_ps(x + c));
+    a1 = _mm256_max_ps(a1, _mm256_loadu_ps(x + c + 8));
+    a2 = _mm256_max_ps(a2, _mm256_loadu_ps(x + c + 16));
+    a3 = _mm256_max_ps(a3, _mm256_loadu_ps(x + c + 24));
+  }
+  for (; c + 8 <= n; c += 8) a0 = _mm256_max_ps(a0, _mm256_loadu_ps(x + c));
+  mx = hmax8(_mm256_max_ps(_mm256_max_ps(a0, a1), _mm256_max_ps(a2, a3)));
 #endif
   for (; c < n; ++c) mx = x[c] > mx ? x[c] : mx;
   return mx;
@@ -136,6 +154,12 @@ static inline float row_max_masked(const float* x, const uint8_t* m, int64_t n) 
                                                   x + c));
   }
   mx = _mm512_reduce_max_ps(acc);
+#elif defined(QKV_AVX2)
+  const __m256 ninf = _mm256_set1_ps(kNegInf);
+  __m256 acc = ninf;
+  for (; c + 8 <= n; c += 8)
+    acc = _mm256_max_ps(acc, _mm256_blendv_ps(ninf, _mm256_loadu_ps(x + c), allowed8(m + c)));
+  mx = hmax8(acc);
 #endif
   for (; c < n; ++c)
     if (m[c]) mx = x[c] > mx ? x[c] : mx;
@@ -192,7 +216,35 @@ static inline float exp_row_t(const float* s, T* p, int64_t c0, int64_t c1, int6
   if (smax) *smax = _mm512_reduce_max_ps(_mm512_max_ps(vmax, vmax2));
 #else
   float mx = kNegInf;
-  for (c = c0; c < c1; ++c) {
+#ifdef QKV_AVX2
+  constexpr bool kLowT = !std::is_same_v<T, float>;
+  const __m256 vc2 = _mm256_set1_ps(c2), vshift = _mm256_set1_ps(shift);
+  const __m256 vm = _mm256_set1_ps(mref), ninf = _mm256_set1_ps(kNegInf);
+  auto arg = [&](__m256 x) {  // as above
+    return kExact ? _mm256_mul_ps(_mm256_sub_ps(x, vm), vc2) : _mm256_fmsub_ps(x, vc2, vshift);
+  };
+  __m256 vsum = _mm256_setzero_ps(), vsum2 = vsum, vmax = ninf, vmax2 = ninf;
+  for (; !m && c + 16 <= c1; c += 16) {  // two independent chains (no mask)
+    const __m256 s0 = _mm256_loadu_ps(s + c), s1 = _mm256_loadu_ps(s + c + 8);
+    const __m256 e0 = exp2_v8<kLowT>(arg(s0)), e1 = exp2_v8<kLowT>(arg(s1));
+    vsum = _mm256_add_ps(vsum, e0);
+    vsum2 = _mm256_add_ps(vsum2, e1);
+    vmax = _mm256_max_ps(vmax, s0), vmax2 = _mm256_max_ps(vmax2, s1);
+    store8(p + c, e0);
+    store8(p + c + 8, e1);
+  }
+  for (; c + 8 <= c1; c += 8) {  // masked-out lanes: -inf, so p = 0
+    __m256 x = _mm256_loadu_ps(s + c);
+    if (m) x = _mm256_blendv_ps(ninf, x, allowed8(m + c));
+    const __m256 e = exp2_v8<kLowT>(arg(x));
+    vsum = _mm256_add_ps(vsum, e);
+    vmax = _mm256_max_ps(vmax, x);
+    store8(p + c, e);
+  }
+  sum = hsum8(_mm256_add_ps(vsum, vsum2));
+  mx = hmax8(_mm256_max_ps(vmax, vmax2));
+#endif
+  for (; c < c1; ++c) {
     const bool allowed = !m || m[c];
     const float e = allowed ? exp2_neg(kExact ? (s[c] - mref) * c2 : s[c] * c2 - shift) : 0.f;
     sum += e;
@@ -274,15 +326,37 @@ static inline void grad_row(float* s, float* dp, T* p_low, T* ds_low, int64_t c0
     }
   }
 #else
+  int64_t c = 0;
+#ifdef QKV_AVX2
+  const __m256 vc2 = _mm256_set1_ps(c2), vsh = _mm256_set1_ps(sh), vD = _mm256_set1_ps(Dr);
+  const __m256i vc0 = _mm256_set1_epi32(static_cast<int32_t>(c0));
+  const __m256i vc1 = _mm256_set1_epi32(static_cast<int32_t>(c1));
+  for (; c + 8 <= nk; c += 8) {
+    // visible lanes: c0 <= j < c1 (and the mask byte); off lanes are ANDed to 0 (even NaN)
+    const __m256i j = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                                       _mm256_set1_epi32(static_cast<int32_t>(c)));
+    __m256 vis = _mm256_castsi256_ps(
+        _mm256_andnot_si256(_mm256_cmpgt_epi32(vc0, j), _mm256_cmpgt_epi32(vc1, j)));
+    if (m) vis = _mm256_and_ps(vis, allowed8(m + c));
+    const __m256 t = _mm256_min_ps(_mm256_fmsub_ps(_mm256_loadu_ps(s + c), vc2, vsh),
+                                   _mm256_setzero_ps());  // p <= 1 (see above)
+    const __m256 p = _mm256_and_ps(exp2_v8(t), vis);
+    const __m256 ds = _mm256_mul_ps(p, _mm256_sub_ps(_mm256_loadu_ps(dp + c), vD));
+    _mm256_storeu_ps(s + c, p);
+    _mm256_storeu_ps(dp + c, ds);
+    if constexpr (!std::is_same_v<T, float>) store8(p_low + c, p), store8(ds_low + c, ds);
+  }
+#endif
+  const int64_t cv = c;  // columns the vector loop did
 #pragma omp simd
-  for (int64_t c = 0; c < nk; ++c) {
-    const bool visible = c >= c0 && c < c1 && (!m || m[c]);
-    const float p = visible ? exp2_neg(std::min(s[c] * c2 - sh, 0.f)) : 0.f;  // p <= 1
-    s[c] = p;
-    dp[c] = p * (dp[c] - Dr);
+  for (int64_t i = cv; i < nk; ++i) {
+    const bool visible = i >= c0 && i < c1 && (!m || m[i]);
+    const float p = visible ? exp2_neg(std::min(s[i] * c2 - sh, 0.f)) : 0.f;  // p <= 1
+    s[i] = p;
+    dp[i] = p * (dp[i] - Dr);
   }
   if constexpr (!std::is_same_v<T, float>) {
-    for (int64_t c = 0; c < nk; ++c) store<T>(p_low + c, s[c]), store<T>(ds_low + c, dp[c]);
+    for (int64_t i = cv; i < nk; ++i) store<T>(p_low + i, s[i]), store<T>(ds_low + i, dp[i]);
   }
 #endif
 }
@@ -328,9 +402,13 @@ static inline void mm(int64_t M, int64_t N, int64_t K, const T* A, int64_t ld_a,
 //
 // Which path bf16 takes (Bf16Path): AMX tiles through oneDNN's VNNI-packed brgemm where the
 // CPU has AMX (the forward; the backward uses oneDNN's unpacked brgemm there), this kernel
-// where it has AVX512_BF16, oneDNN's unpacked brgemm otherwise. QKV_BF16_MATMUL=amx|dot|brgemm
-// forces one (oneDNN's own ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 also hides AMX from it).
-enum class Bf16Path { kAmx, kDot, kBrgemm };
+// where it has AVX512_BF16; elsewhere bf16 is a storage format: the call's q, k, v (and the
+// backward's out, dout) are widened to fp32 once and the fp32 kernel runs (kWiden; O(T·d)
+// conversions against O(T²·d) work). oneDNN's unpacked bf16 brgemm without bf16 instructions
+// made bf16 slower than fp32 (Zen 3, AVX2: 0.85x qkv fp32 at T = 4096, full). kBrgemm stays
+// as a forced choice. QKV_BF16_MATMUL=amx|dot|widen|brgemm forces one (oneDNN's own
+// ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 also hides AMX from it).
+enum class Bf16Path { kAmx, kDot, kWiden, kBrgemm };
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 constexpr bool kHasDot = true;
@@ -455,7 +533,7 @@ static void pack_row_pairs(const BFloat16* x_, int64_t rows, int64_t n, int64_t 
   }
 }
 
-// The path bf16 calls take (see above); QKV_BF16_MATMUL=auto|amx|dot|brgemm is read on each
+// The path bf16 calls take (see above); QKV_BF16_MATMUL=auto|amx|dot|widen|brgemm is read on each
 // call so that a process can compare the paths. AMX needs oneDNN's view of the CPU and the
 // level (QKV_ISA=avx512_bf16 turns it off).
 static Bf16Path bf16_path(int64_t d) {
@@ -463,16 +541,17 @@ static Bf16Path bf16_path(int64_t d) {
   const std::string want = env ? env : "";
   const bool amx = cpublas::could_pack(at::kBFloat16) && qkv_simd::amx_allowed();
   TORCH_CHECK(want.empty() || want == "auto" || want == "amx" || want == "dot" ||
-                  want == "brgemm",
-              "QKV_BF16_MATMUL must be auto, amx, dot or brgemm; got '", want, "'");
+                  want == "widen" || want == "brgemm",
+              "QKV_BF16_MATMUL must be auto, amx, dot, widen or brgemm; got '", want, "'");
   if (want == "brgemm") return Bf16Path::kBrgemm;
+  if (want == "widen") return Bf16Path::kWiden;
   if (want == "amx") {
     TORCH_CHECK(amx, "QKV_BF16_MATMUL=amx: no AMX here (this CPU or level has none, or "
                      "oneDNN does not see it: ONEDNN_MAX_CPU_ISA)");
     return d % 2 == 0 ? Bf16Path::kAmx : Bf16Path::kBrgemm;
   }
   if (want != "dot" && amx && d % 2 == 0) return Bf16Path::kAmx;
-  return kHasDot ? Bf16Path::kDot : Bf16Path::kBrgemm;
+  return kHasDot ? Bf16Path::kDot : Bf16Path::kWiden;
 }
 
 // bf16_path's answer in words, for benchmarks and native_status (an even head dim)
@@ -482,6 +561,8 @@ std::string isa_name() {
       return "amx (oneDNN brgemm, AMX tiles)";
     case Bf16Path::kDot:
       return "avx512_bf16 (qkv dot-product kernel)";
+    case Bf16Path::kWiden:
+      return "widen (bf16 stored, fp32 kernel)";
     default:
       return "brgemm (oneDNN, no AMX packing)";
   }
@@ -570,7 +651,10 @@ class Scratch {
 };
 
 // K and V of one kv head, prepared for the forward's two block matmuls. Plain: K transposed
-// (d x Tk). VNNI (bf16 with AMX): every key block j is packed for oneDNN's brgemm, Kᵀ in
+// block by block, (d x bk) per key block with rows kld = bk + 64 bytes apart: in one (d x Tk)
+// Kᵀ the rows of a block lie 4·Tk bytes apart, all in the same few L1 sets, and the matmul's
+// column strips evicted each other (the fp32 forward at T = 4096: 1.2x slower on Zen 3); the
+// extra cache line staggers them. VNNI (bf16 with AMX): every key block j is packed for oneDNN's brgemm, Kᵀ in
 // chunks of 64 keys and V (keys padded to even) in chunks of 64 value columns.
 // Dot (bf16 without AMX): per key block, Kᵀ in the pair layout of pack_chunks and V in that
 // of pack_row_pairs (k_dot/v_dot).
@@ -580,15 +664,16 @@ struct PreparedKV {
   HugeBuffer<T> kt, vp;
   HugeBuffer<uint32_t> kd, vd;  // dot path
   int64_t d, dv, Tk, bk, rdv, rbk, ebk;  // rdv, rbk: dv, bk rounded up to 64; ebk: bk to even
+  int64_t kld = 0;  // plain: row stride of a block of Kᵀ
   int64_t kblk = 0, vblk = 0, rdv16 = 0;  // dot: uint32 per key block of kd, vd; dv to 16
   bool vnni, dot = false;
   const uint32_t* k_dot(int64_t j) const { return kd.data() + j * kblk; }
   const uint32_t* v_dot(int64_t j) const { return vd.data() + j * vblk; }
   size_t bytes() const { return kt.cap_bytes + vp.cap_bytes + kd.cap_bytes + vd.cap_bytes; }
   void release() { kt.release(), vp.release(), kd.release(), vd.release(); }
-  // Kᵀ of key block j: VNNI (d x rbk) in 64-key chunks of d·64 each; plain: column j·bk of
-  // Kᵀ (d x Tk, row stride Tk)
-  const T* k_block(int64_t j) const { return kt.data() + (vnni ? j * d * rbk : j * bk); }
+  // Kᵀ of key block j: VNNI (d x rbk) in 64-key chunks of d·64 each; plain: (d x bk), row
+  // stride kld
+  const T* k_block(int64_t j) const { return kt.data() + j * d * (vnni ? rbk : kld); }
   // V of key block j, VNNI only: chunk c (of 64 value columns) at + c·(keys of the block, even)
   const T* v_block(int64_t j) const { return vp.data() + j * ebk * rdv; }
   void prepare(const T* k, const T* v, int64_t d_, int64_t dv_, int64_t Tk_, int64_t bk_,
@@ -613,12 +698,14 @@ struct PreparedKV {
     rdv = vnni ? (dv + kPack - 1) / kPack * kPack : dv;
     rbk = vnni ? (bk + kPack - 1) / kPack * kPack : bk;
     ebk = vnni ? bk + (bk & 1) : bk;
+    const int64_t nb = (Tk + bk - 1) / bk;
     if (!vnni) {
-      kt.assign(d * Tk);
-      transpose(k, Tk, d, d, kt.data(), Tk);
+      kld = bk + 64 / static_cast<int64_t>(sizeof(T));
+      kt.assign(nb * d * kld);
+      for (int64_t j = 0; j < nb; ++j)
+        transpose(k + j * bk * d, std::min(bk, Tk - j * bk), d, d, kt.data() + j * d * kld, kld);
       return;
     }
-    const int64_t nb = (Tk + bk - 1) / bk;
     kt.assign(nb * d * rbk);
     vp.assign(nb * ebk * rdv);
     std::vector<T> tmp(std::max(d * kPack, ebk * kPack));
@@ -696,6 +783,20 @@ static inline __m512 tanh_v(__m512 x) {
   const __m512i sign = _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(INT32_MIN));
   return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(th), sign));
 }
+#elif defined(QKV_AVX2)
+// the same on 8 lanes (rcp is 12 bits here: the Newton step brings it to ~23)
+static inline __m256 tanh_v8(__m256 x) {
+  const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
+  const __m256 t = _mm256_max_ps(
+      _mm256_mul_ps(_mm256_andnot_ps(sign, x), _mm256_set1_ps(-2.f * kLog2e)),
+      _mm256_set1_ps(-200.f));
+  const __m256 e = exp2_v8(t);
+  const __m256 den = _mm256_add_ps(one, e);
+  __m256 r = _mm256_rcp_ps(den);
+  r = _mm256_mul_ps(r, _mm256_fnmadd_ps(den, r, _mm256_set1_ps(2.f)));
+  const __m256 th = _mm256_mul_ps(_mm256_sub_ps(one, e), r);
+  return _mm256_or_ps(th, _mm256_and_ps(sign, x));
+}
 #endif
 
 struct Variant {
@@ -771,6 +872,35 @@ struct Variant {
     }
     neg = anyneg != 0;
 #else
+#ifdef QKV_AVX2
+    const __m256 vscale = _mm256_set1_ps(scale), vcap = _mm256_set1_ps(cap);
+    const __m256 vinv = _mm256_set1_ps(cap > 0.f ? 1.f / cap : 0.f);
+    const __m256 iota = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), abs = _mm256_set1_ps(-0.f);
+    __m256 anyneg = _mm256_setzero_ps();
+    for (; c + 8 <= c1; c += 8) {
+      __m256 x = _mm256_mul_ps(_mm256_loadu_ps(s + c), vscale);
+      if (cap > 0.f) {
+        const __m256 th = tanh_v8(_mm256_mul_ps(x, vinv));
+        if (t) _mm256_storeu_ps(t + c, th);
+        x = _mm256_mul_ps(th, vcap);
+      }
+      if (bias) {
+        const __m256 b = !bs[4] ? _mm256_set1_ps(bias_at(0))
+                         : br   ? _mm256_loadu_ps(br + c)
+                                : load8(reinterpret_cast<const BFloat16*>(bb + c));
+        x = _mm256_add_ps(x, b);
+      }
+      if (alibi) {
+        const __m256 dist = _mm256_andnot_ps(
+            abs, _mm256_sub_ps(_mm256_set1_ps(dpos - static_cast<float>(c)), iota));
+        x = _mm256_fnmadd_ps(_mm256_set1_ps(slope), dist, x);
+      }
+      if (rr) x = _mm256_add_ps(x, _mm256_loadu_ps(rr + c));
+      anyneg = _mm256_or_ps(anyneg, _mm256_cmp_ps(x, _mm256_set1_ps(kNegInf), _CMP_EQ_OQ));
+      _mm256_storeu_ps(s + c, x);
+    }
+    neg = _mm256_movemask_ps(anyneg) != 0;
+#endif
     for (; c < c1; ++c) {
       float x = s[c] * scale;
       if (cap > 0.f) {
@@ -912,6 +1042,8 @@ static inline void to_low(const float* p, const float* ds, T* p_low, T* ds_low, 
     store16<T>(p_low + c, _mm512_maskz_loadu_ps(k, p + c), k);
     store16<T>(ds_low + c, _mm512_maskz_loadu_ps(k, ds + c), k);
   }
+#elif defined(QKV_AVX2)
+  for (; c + 8 <= n; c += 8) store8(p_low + c, load8(p + c)), store8(ds_low + c, load8(ds + c));
 #endif
   for (; c < n; ++c) store<T>(p_low + c, p[c]), store<T>(ds_low + c, ds[c]);
 }
@@ -1081,7 +1213,7 @@ static void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tens
                 dot_mm(nr, nc, d, Q + r0 * d, d, kv.k_dot(j) + (c / 16) * ((d + 1) / 2 * 16), 16,
                        (d + 1) / 2 * 16, S + r0 * rbk + c, rbk, false);
             } else {
-              mm<T>(nr, nc, d, Q + r0 * d, d, kv.k_block(j) + c, Tk, S + r0 * rbk + c, rbk,
+              mm<T>(nr, nc, d, Q + r0 * d, d, kv.k_block(j) + c, kv.kld, S + r0 * rbk + c, rbk,
                     false);
             }
           });
@@ -1206,8 +1338,15 @@ std::tuple<Tensor, Tensor> flash_fwd(const Tensor& q, const Tensor& k, const Ten
   } else {
     TORCH_CHECK(q.scalar_type() == at::kBFloat16, "qkv flash_fwd: fp32 or bf16 only");
     const Bf16Path path = bf16_path(q.size(3));
-    forward_impl<BFloat16>(q, k, v, out, lse, scale, st, block_q, block_k,
-                           path == Bf16Path::kAmx, mk, var, bv, path == Bf16Path::kDot);
+    if (path == Bf16Path::kWiden) {
+      Tensor out32 = at::empty(out.sizes(), lse.options());
+      forward_impl<float>(q.to(at::kFloat), k.to(at::kFloat), v.to(at::kFloat), out32, lse,
+                          scale, st, block_q, block_k, false, mk, var, bv);
+      out.copy_(out32);
+    } else {
+      forward_impl<BFloat16>(q, k, v, out, lse, scale, st, block_q, block_k,
+                             path == Bf16Path::kAmx, mk, var, bv, path == Bf16Path::kDot);
+    }
   }
   return {out, lse};
 }
@@ -1449,8 +1588,15 @@ std::tuple<Tensor, Tensor, Tensor> flash_bwd(const Tensor& q, const Tensor& k, c
                          var, vg, bv);
   } else {
     TORCH_CHECK(q.scalar_type() == at::kBFloat16, "qkv flash_bwd: fp32 or bf16 only");
-    backward_impl<BFloat16>(q, k, v, out, dout, lse, dq, dk, dv, scale, st, block_q, block_k,
-                            mk, var, vg, bv, bf16_path(q.size(3)) == Bf16Path::kDot);
+    const Bf16Path path = bf16_path(q.size(3));
+    if (path == Bf16Path::kWiden) {
+      backward_impl<float>(q.to(at::kFloat), k.to(at::kFloat), v.to(at::kFloat),
+                           out.to(at::kFloat), dout.to(at::kFloat), lse, dq, dk, dv, scale, st,
+                           block_q, block_k, mk, var, vg, bv);
+    } else {
+      backward_impl<BFloat16>(q, k, v, out, dout, lse, dq, dk, dv, scale, st, block_q, block_k,
+                              mk, var, vg, bv, path == Bf16Path::kDot);
+    }
   }
   return {dq, dk, dv};
 }

@@ -125,14 +125,37 @@ inline __m256 hsum8x8(const __m256* a) {
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-// 2^t for 8 lanes of t <= 0 (as exp2_neg: 0 below 2^-126 and for -inf; NaN stays NaN)
+// 8 values -> dst: fp32 as is, bf16 rounded to nearest even (finite x, as to_bf16_bits)
+inline void store8(float* p, __m256 x) { _mm256_storeu_ps(p, x); }
+inline void store8(c10::BFloat16* p, __m256 x) {
+  __m256i u = _mm256_castps_si256(x);
+  u = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff),
+                                           _mm256_and_si256(_mm256_srli_epi32(u, 16),
+                                                            _mm256_set1_epi32(1))));
+  u = _mm256_srli_epi32(u, 16);  // < 2^16: packus's unsigned saturation never bites
+  const __m128i h = _mm_packus_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h);
+}
+
+// all-ones lanes where the mask byte m[i] is nonzero (True = may attend); reads 8 bytes
+inline __m256 allowed8(const uint8_t* m) {
+  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(m)));
+  return _mm256_castsi256_ps(
+      _mm256_xor_si256(_mm256_cmpeq_epi32(b, _mm256_setzero_si256()), _mm256_set1_epi32(-1)));
+}
+
+// 2^t for 8 lanes of t <= 0 (as exp2_neg: 0 below 2^-126 and for -inf; NaN stays NaN);
+// kLow: the degree-4 polynomial (bf16 probabilities)
+template <bool kLow = false>
 inline __m256 exp2_v8(__m256 t) {
   // max/min return their second operand when one is NaN: t second keeps a NaN
   const __m256 tc = _mm256_min_ps(_mm256_set1_ps(64.f), _mm256_max_ps(_mm256_set1_ps(-127.f), t));
   const __m256 n = _mm256_round_ps(tc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m256 f = _mm256_sub_ps(tc, n);
-  __m256 p = _mm256_set1_ps(kExp2[0]);
-  for (int i = 1; i < 6; ++i) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExp2[i]));
+  const float* c = kLow ? kExp2Low : kExp2;
+  constexpr int kTerms = kLow ? 5 : 6;
+  __m256 p = _mm256_set1_ps(c[0]);
+  for (int i = 1; i < kTerms; ++i) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(c[i]));
   // 2^n from the exponent bits; n = -127 gives 0 (so does every t below -126.5)
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   const __m256 r = _mm256_mul_ps(p, _mm256_castsi256_ps(e));

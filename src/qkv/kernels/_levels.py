@@ -38,6 +38,16 @@ def source_digest(csrc: Path) -> str:
     return h.hexdigest()[:16]
 
 
+def file_digest(path: Path) -> str:
+    """The sha256 of a built library: recorded after a successful build and checked before
+    loading, so that a truncated or damaged file is rebuilt, never loaded (a bus error)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 @dataclass(frozen=True)
 class Level:
     name: str

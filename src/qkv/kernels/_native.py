@@ -12,8 +12,11 @@ AMX CPU turns them off); a level the CPU lacks is an error, never a crash.
 Where no prebuilt library fits (a source checkout not built, sources edited since the build,
 another torch version), the level is compiled on first use with PyTorch's extension builder
 (gcc + ninja, ~1-2 min) into ``~/.cache/torch_extensions`` (or ``$TORCH_EXTENSIONS_DIR``),
-under a name that carries the level: a cache shared by machines with different CPUs never
-hands one CPU another's build. ``QKV_NATIVE=0`` turns the kernels off;
+under a name that carries the level and the sources' digest: a cache shared by machines with
+different CPUs never hands one CPU another's build, and two checkouts of different sources
+never rebuild over each other. A build, and a wait for another process's build, say so on
+stderr with the time spent; a library is loaded only if its sha256 matches the one recorded
+after its build (a truncated or damaged file is rebuilt, with a message). ``QKV_NATIVE=0`` turns the kernels off;
 ``QKV_NATIVE=prebuilt`` forbids the build on first use, ``QKV_NATIVE=compile`` makes it
 (ignoring the prebuilt kernels).
 
@@ -29,8 +32,9 @@ keeps working on its PyTorch-ops kernel, the decode backend is not offered, and
 
 bf16 block matmuls take one of three paths, chosen per call: AMX tiles (oneDNN's brgemm on
 VNNI-packed K/V) where oneDNN sees AMX, qkv's AVX512_BF16 dot-product micro-kernel where
-the CPU has AVX512_BF16 but no AMX, oneDNN's unpacked brgemm otherwise.
-``QKV_BF16_MATMUL=dot|brgemm|amx`` forces one (read on every call); oneDNN's own
+the CPU has AVX512_BF16 but no AMX, the fp32 kernel on inputs widened once per call
+otherwise. ``QKV_BF16_MATMUL=dot|widen|brgemm|amx`` forces one (brgemm: oneDNN's unpacked
+bf16 brgemm) (read on every call); oneDNN's own
 ``ONEDNN_MAX_CPU_ISA`` (e.g. ``AVX512_CORE_BF16``) hides AMX from oneDNN, and so from this
 choice too. :func:`native_status` names the level and the paths.
 """
@@ -81,6 +85,14 @@ def _prebuilt(build: str) -> tuple[object | None, str]:
     if CSRC.is_dir() and info.get("sources") != _levels.source_digest(CSRC):
         return None, "the kernel sources changed since the prebuilt kernels were compiled"
     path = LIB / f"_C_{build}.kernels"
+    want = info.get("sha256", {}).get(build)  # absent from builds of older qkv versions
+    try:
+        damaged = want is not None and _levels.file_digest(path) != want
+    except OSError as e:
+        return None, f"prebuilt {path.name} cannot be read: {e}"
+    if damaged:
+        return None, (f"prebuilt {path} is damaged (its sha256 differs from the one recorded "
+                      "when it was built): reinstall qkv")  # fmt: skip
     try:  # by path: the file's name is no module's (see setup.py), so nothing else loads it
         loader = importlib.machinery.ExtensionFileLoader(f"qkv._C_{build}", str(path))
         spec = importlib.util.spec_from_file_location(f"qkv._C_{build}", path, loader=loader)
@@ -110,7 +122,13 @@ def _build_lock(name: str) -> Iterator[None]:
         return
     directory = Path(_get_build_directory(name, verbose=False))
     with open(directory / "qkv-build.flock", "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # another process builds: say why this call waits
+            logger.warning("qkv: waiting for another process to finish building %s (%s)",
+                           name, directory)  # fmt: skip
+            with _heartbeat(f"still waiting for the build of {name}"):
+                fcntl.flock(f, fcntl.LOCK_EX)
         stale = directory / "lock"
         if stale.exists():
             logger.warning("qkv: removing a stale build lock left by an interrupted build: %s",
@@ -122,20 +140,79 @@ def _build_lock(name: str) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+@contextlib.contextmanager
+def _heartbeat(what: str, every: float = 30.0) -> Iterator[None]:
+    """Log ``what`` with the time spent every ``every`` seconds until the block ends (a long
+    build or wait is never silent)."""
+    import threading
+    import time
+
+    start, done = time.monotonic(), threading.Event()
+
+    def beat() -> None:
+        while not done.wait(every):
+            logger.warning("qkv: %s (%.0f s so far)", what, time.monotonic() - start)
+
+    thread = threading.Thread(target=beat, name="qkv-build-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
+def _jit_name(build: str) -> str:
+    """The build's name in the extension cache: the level (a cache shared by CPUs of other
+    levels) and the sources' digest (checkouts of other sources) make builds different."""
+    return f"qkv_native_{build}_{_levels.source_digest(CSRC)}"
+
+
+def _check_cached(name: str) -> Path | None:
+    """The cached library of build ``name`` if any; a library whose sha256 is not the one
+    recorded after its build (truncated, damaged, or left by an interrupted build) is
+    removed, with a message, so that the builder makes it again."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    directory = Path(_get_build_directory(name, verbose=False))
+    lib, record = directory / f"{name}.so", directory / "qkv-build.sha256"
+    if lib.exists():
+        try:
+            ok = record.read_text().strip() == _levels.file_digest(lib)
+        except OSError:
+            ok = False
+        if not ok:
+            logger.warning("qkv: %s does not match the checksum recorded after its build "
+                           "(truncated, damaged or interrupted): building it again", lib)
+            lib.unlink(missing_ok=True)
+    return lib
+
+
 def _compile(build: str) -> object:
     """Compile level ``build`` now (a checkout without a fitting prebuilt library)."""
     from torch.utils import cpp_extension
 
-    name = f"qkv_native_{build}"  # the level in the name: a shared cache stays per level
-    logger.warning("qkv: compiling the %s kernels for this machine (once, ~1-2 min)", build)
+    name = _jit_name(build)
     with _build_lock(name):
-        return cpp_extension.load(
-            name=name,
-            sources=[str(CSRC / s) for s in _levels.SOURCES],
-            extra_cflags=_flags(build),
-            is_python_module=True,
-            verbose=False,
-        )
+        lib = _check_cached(name)
+        fresh = not lib.exists()
+        if fresh:
+            logger.warning("qkv: compiling the %s kernels for this machine (once, ~1-2 min)",
+                           build)  # fmt: skip
+        with _heartbeat(f"still compiling the {build} kernels"):
+            module = cpp_extension.load(
+                name=name,
+                sources=[str(CSRC / s) for s in _levels.SOURCES],
+                extra_cflags=_flags(build),
+                is_python_module=True,
+                verbose=False,
+            )
+        if fresh:  # record the new library's checksum (after a complete build only)
+            record = lib.parent / "qkv-build.sha256"
+            tmp = record.with_suffix(".tmp")
+            tmp.write_text(_levels.file_digest(lib) + "\n")
+            tmp.replace(record)  # never a half-written record
+        return module
 
 
 @functools.cache
