@@ -1,7 +1,12 @@
-"""Shared fixtures of the ``qkv serve`` tests: a tiny saved translator and a registry."""
+"""Shared fixtures of the ``qkv serve`` tests: a tiny saved translator, a registry, and a
+real server on 127.0.0.1."""
 
 from __future__ import annotations
 
+import socket
+import threading
+import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -59,3 +64,31 @@ def registry(tmp: Path, *, minilm: bool = True) -> Registry:
     if not minilm:
         reg._entries.pop("minilm")
     return reg
+
+
+@contextmanager
+def running_server(app) -> Iterator[int]:
+    """``app`` served as ``qkv serve`` serves it (uvicorn, :class:`TimedH11Protocol`) on
+    127.0.0.1 in a thread; yields the port. The socket is bound here: no free-port race."""
+    import uvicorn
+
+    from qkv.apps.serve.server import TimedH11Protocol
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                            http=TimedH11Protocol)  # fmt: skip
+    srv = uvicorn.Server(config)
+    th = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+    th.start()
+    try:
+        stop = time.monotonic() + 20
+        while not srv.started:
+            assert th.is_alive() and time.monotonic() < stop, "uvicorn did not start"
+            time.sleep(0.02)
+        yield port
+    finally:
+        srv.should_exit = True
+        th.join(timeout=10)
+        sock.close()

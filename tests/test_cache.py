@@ -228,3 +228,142 @@ def test_extend_counts_positions_the_caller_writes():
     bounded.extend(1)
     with pytest.raises(ValueError, match="cache overflow"):
         bounded.extend(1)
+
+
+@pytest.mark.parametrize(
+    "index, error, words",
+    [
+        (torch.tensor([True, False, True]), TypeError, "index must be an integer.*torch.bool"),
+        (torch.tensor([0.5]), TypeError, "index must be an integer.*torch.float32"),
+        ([0, 1], TypeError, "index must be an integer tensor.*list"),
+        (torch.tensor([[0, 1]]), ValueError, "index must be 1-D"),
+        (torch.tensor([0, -1]), IndexError, r"\[0, 2\].*got -1"),
+        (torch.tensor([0, 3]), IndexError, r"\[0, 2\].*batch size 3.*got 3"),
+    ],
+)
+def test_reorder_refuses_bad_index_and_leaves_the_cache_as_it_was(index, error, words):
+    cache = KVCache()
+    k, v = kv(T=2)
+    cache.update(k, v)
+    with pytest.raises(error, match=words):
+        cache.reorder(index)
+    assert len(cache) == 2 and cache.batch_size == 3
+    torch.testing.assert_close(cache.keys, k, rtol=0, atol=0)
+
+
+def test_reorder_checks_index_before_the_first_update_too():
+    with pytest.raises(TypeError, match="torch.bool"):
+        KVCache().reorder(torch.tensor([True]))
+    KVCache().reorder(torch.tensor([5]))  # no batch yet: nothing to check the range against
+    cache = KVCache()
+    cache.update(*kv(B=3, T=1))
+    cache.reorder(torch.tensor([2, 0], dtype=torch.int32))  # any integer dtype
+    assert cache.batch_size == 2
+
+
+@pytest.mark.parametrize("n, error", [(-5, ValueError), (1.5, TypeError), (True, TypeError)])
+def test_extend_refuses_bad_counts_and_keeps_a_usable_length(n, error):
+    cache = KVCache()
+    cache.update(*kv(T=2))
+    with pytest.raises(error, match="n must be an int >= 0"):
+        cache.extend(n)
+    assert len(cache) == 2
+    cache.extend(0)  # a no-op
+    assert len(cache) == 2
+
+
+def test_truncate_and_reserve_refuse_non_integers():
+    cache = KVCache()
+    cache.update(*kv(T=4))
+    with pytest.raises(TypeError, match="length must be an int"):
+        cache.truncate(2.5)
+    with pytest.raises(TypeError, match="capacity must be an int"):
+        cache.reserve(8.0)
+    with pytest.raises(ValueError, match="capacity must be an int >= 0"):
+        cache.reserve(-1)
+    assert len(cache) == 4
+
+
+def test_one_cache_shared_by_two_layers_is_refused():
+    torch.manual_seed(5)
+    a, b = MultiHeadAttention(16, 2).eval(), MultiHeadAttention(16, 2).eval()
+    x = torch.randn(2, 1, 16)
+    cache = KVCache()
+    a(x, causal=True, cache=cache)
+    assert cache.owner is a
+    words = "already belongs to layer MultiHeadAttention.*give each layer its own cache"
+    with pytest.raises(ValueError, match=words):
+        b(x, causal=True, cache=cache)
+    assert len(cache) == 1  # b wrote nothing
+    a(x, causal=True, cache=cache)  # the owner goes on
+    assert len(cache) == 2
+    # cross-attention: the second layer would read the first one's projected memory
+    memory, cross = torch.randn(2, 3, 16), KVCache()
+    a(x, memory, cache=cross)
+    with pytest.raises(ValueError, match="already belongs"):
+        b(x, memory, cache=cross)
+    a(x, memory, cache=cross)  # set() then reuse by the owner
+
+
+def test_reset_releases_the_owner_and_reuse_by_the_same_layer_works():
+    a, b = MultiHeadAttention(16, 2).eval(), MultiHeadAttention(16, 2).eval()
+    x = torch.randn(2, 3, 16)
+    cache = KVCache()
+    for _ in range(2):  # one generation after another, same layer, same cache
+        cache.reset()
+        for t in range(3):
+            a(x[:, t : t + 1], causal=True, cache=cache)
+        assert len(cache) == 3 and cache.owner is a
+    cache.reset()
+    assert cache.owner is None
+    b(x, causal=True, cache=cache)  # released: another layer may take it
+    assert cache.owner is b
+
+
+def test_a_copied_cache_has_no_owner():
+    import copy
+    import pickle
+
+    a = MultiHeadAttention(16, 2).eval()
+    cache = KVCache()
+    with torch.no_grad():  # keys computed with autograd are no graph leaves: no deepcopy
+        a(torch.randn(1, 2, 16), causal=True, cache=cache)
+    for twin in (copy.deepcopy(cache), pickle.loads(pickle.dumps(cache))):
+        assert twin.owner is None and len(twin) == 2
+        torch.testing.assert_close(twin.keys, cache.keys, rtol=0, atol=0)
+    assert cache.owner is a
+
+
+def test_a_cache_does_not_keep_its_layer_alive():
+    import gc
+
+    cache = KVCache()
+    a = MultiHeadAttention(16, 2).eval()
+    a(torch.randn(1, 1, 16), causal=True, cache=cache)
+    del a
+    gc.collect()
+    assert cache.owner is None
+    cache.reset()
+    MultiHeadAttention(16, 2).eval()(torch.randn(1, 1, 16), causal=True, cache=cache)
+
+
+def test_model_caches_one_per_layer_still_work():
+    from qkv.models import CausalLM, Seq2SeqTransformer, TransformerConfig
+
+    cfg = TransformerConfig(src_vocab_size=20, tgt_vocab_size=20, d_model=16, n_heads=2,
+                            d_ff=32, n_encoder_layers=1, n_decoder_layers=2,
+                            dropout=0.0)  # fmt: skip
+    lm = CausalLM(cfg).eval()
+    caches = lm.new_cache()
+    for _ in range(2):
+        lm(torch.tensor([[1, 4, 5]]), cache=caches)
+    assert [c.owner for c in caches] == [layer.self_attn for layer in lm.layers]
+    with pytest.raises(ValueError, match="already belongs"):  # one cache for every layer
+        lm(torch.tensor([[1]]), cache=[KVCache()] * 2)
+    model = Seq2SeqTransformer(cfg).eval()
+    src = torch.tensor([[5, 6, 2]])
+    mask = model.src_mask(src)
+    memory, cache = model.encode(src, mask), model.new_cache()
+    for tok in (1, 7, 8):
+        model.decode(torch.tensor([[tok]]), memory, mask, cache=cache)
+    assert len(cache) == 3

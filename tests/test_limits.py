@@ -1,7 +1,12 @@
 """Input limits (qkv.limits) and atomic writes (qkv.atomic)."""
 
+import errno
+import os
+import sys
+
 import pytest
 
+from qkv import atomic
 from qkv.atomic import atomic_path, atomic_write_text, check_output_path
 from qkv.data import Tokenizer
 from qkv.limits import fit_text, split_sentences, split_to_fit
@@ -58,3 +63,66 @@ def test_check_output_path(tmp_path):
                      (tmp_path, "directory")]:  # fmt: skip
         with pytest.raises(ValueError, match=msg):
             check_output_path(bad, (".md",) if msg != "directory" else ())
+
+
+def test_atomic_errors_name_the_target_never_the_temporary_file(tmp_path, monkeypatch):
+    target = tmp_path / "out.html"
+    # the block's write fails (a full disk): the target is named, with the same errno
+    with pytest.raises(OSError) as info, atomic_path(target) as tmp:
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp))
+    assert info.value.errno == errno.ENOSPC
+    assert str(info.value) == f"[Errno 28] cannot write {str(target)!r}: No space left on device"
+    assert ".tmp" not in str(info.value) and list(tmp_path.iterdir()) == []
+    # an error about something else (an input the block read) is left as it is
+    with pytest.raises(FileNotFoundError) as info, atomic_path(target):
+        open(tmp_path / "input.txt")
+    assert "input.txt" in str(info.value) and list(tmp_path.iterdir()) == []
+
+    # the rename fails (another user's file in a sticky directory)
+    def refuse(src, dst):
+        raise PermissionError(errno.EPERM, "Operation not permitted", str(src), str(dst))
+
+    monkeypatch.setattr(atomic.os, "replace", refuse)
+    with pytest.raises(PermissionError, match=f"cannot write {str(target)!r}: Operation not "
+                                              "permitted$"):  # fmt: skip
+        atomic_write_text(target, "x")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_atomic_temporary_file_that_cannot_be_made_names_the_target(tmp_path, monkeypatch):
+    def refuse(prefix, suffix, dir):
+        raise PermissionError(errno.EACCES, "Permission denied", f"{dir}/{prefix}k5ay_4d7{suffix}")
+
+    monkeypatch.setattr(atomic.tempfile, "mkstemp", refuse)
+    with pytest.raises(PermissionError) as info:
+        atomic_write_text(tmp_path / "x.html", "x")
+    want = f"[Errno 13] cannot write {str(tmp_path / 'x.html')!r}: Permission denied"
+    assert str(info.value) == want
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's /proc takes no files")
+def test_atomic_write_into_proc_names_the_target():
+    with pytest.raises(OSError, match="cannot write '/proc/qkv-test.html'") as info:
+        atomic_write_text("/proc/qkv-test.html", "x")
+    assert ".tmp" not in str(info.value)
+
+
+def test_atomic_write_of_a_name_near_the_limit(tmp_path):
+    name = "a" * 250 + ".html"  # 255 bytes: fits, its temporary name must too
+    atomic_write_text(tmp_path / name, "x")
+    assert [p.name for p in tmp_path.iterdir()] == [name]
+
+
+def test_view_to_an_unwritable_destination_exits_2_naming_it(tmp_path, monkeypatch, capsys):
+    from qkv.apps.cli import main
+
+    out = tmp_path / "x.html"
+
+    def refuse(prefix, suffix, dir):  # what a directory without write permission does
+        raise PermissionError(errno.EACCES, "Permission denied", os.path.join(dir, prefix + suffix))
+
+    monkeypatch.setattr(atomic.tempfile, "mkstemp", refuse)
+    assert main(["view", "The boy.", "--model", "random", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"qkv view: error: [Errno 13] cannot write {str(out)!r}: Permission denied" in err
+    assert ".tmp" not in err and not out.exists()

@@ -279,3 +279,98 @@ def test_summary_example_is_in_the_source_language():
     assert 'qkv translate --model runs/fr "Le garçon entraîne le chiot."' in text
     assert "best validation BLEU 12.0 (greedy) at epoch 2" in text
     assert "continue: qkv train --resume runs/fr" in text
+
+
+# ---- run directories: --out over a run, --overwrite, --resume with other options
+
+
+def cli(*argv) -> int:
+    from qkv.apps.cli import main
+
+    return main(["train", *map(str, argv)])
+
+
+@pytest.mark.parametrize("entry", ["log.jsonl", "last", "best", "epochs"])
+def test_out_over_an_existing_run_is_refused(tmp_path, capsys, entry):
+    run = tmp_path / "run"
+    run.mkdir()
+    if entry == "log.jsonl":
+        (run / entry).write_text("{}\n")
+    else:
+        (run / entry).mkdir()
+    before = sorted(p.name for p in run.iterdir())
+    assert cli("--out", run, "--max-steps", 1) == 2
+    err = capsys.readouterr().err
+    assert f"--out {run} already holds a training run ({entry})" in err
+    assert f"--resume {run}" in err and "--overwrite" in err
+    assert sorted(p.name for p in run.iterdir()) == before  # nothing written
+    with pytest.raises(ValueError, match="already holds a training run"):
+        train(tiny_args(run))
+
+
+def test_resume_into_another_out_or_with_overwrite_is_refused(tmp_path, capsys):
+    run, other = tmp_path / "run", tmp_path / "other"
+    assert cli("--resume", run, "--out", other, "--d-model", 32) == 2
+    err = capsys.readouterr().err
+    assert f"--resume {run} writes into the run it continues; --out {other}" in err
+    assert cli("--resume", run, "--overwrite") == 2
+    assert "give one of them" in capsys.readouterr().err
+    assert not other.exists() and not run.exists()
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """A finished one-step run: d_model 32, 2 heads, 1 layer, vocabulary 500 (~5 s)."""
+    run = tmp_path_factory.mktemp("train") / "run"
+    train(tiny_args(run, "--max-steps", "1"))
+    return run
+
+
+@needs_data
+def test_resume_refuses_other_model_options_and_names_each(tiny_run, capsys):
+    state = tiny_run / "last" / "trainer.pt"
+    before = state.read_bytes()
+    argv = ["--resume", tiny_run, "--d-model", 32, "--heads", 4, "--kv-heads", 2, "--layers", 1,
+            "--post-ln", "--vocab-size", 500, "--dropout", 0.2, "--max-steps", 2]  # fmt: skip
+    assert cli(*argv) == 2
+    err = capsys.readouterr().err
+    assert "--heads (the run has 2, given 4)" in err
+    assert "--post-ln (the run has False, given True)" in err
+    # given but equal (--kv-heads 2: the run's default, its --heads) or left out: not named
+    for same in ("--d-model", "--kv-heads", "--layers", "--vocab-size", "--dropout", "--d-ff"):
+        assert same not in err, same
+    assert state.read_bytes() == before  # the run is untouched
+    with pytest.raises(ValueError, match=r"--positional \(the run has sinusoidal, given rope\)"):
+        train(parse_args(["--resume", str(tiny_run), "--positional", "rope"]))
+
+
+@needs_data
+def test_resume_accepts_the_runs_own_options_and_out(tiny_run):
+    result = train(parse_args(["--resume", str(tiny_run), "--out", str(tiny_run), "--d-model",
+                               "32", "--heads", "2", "--max-steps", "1"]))  # fmt: skip
+    assert result["step"] == 1 and result["stopped"] == "max_steps"
+
+
+@needs_data
+def test_overwrite_replaces_the_run_cleanly(tmp_path):
+    run = tmp_path / "run"
+    (run / "epochs").mkdir(parents=True)
+    (run / "epochs" / "epoch-009.safetensors").write_bytes(b"old")  # would be averaged
+    (run / "best").mkdir()
+    (run / "best" / "config.json").write_text("old")  # would be kept if no epoch ended
+    (run / "last.old").mkdir()
+    (run / "log.jsonl").write_text('{"old": true}\n')
+    (run / "notes.txt").write_text("mine")
+    # bad input with --overwrite: refused before the old run is touched
+    with pytest.raises(ValueError, match="--augment present"):
+        train(tiny_args(run, "--overwrite", "--augment", "present", "--src", "fr"))
+    assert (run / "log.jsonl").read_text() == '{"old": true}\n'
+    assert (run / "epochs" / "epoch-009.safetensors").exists()
+    train(tiny_args(run, "--overwrite", "--max-steps", "1"))
+    assert sorted(p.name for p in run.iterdir()) == ["best", "last", "log.jsonl", "notes.txt"]
+    assert '"old"' not in (run / "log.jsonl").read_text()
+    assert load_pretrained(run / "best").cfg.d_model == 32  # the new run's model
+    assert (run / "notes.txt").read_text() == "mine"  # not a run's file: left alone
+    # a run started with --overwrite, resumed: continues, never deletes itself
+    train(parse_args(["--resume", str(run), "--max-steps", "1"]))
+    assert len((run / "log.jsonl").read_text().splitlines()) == 2

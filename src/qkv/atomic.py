@@ -7,6 +7,10 @@
 The temporary file lives in the target's directory (same filesystem, so the rename is atomic)
 under a unique hidden name, and is removed when the block raises: no ``NAME.tmp`` is ever
 left behind, and an existing target is untouched until the new one is complete.
+
+Errors name the target, never the temporary file (which the user never asked for): an
+``OSError`` about the temporary file (it cannot be created, written or renamed) is raised
+again as the same kind of error, with the same ``errno``, as ``cannot write 'TARGET': ...``.
 """
 
 from __future__ import annotations
@@ -48,20 +52,45 @@ def _umask() -> int:
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path in ``path``'s directory; rename it onto ``path`` when the block
-    ends normally, delete it when the block raises."""
+    ends normally, delete it when the block raises. An ``OSError`` about the temporary file
+    names ``path`` instead (see the module's docstring)."""
     path = Path(path)
     if path.is_dir():
         raise IsADirectoryError(f"output path {str(path)!r} is a directory; give a file name")
-    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    # the name's start only: a name near the 255-byte limit must not overflow as a temporary
+    prefix = f".{path.name[:_PREFIX_CHARS]}."
+    try:
+        fd, name = tempfile.mkstemp(prefix=prefix, suffix=".tmp", dir=path.parent)
+    except OSError as e:  # e.g. a directory that takes no new files (/proc), read-only
+        raise _naming(e, None, path) from None
     os.close(fd)
     tmp = Path(name)
-    os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes it 0600; give it an ordinary file's mode
     try:
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes it 0600: an ordinary file's mode
         yield tmp
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError) and _names(e, tmp):
+            raise _naming(e, tmp, path) from None
         raise
+
+
+_PREFIX_CHARS = 100
+
+
+def _names(e: OSError, tmp: Path) -> bool:
+    """Whether ``e`` is about the temporary file ``tmp`` (not, say, an input the block read)."""
+    return str(tmp) in (e.filename, e.filename2) or str(tmp) in str(e)
+
+
+def _naming(e: OSError, tmp: Path | None, path: Path) -> OSError:
+    """``e`` as the same kind of error (class, errno) about the user's ``path``."""
+    what = e.strerror or str(e)
+    if tmp is not None:
+        what = what.replace(str(tmp), str(path))
+    message = f"cannot write {str(path)!r}: {what}"
+    return type(e)(e.errno, message) if e.errno is not None else type(e)(message)
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:

@@ -137,7 +137,9 @@ class MultiHeadAttention(nn.Module):
             causal: causal self-attention (bottom-right aligned, so it works with a cache).
             window: sliding-window attention (see ``qkv.functional``).
             cache: a :class:`KVCache`; self-attention appends to it, cross-attention fills it
-                on the first call and reuses it afterwards.
+                on the first call and reuses it afterwards. The first layer to use a cache
+                owns it: passing it to another layer is a ``ValueError`` (one cache per layer;
+                ``cache.reset()`` releases it).
             need_weights: also return per-head weights ``(B, h, Tq, Tk)`` (never averaged).
             weights_heads: with ``need_weights``, only these heads ``(B, len, Tq, Tk)``,
                 recomputed from the fast path's log-sum-exp.
@@ -152,6 +154,8 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(
                 "weights_heads selects heads of the returned weights: pass need_weights=True"
             )
+        if cache is not None:  # one layer per cache: another layer's would be interleaved
+            cache.claim(self)
         B, Tq, _ = x.shape
         q = self.split_heads(self.w_q(x), self.n_heads)  # (B, h, Tq, d_k)
         offset = 0

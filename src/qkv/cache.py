@@ -35,13 +35,19 @@ back to it on :meth:`reset`, so that a generation loop run again and again (a tr
 serving sentences) does not hand its memory back to the OS and fault it in again, zeroed,
 4 KiB at a time.
 
+One layer per cache: the first :class:`~qkv.MultiHeadAttention` that uses a cache owns it
+(a weak reference), and another layer using it is a ``ValueError`` — sharing one cache
+between layers would interleave their keys and values. :meth:`reset` releases it.
+
 Shapes: keys and values are ``(B, h_kv, T, d_k)``.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 import threading
+import weakref
 
 import torch
 from torch import Tensor
@@ -140,6 +146,14 @@ class KVCache:
         pool: a :class:`BufferPool` to take the buffers from; :meth:`reset` gives them
             back (generation loops that run again and again).
 
+    Ownership: a cache holds one layer's keys and values. The first
+    :class:`~qkv.MultiHeadAttention` that uses it claims it (:meth:`claim`); another layer
+    passing the same cache is refused with a ``ValueError``, since both would append to
+    one sequence (two layers, 5 steps: a length of 10, each attending to the other's keys).
+    Give each layer its own cache (``[KVCache() for _ in layers]``, ``model.new_cache()``);
+    :meth:`reset` releases the cache for another layer. Sharing is deliberately not
+    supported.
+
     >>> cache = KVCache()
     >>> k, v = cache.update(torch.zeros(2, 4, 3, 8), torch.zeros(2, 4, 3, 8))
     >>> k.shape, len(cache)
@@ -173,9 +187,16 @@ class KVCache:
         # the buffers _k/_v are views of (their first rows, after a batch shrank)
         self._full: tuple[Tensor, Tensor] | None = None
         self._len = 0
+        # the layer that writes into it (weak: a cache must not keep a model alive)
+        self._owner: weakref.ref | None = None
 
     def __len__(self) -> int:
         return self._len
+
+    def __getstate__(self) -> dict:
+        # a copy (deepcopy, pickle) is another sequence: no owner (and a weakref would not
+        # pickle); the layer that uses it claims it
+        return {**self.__dict__, "_owner": None}
 
     @property
     def is_empty(self) -> bool:
@@ -203,9 +224,36 @@ class KVCache:
     def values(self) -> Tensor | None:
         return None if self._v is None else self._v[:, :, : self._len]
 
+    @property
+    def owner(self) -> object | None:
+        """The layer that claimed this cache (:meth:`claim`), or ``None``."""
+        return None if self._owner is None else self._owner()
+
+    def claim(self, layer: object) -> None:
+        """Record ``layer`` as the one writing into this cache, or raise ``ValueError`` if
+        another live layer already did (see the class docstring). Called by
+        :class:`~qkv.MultiHeadAttention` before it reads or writes the cache."""
+        owner = self.owner
+        if owner is layer:
+            return
+        if owner is not None:
+            raise ValueError(
+                f"this KVCache already belongs to layer {_describe(owner)}, got it from "
+                f"layer {_describe(layer)}: give each layer its own cache, e.g. "
+                "caches = [KVCache() for _ in layers] (or model.new_cache()), or reset() "
+                "it before handing it to another layer"
+            )
+        self._owner = weakref.ref(layer)
+
     def reset(self) -> None:
         """Forget everything, buffers included (a new batch may have another size); with a
-        pool, the buffers go back to it for another cache."""
+        pool, the buffers go back to it for another cache. The owning layer is released
+        too: a reset cache may serve another layer."""
+        self._clear()
+        self._owner = None
+
+    def _clear(self) -> None:
+        """Forget the contents and buffers, keeping the owner (``set`` by that layer)."""
         while self._taken:
             self.pool.give_back(self._taken.pop())
         self._k = self._v = None
@@ -230,7 +278,9 @@ class KVCache:
                     self.pool.give_back(self._taken.pop(i))
                     break
 
-    def _check(self, k: Tensor, v: Tensor, rows: Tensor | None = None) -> None:
+    @staticmethod
+    def _check_kv(k: Tensor, v: Tensor) -> None:
+        """What any ``k``, ``v`` must be, whatever the cache holds."""
         if k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3]:
             raise ValueError(
                 "k and v must be (B, h_kv, T, d) with equal B, h_kv, T, got "
@@ -238,6 +288,9 @@ class KVCache:
             )
         if not k.dtype.is_floating_point or v.dtype != k.dtype:
             raise TypeError(f"k and v must share a floating dtype, got {k.dtype}, {v.dtype}")
+
+    def _check(self, k: Tensor, v: Tensor, rows: Tensor | None = None) -> None:
+        self._check_kv(k, v)
         if self._k is None:
             return
         want_k, want_v = self._k.shape, self._v.shape
@@ -264,6 +317,7 @@ class KVCache:
 
     def reserve(self, capacity: int) -> None:
         """Make room for ``capacity`` positions now (no effect if there already is)."""
+        capacity = _check_count("capacity", capacity)
         if self._k is not None and capacity > self._k.shape[2]:
             self._resize(capacity)
         elif self._k is None:
@@ -308,6 +362,7 @@ class KVCache:
         ``[len - n, len)`` itself (a fused decode step writes them in place). The buffers
         grow first if needed; the cache must hold a batch already (a first :meth:`update`
         sets its shape and dtype)."""
+        n = _check_count("n", n)  # before anything changes: a bad n must not corrupt the length
         if self._k is None:
             raise ValueError("extend() needs a cache that holds a batch: update() it first")
         new_len = self._len + n
@@ -341,8 +396,12 @@ class KVCache:
         self._full, self._spare = (self._k, self._v), None
 
     def set(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Replace the contents (cross-attention: the encoder's keys and values, once)."""
-        self.reset()
+        """Replace the contents (cross-attention: the encoder's keys and values, once); the
+        owner stays."""
+        self._check_kv(k, v)  # before the old contents go
+        if self.max_len is not None and k.shape[2] > self.max_len:
+            raise ValueError(f"cache overflow: {k.shape[2]} positions > max_len={self.max_len}")
+        self._clear()
         return self.update(k, v)
 
     def reorder(self, index: Tensor) -> None:
@@ -353,11 +412,10 @@ class KVCache:
         (swapped with the first); a smaller batch uses the first ``B'`` rows of it, so
         following beams and dropping sentences allocate nothing once it exists.
         """
+        self._check_index(index)
         if self._k is None:
             return
         index = index.to(device=self._k.device, dtype=torch.long)
-        if index.dim() != 1:
-            raise ValueError(f"index must be 1-D (B',), got shape {tuple(index.shape)}")
         n, B = self._len, index.shape[0]
         if torch.is_grad_enabled() and (self._k.requires_grad or self._v.requires_grad):
             self._k = self._k.index_select(0, index)  # new buffers: out= has no autograd
@@ -377,8 +435,47 @@ class KVCache:
         self._spare, self._full = self._full, spare  # swapped: the old buffers are the spare
         self._k, self._v = k2, v2
 
+    def _check_index(self, index: Tensor) -> None:
+        """``reorder``'s rows: a 1-D integer tensor within the batch. A bool mask or float
+        would be cast to long and silently read as other rows; an index out of range is
+        refused here, before any buffer changes (``index_select`` would not check an empty
+        cache, and fails on a device only asynchronously)."""
+        if not isinstance(index, Tensor):
+            raise TypeError(f"index must be an integer tensor (B',), got {type(index).__name__}")
+        if index.dtype == torch.bool or index.dtype.is_floating_point or index.dtype.is_complex:
+            raise TypeError(f"index must be an integer tensor (B',) of batch rows, got dtype "
+                            f"{index.dtype}")  # fmt: skip
+        if index.dim() != 1:
+            raise ValueError(f"index must be 1-D (B',), got shape {tuple(index.shape)}")
+        B = self.batch_size
+        if B is not None and index.numel():
+            lo, hi = (int(t) for t in torch.aminmax(index))
+            if lo < 0 or hi >= B:
+                raise IndexError(f"index must hold batch rows in [0, {B - 1}] (the cache "
+                                 f"holds batch size {B}), got {lo if lo < 0 else hi}")  # fmt: skip
+
     def truncate(self, length: int) -> None:
         """Forget every position from ``length`` on (speculative decoding, retries)."""
+        if isinstance(length, bool) or not isinstance(length, numbers.Integral):
+            raise TypeError(f"length must be an int, got {type(length).__name__}")
+        length = int(length)
         if not 0 <= length <= self._len:
             raise ValueError(f"length must be in [0, {self._len}], got {length}")
         self._len = length
+
+
+def _check_count(name: str, n: object) -> int:
+    """A count of positions as an ``int`` >= 0 (numpy ints too): a float or a negative count
+    would leave the cache's length unusable."""
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral):
+        raise TypeError(f"{name} must be an int >= 0, got {type(n).__name__} {n!r}")
+    if n < 0:
+        raise ValueError(f"{name} must be an int >= 0, got {n}")
+    return int(n)
+
+
+def _describe(layer: object) -> str:
+    """A layer as an error names it: its class, its ``extra_repr`` if any, and its id (the
+    layers of one model often look alike)."""
+    extra = layer.extra_repr() if hasattr(layer, "extra_repr") else ""
+    return f"{type(layer).__name__}({extra}) at {id(layer):#x}"

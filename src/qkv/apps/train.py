@@ -6,6 +6,11 @@ token-bucketed batches, gradient clipping, deterministic seeds. Every ``--checkp
 ``OUT/last`` atomically: weights, optimizer, step, data position, RNG. ``--resume OUT``
 continues exactly. The best model by validation BLEU is kept in ``OUT/best``.
 
+A directory that already holds a run is never trained into by accident: ``--out`` there is
+refused unless ``--overwrite`` (start over: the old run is deleted once the new one is
+validated and starts writing) or ``--resume`` (continue it, into the same directory, with
+the model options it was trained with).
+
     qkv train --out /work/runs/enfr --max-minutes 55
     torchrun --nproc_per_node 2 -m qkv train --out runs/ddp ...   # data parallel
 """
@@ -51,6 +56,16 @@ STATE_FILE = "trainer.pt"
 # (and --augment: switching augmentation on later fine-tunes a run on the larger data)
 RESUMABLE = ("max_minutes", "max_steps", "epochs", "checkpoint_minutes", "threads", "no_progress",
              "augment")  # fmt: skip
+# the options that shape the model (and its vocabulary): fixed for the life of a run. Their
+# parser default is None, so that a resume can tell an option given from one left out;
+# a new run gets these defaults (_settle).
+MODEL_DEFAULTS: dict[str, object] = {
+    "vocab_size": 8000, "d_model": 256, "heads": 4, "kv_heads": None, "d_ff": 1024,
+    "layers": 3, "enc_layers": None, "dec_layers": None, "dropout": 0.2, "post_ln": False,
+    "positional": "sinusoidal",
+}  # fmt: skip
+# what a run directory holds (save_pretrained's .old: a save interrupted between renames)
+RUN_ENTRIES = ("last", "last.old", "best", "best.old", "log.jsonl", "epochs")
 
 
 def lr_at(step: int, lr: float, warmup: int) -> float:
@@ -223,25 +238,93 @@ class _Stop:
         self.requested = True
 
 
+def run_entries(directory: Path) -> list[str]:
+    """The entries of a training run found in ``directory`` (empty: no run there)."""
+    return [name for name in RUN_ENTRIES if (directory / name).exists()]
+
+
+def _option(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _check_dirs(args: argparse.Namespace) -> None:
+    """``--out``, ``--resume`` and ``--overwrite`` agree, and ``--out`` is no other run:
+    checked before anything is read or written."""
+    overwrite = bool(getattr(args, "overwrite", False))
+    if args.resume:
+        if overwrite:
+            raise ValueError("--resume continues a run and --overwrite starts a new one: "
+                             "give one of them")  # fmt: skip
+        if args.out and Path(args.out).resolve() != Path(args.resume).resolve():
+            raise ValueError(
+                f"--resume {args.resume} writes into the run it continues; --out {args.out} "
+                "names another directory (leave --out out)"
+            )
+        return
+    if args.out and not overwrite:
+        found = run_entries(Path(args.out))
+        if found:
+            raise ValueError(
+                f"--out {args.out} already holds a training run ({', '.join(found)}): continue "
+                f"it with --resume {args.out}, or start over with --overwrite (deletes it)"
+            )
+
+
+def _fixed_options(args: argparse.Namespace, saved: dict) -> dict:
+    """Check that the model options given to a resume are the run's: a ``ValueError`` names
+    each one that differs (run's value, given value). Options left out never differ."""
+    effective = {"kv_heads": "heads", "enc_layers": "layers", "dec_layers": "layers"}
+    differ = []
+    for k, default in MODEL_DEFAULTS.items():
+        given = getattr(args, k, None)
+        if given is None:
+            continue
+        have = saved.get(k, default)
+        if have is None and k in effective:  # "default: --heads" (--layers): that value
+            have = saved.get(effective[k], MODEL_DEFAULTS[effective[k]])
+        if given != have:
+            differ.append(f"{_option(k)} (the run has {have}, given {given})")
+    if differ:
+        raise ValueError(f"--resume {args.resume}: a run keeps the model it was started with; "
+                         f"these options differ: {'; '.join(differ)} (leave them out to "
+                         "resume, or start a new run with another --out)")  # fmt: skip
+    return saved
+
+
+def _clear_run(out: Path) -> None:
+    """--overwrite: delete the old run's entries (and half-written saves), nothing else
+    (other files in the directory are the user's)."""
+    for name in RUN_ENTRIES:
+        path = out / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        elif path.exists() or path.is_symlink():
+            path.unlink()
+
+
 def train(args: argparse.Namespace) -> dict:
     """Run training as ``args`` say (see ``qkv train --help``); returns the final metrics."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    world = init_distributed()
-    stop = _Stop()  # installed first: a Ctrl-C during setup stops at the first step boundary
-    if world.is_main:
-        previous = signal.signal(signal.SIGINT, stop), signal.signal(signal.SIGTERM, stop)
+    _check_dirs(args)
+    # decided by this command line, never by a checkpoint's saved args (a resumed run that
+    # was started with --overwrite must not delete itself)
+    overwrite = bool(getattr(args, "overwrite", False)) and not args.resume
     state = None
     if args.resume:
         last = resolve_dir(Path(args.resume) / "last")
         if not (last / STATE_FILE).is_file():
             raise FileNotFoundError(f"nothing to resume: {last / STATE_FILE} is missing")
         state = torch.load(last / STATE_FILE, map_location="cpu", weights_only=True)
-        saved = dict(state["args"])
+        saved = _fixed_options(args, dict(state["args"]))
         for k in RESUMABLE:
             if getattr(args, k, None) is not None:
                 saved[k] = getattr(args, k)
-        saved["resume"], saved["out"] = args.resume, args.resume
+        saved["resume"], saved["out"], saved["overwrite"] = args.resume, args.resume, False
         args = argparse.Namespace(**saved)
+    world = init_distributed()
+    stop = _Stop()  # installed early: a Ctrl-C during setup stops at the first step boundary
+    if world.is_main:
+        previous = signal.signal(signal.SIGINT, stop), signal.signal(signal.SIGTERM, stop)
     if not args.out:
         raise ValueError("--out DIR is required (or --resume DIR)")
     if getattr(args, "augment", "none") == "present" and args.src != "en":
@@ -337,6 +420,8 @@ def train(args: argparse.Namespace) -> dict:
 
     if world.is_main:
         out.mkdir(parents=True, exist_ok=True)
+        if overwrite:  # everything is validated and built: the old run goes now
+            _clear_run(out)
         for stale in out.glob(".*.tmp-*"):  # half-written saves of a killed run
             shutil.rmtree(stale, ignore_errors=True)
         n_params = sum(p.numel() for p in model.parameters())
@@ -446,28 +531,30 @@ def add_parser(sub) -> None:
     d.add_argument("--augment", choices=["none", "present"], default=None,
                    help="present: add English sources rewritten from 'is/are Ving' to the simple "
                    "present (targets kept); English sources only (default: none)")  # fmt: skip
-    d.add_argument("--vocab-size", type=int_range(260, 1_000_000), default=8000,
-                   help="joint BPE vocabulary")  # fmt: skip
-    m = p.add_argument_group("model")
-    m.add_argument("--d-model", type=int_range(2, 65536), default=256, help="width")
-    m.add_argument("--heads", type=int_range(1, 1024), default=4, help="attention heads")
+    # model options: default None (a resume tells given from left out), filled by _settle
+    dflt = lambda k: f"(default: {MODEL_DEFAULTS[k]})"  # noqa: E731
+    d.add_argument("--vocab-size", type=int_range(260, 1_000_000),
+                   help=f"joint BPE vocabulary {dflt('vocab_size')}")  # fmt: skip
+    m = p.add_argument_group("model", "fixed for the life of a run: --resume takes them from "
+                             "the run (giving another value is an error)")  # fmt: skip
+    m.add_argument("--d-model", type=int_range(2, 65536), help=f"width {dflt('d_model')}")
+    m.add_argument("--heads", type=int_range(1, 1024), help=f"attention heads {dflt('heads')}")
     m.add_argument("--kv-heads", type=int_range(1, 1024), help="key/value heads (default: --heads)")
-    m.add_argument("--d-ff", type=int_range(1, 1 << 20), default=1024, help="feed-forward width")
-    m.add_argument("--layers", type=int_range(1, 256), default=3, help="encoder and decoder layers")
+    m.add_argument("--d-ff", type=int_range(1, 1 << 20),
+                   help=f"feed-forward width {dflt('d_ff')}")  # fmt: skip
+    m.add_argument("--layers", type=int_range(1, 256),
+                   help=f"encoder and decoder layers {dflt('layers')}")  # fmt: skip
     m.add_argument(
         "--enc-layers", type=int_range(1, 256), help="encoder layers (default: --layers)"
     )
     m.add_argument(
         "--dec-layers", type=int_range(1, 256), help="decoder layers (default: --layers)"
     )
-    m.add_argument("--dropout", type=probability, default=0.2, help="dropout everywhere")
-    m.add_argument("--post-ln", action="store_true", help="post-LN (paper) instead of pre-LN")
-    m.add_argument(
-        "--positional",
-        default="sinusoidal",
-        choices=["sinusoidal", "learned", "rope"],
-        help="positions",
-    )
+    m.add_argument("--dropout", type=probability, help=f"dropout everywhere {dflt('dropout')}")
+    m.add_argument("--post-ln", action="store_true", default=None,
+                   help="post-LN (paper) instead of pre-LN")  # fmt: skip
+    m.add_argument("--positional", choices=["sinusoidal", "learned", "rope"],
+                   help=f"positions {dflt('positional')}")  # fmt: skip
     o = p.add_argument_group("optimisation")
     o.add_argument("--lr", type=float_range(0.0, 10.0, lo_open=True), default=1e-3,
                    help="peak learning rate")  # fmt: skip
@@ -484,7 +571,10 @@ def add_parser(sub) -> None:
     r.add_argument(
         "--out", type=output_dir, help="run directory (OUT/last, OUT/best, OUT/log.jsonl)"
     )
-    r.add_argument("--resume", help="continue the run in this directory exactly")
+    r.add_argument("--resume", help="continue the run in this directory exactly (it writes "
+                   "there; the model options are the run's)")  # fmt: skip
+    r.add_argument("--overwrite", action="store_true",
+                   help="--out holds a run: delete it and start a new one")  # fmt: skip
     r.add_argument("--epochs", type=positive_int, default=None,
                    help="epochs at most (default: 100)")  # fmt: skip
     r.add_argument("--max-steps", type=positive_int, default=None, help="stop after N updates")
@@ -518,6 +608,9 @@ def add_parser(sub) -> None:
 def _settle(args: argparse.Namespace) -> argparse.Namespace:
     """Defaults that apply to a new run only (a resumed run keeps its saved ones)."""
     if not args.resume:
+        for k, default in MODEL_DEFAULTS.items():
+            if getattr(args, k, None) is None:
+                setattr(args, k, default)
         args.epochs = 100 if args.epochs is None else args.epochs
         args.augment = args.augment or "none"
         args.checkpoint_minutes = (

@@ -2,11 +2,14 @@
 
 qkv serve                                   # http://127.0.0.1:8000, MiniLM + random
 qkv serve --model enfr=runs/enfr/best       # add a translation model directory
+qkv serve --allow-host qkv.example.org      # also answer to that name (behind a proxy)
 """
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
+import re
 
 __all__ = ["add_parser"]
 
@@ -28,6 +31,21 @@ def _named_dir(value: str) -> tuple[str, str]:
     return name, path
 
 
+def _host_name(value: str) -> str:
+    """A host name or IP address without port or scheme, lowercase (``[::1]`` → ``::1``)."""
+    name = value.strip().lower()
+    if name.startswith("[") and name.endswith("]"):
+        name = name[1:-1]
+    try:
+        return str(ipaddress.ip_address(name))
+    except ValueError:
+        pass
+    if not re.fullmatch(r"[a-z0-9_-]+(\.[a-z0-9_-]+)*", name):
+        raise argparse.ArgumentTypeError(f"must be a host name without port or scheme, "
+                                         f"e.g. qkv.example.org, got {value!r}")  # fmt: skip
+    return name
+
+
 def _serve(args: argparse.Namespace) -> int:
     from qkv.apps.serve.models import default_registry
 
@@ -40,9 +58,13 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from qkv.apps.serve.app import create_app
+    from qkv.apps.serve.server import TimedH11Protocol
 
-    print(f"qkv serve: http://{args.host}:{args.port}/  (models: {', '.join(registry.names())})")
-    uvicorn.run(create_app(registry), host=args.host, port=args.port, log_level=args.log_level)
+    app = create_app(registry, allow_hosts=args.allow_host or [], host=args.host)
+    shown = f"[{args.host}]" if ":" in args.host else args.host  # an IPv6 address
+    print(f"qkv serve: http://{shown}:{args.port}/  (models: {', '.join(registry.names())})")
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                http=TimedH11Protocol)  # fmt: skip
     return 0
 
 
@@ -62,6 +84,10 @@ def add_parser(sub) -> None:
                    "repeatable (built in: minilm, random)")  # fmt: skip
     p.add_argument("--preload", action="append", metavar="NAME",
                    help="load this model at start instead of on first request")  # fmt: skip
+    p.add_argument("--allow-host", action="append", type=_host_name, metavar="NAME",
+                   help="also accept requests whose Host (and Origin) is NAME, any port: the "
+                   "name of a proxy in front; repeatable (default: only this server's own "
+                   "address)")  # fmt: skip
     p.add_argument("--log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level")  # fmt: skip

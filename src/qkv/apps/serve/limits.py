@@ -4,6 +4,8 @@ Every number here bounds the work or the size of one response:
 
 ==================  =======  ==============================================================
 MAX_BODY_BYTES      256 KiB  request body; larger → 413
+MAX_JSON_DEPTH      64       arrays/objects nested in the body (a request uses 3); deeper → 400
+READ_TIMEOUT_S      10       seconds a client has to send one request (headers and body)
 MAX_TEXT_CHARS      20,000   characters looked at (a longer text is cut first)
 TOKEN_LIMIT         128      tokens in the maps (incl. special tokens); longer → cut, notice
 TRANSLATE_LIMIT     48       source tokens when translating; target ≤ target_limit(source)
@@ -20,32 +22,46 @@ False
 Traceback (most recent call last):
 ...
 qkv.apps.serve.limits.BadRequest: text must contain at least one non-space character
+>>> parse_json(b'{"beam": ' + b"9" * 5000 + b"}")["beam"]
+a number with 5000 digits
+>>> parse_json(b"[" * 100_000)
+Traceback (most recent call last):
+...
+qkv.apps.serve.limits.BadRequest: JSON nested too deep: at most 64 levels of arrays and objects
 """
 
 from __future__ import annotations
 
+import json
 import math
+import re
 from dataclasses import dataclass, field
 
 __all__ = [
     "DECIMALS",
     "MAX_BEAM",
     "MAX_CELLS",
+    "MAX_JSON_DEPTH",
     "MAX_BODY_BYTES",
     "MAX_TEXT_CHARS",
+    "READ_TIMEOUT_S",
     "STEP_DIMS",
     "TOKEN_LIMIT",
     "TARGET_LIMIT",
     "TRANSLATE_LIMIT",
     "AttentionRequest",
     "BadRequest",
+    "LongNumber",
     "encoder_limit",
+    "parse_json",
     "parse_request",
     "target_limit",
     "translate_limit",
 ]
 
 MAX_BODY_BYTES = 256 * 1024
+MAX_JSON_DEPTH = 64
+READ_TIMEOUT_S = 10.0
 MAX_TEXT_CHARS = 20_000
 TOKEN_LIMIT = 128
 TRANSLATE_LIMIT = 48
@@ -100,21 +116,111 @@ class AttentionRequest:
     probe_candidates: list[str] = field(default_factory=list)
 
 
-def _str(body: dict, key: str, default: str | None = None, *, limit: int = 200) -> str | None:
+# A field needs at most a few digits; Python refuses to convert more than 4,300 (ValueError).
+_MAX_INT_DIGITS = 20
+# A JSON string, escapes included (unrolled: no backtracking); brackets inside one are text.
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_BRACKET = re.compile(rb"[\[\]{}]")
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
+
+
+class LongNumber:
+    """An integer of more than 20 digits in a body, kept unconverted so that the field that
+    holds it answers a 400 naming itself (no field takes such a number)."""
+
+    __slots__ = ("digits",)
+
+    def __init__(self, digits: int) -> None:
+        self.digits = digits
+
+    def __repr__(self) -> str:
+        return f"a number with {self.digits} digits"
+
+
+def _parse_int(s: str) -> int | LongNumber:
+    digits = len(s.lstrip("-"))
+    return LongNumber(digits) if digits > _MAX_INT_DIGITS else int(s)
+
+
+def _parse_constant(name: str) -> None:
+    raise BadRequest(f"the body must be JSON: {name} is not a JSON number")
+
+
+def _nesting_ok(raw: bytes) -> bool:
+    """Whether arrays/objects in ``raw`` nest at most :data:`MAX_JSON_DEPTH` deep (a loop, not
+    recursion: json.loads itself recurses and a deep body would raise RecursionError)."""
+    depth = 0
+    for m in _BRACKET.finditer(_JSON_STRING.sub(b'""', raw)):
+        depth += 1 if m[0] in b"[{" else -1
+        if depth > MAX_JSON_DEPTH:
+            return False
+    return True
+
+
+def parse_json(raw: bytes) -> object:
+    """Decode a request body; one :class:`BadRequest` (400) with a readable reason if it is
+    not UTF-8 JSON, nests deeper than :data:`MAX_JSON_DEPTH`, or holds NaN/Infinity."""
+    if not _nesting_ok(raw):
+        raise BadRequest(f"JSON nested too deep: at most {MAX_JSON_DEPTH} levels of arrays "
+                         "and objects")  # fmt: skip
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise BadRequest(f"the body must be UTF-8 text: byte {err.start} is not UTF-8") from None
+    if not text.strip():
+        raise BadRequest('the body is empty: send a JSON object such as {"text": "..."}')
+    try:
+        return json.loads(text, parse_int=_parse_int, parse_constant=_parse_constant)
+    except json.JSONDecodeError as err:
+        raise BadRequest(f"the body must be JSON: {err.msg.lower()} at line {err.lineno}, "
+                         f"column {err.colno}") from None  # fmt: skip
+
+
+def _kind(v: object) -> str:
+    """A JSON value as an error message names it: its JSON type (or the number), not Python's."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, float | LongNumber):
+        return repr(v)
+    names = {int: "a number", str: "a string", list: "an array", dict: "an object"}
+    return names.get(type(v), type(v).__name__)
+
+
+def _unicode(key: str, v: str) -> str:
+    """``v``, refused if it holds a lone surrogate (JSON's "\\ud800" decodes to one; no text
+    encoder takes it)."""
+    m = _SURROGATE.search(v)
+    if m:
+        raise BadRequest(f"{key} must be valid Unicode text: character {m.start()} is a lone "
+                         f"surrogate (U+{ord(m[0]):04X})")  # fmt: skip
+    return v
+
+
+def _show(v: object, width: int = 60) -> str:
+    """``repr(v)`` cut to ``width`` characters: an error message never echoes a whole body."""
+    r = repr(v)
+    return r if len(r) <= width else r[: width - 3] + "..."
+
+
+def _str(body: dict, key: str, default: str | None = None, *, limit: int = 200,
+         name: str | None = None) -> str | None:  # fmt: skip
+    name = name or key
     v = body.get(key, default)
     if v is None:
         return None
     if not isinstance(v, str):
-        raise BadRequest(f"{key} must be a string, got {type(v).__name__}")
+        raise BadRequest(f"{name} must be a string, got {_kind(v)}")
     if len(v) > limit:
-        raise BadRequest(f"{key} must be at most {limit} characters, got {len(v)}")
-    return v
+        raise BadRequest(f"{name} must be at most {limit} characters, got {len(v)}")
+    return _unicode(name, v)
 
 
 def _int(body: dict, key: str, default: int, lo: int, hi: int) -> int:
     v = body.get(key, default)
     if isinstance(v, bool) or not isinstance(v, int):
-        raise BadRequest(f"{key} must be an integer, got {type(v).__name__}")
+        raise BadRequest(f"{key} must be an integer in [{lo}, {hi}], got {_kind(v)}")
     if not lo <= v <= hi:
         raise BadRequest(f"{key} must be in [{lo}, {hi}], got {v}")
     return v
@@ -123,15 +229,16 @@ def _int(body: dict, key: str, default: int, lo: int, hi: int) -> int:
 def parse_request(body: object) -> AttentionRequest:
     """Check a decoded JSON body; one :class:`BadRequest` naming the field on any problem."""
     if not isinstance(body, dict):
-        raise BadRequest(f"the body must be a JSON object, got {type(body).__name__}")
+        raise BadRequest(f"the body must be a JSON object, got {_kind(body)}")
     text = body.get("text")
     if not isinstance(text, str):
-        raise BadRequest(f"text must be a string, got {type(text).__name__}")
+        raise BadRequest(f"text must be a string, got {_kind(text)}")
+    _unicode("text", text)
     if not text.strip():
         raise BadRequest("text must contain at least one non-space character")
     translate = body.get("translate", False)
     if not isinstance(translate, bool):
-        raise BadRequest(f"translate must be true or false, got {translate!r}")
+        raise BadRequest(f"translate must be true or false, got {_kind(translate)}")
     ablate = body.get("ablate") or []
     if not isinstance(ablate, list) or len(ablate) > MAX_ABLATE:
         raise BadRequest(f"ablate must be a list of at most {MAX_ABLATE} [layer, head] pairs")
@@ -140,18 +247,20 @@ def parse_request(body: object) -> AttentionRequest:
         ok = (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str)
               and isinstance(item[1], int) and not isinstance(item[1], bool))  # fmt: skip
         if not ok:
-            raise BadRequest(f"ablate items must be [layer name, head index], got {item!r}")
-        pairs.append((item[0], item[1]))
+            raise BadRequest(f"ablate items must be [layer name, head index], got {_show(item)}")
+        pairs.append((_unicode("ablate layer name", item[0]), item[1]))
     probe = body.get("probe")
     token, candidates = None, []
     if probe is not None:
         if not isinstance(probe, dict):
             raise BadRequest("probe must be an object {token, candidates}")
-        token = _str(probe, "token", limit=100)
+        token = _str(probe, "token", limit=100, name="probe.token")
         candidates = probe.get("candidates", [])
         if (not token or not isinstance(candidates, list) or not 1 <= len(candidates) <= MAX_CANDIDATES
                 or not all(isinstance(c, str) and 0 < len(c) <= 100 for c in candidates)):  # fmt: skip
             raise BadRequest(f"probe needs a token and 1 to {MAX_CANDIDATES} candidate words")
+        for c in candidates:
+            _unicode("probe.candidates", c)
     return AttentionRequest(
         text=text,
         model=_str(body, "model", "minilm"),
