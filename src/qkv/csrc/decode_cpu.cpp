@@ -2238,11 +2238,68 @@ static void panel_row1(const float* x, const float* w, int64_t in, const float* 
 }
 #endif
 
+#if defined(QKV_AVX2) && !defined(QKV_AVX512)
+// AVX2 (16 vector registers): MR rows x CW vectors of 8 columns of accumulators, columns
+// [cb, cb + 8·CW) of the panel in one pass over its rows (the panel stays in L1/L2 between
+// passes; one row takes all 64 columns in one pass). A partial last panel (nc < 64) loads
+// its bias and stores its outputs through a small buffer.
+template <int MR, int CW, bool kPf>
+static inline void panel_pass_avx2(const float* x, int64_t ldx, const float* w, int64_t in,
+                                   const float* b, int64_t c0, int64_t nc, int64_t cb,
+                                   bool relu, float* y, int64_t ldy, const float* pf) {
+  __m256 acc[MR][CW];
+  // every loop over m and j unrolled: acc must stay in registers (GCC kept it on the stack,
+  // 12 stores per row of the panel, when the store loop below was left rolled)
+#pragma GCC unroll 8
+  for (int j = 0; j < CW; ++j) {
+    const int64_t c = cb + 8 * j, n = std::clamp<int64_t>(nc - c, 0, 8);
+    alignas(32) float t[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    if (b) std::copy(b + c0 + c, b + c0 + c + n, t);
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m) acc[m][j] = _mm256_load_ps(t);
+  }
+  for (int64_t i = 0; i < in; ++i) {
+    const float* wr = w + i * kPanel + cb;
+    if constexpr (kPf)
+      for (int j = 0; j < CW; j += 2) pf_line(pf + i * kPanel + cb + 8 * j);
+    __m256 wv[CW];
+#pragma GCC unroll 8
+    for (int j = 0; j < CW; ++j) wv[j] = _mm256_loadu_ps(wr + 8 * j);
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m) {
+      const __m256 xm = _mm256_broadcast_ss(x + m * ldx + i);
+#pragma GCC unroll 8
+      for (int j = 0; j < CW; ++j) acc[m][j] = _mm256_fmadd_ps(xm, wv[j], acc[m][j]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 8
+    for (int j = 0; j < CW; ++j) {
+      const int64_t c = cb + 8 * j, n = std::clamp<int64_t>(nc - c, 0, 8);
+      const __m256 v = relu ? _mm256_max_ps(acc[m][j], _mm256_setzero_ps()) : acc[m][j];
+      float* yc = y + m * ldy + c0 + c;
+      if (n == 8) {
+        _mm256_storeu_ps(yc, v);
+      } else if (n > 0) {
+        alignas(32) float t[8];
+        _mm256_store_ps(t, v);
+        std::copy(t, t + n, yc);
+      }
+    }
+}
+#endif
+
 template <int MR, bool kPf = false>
 static void panel_rows(const float* x, int64_t ldx, const float* w, int64_t in, const float* b,
                        int64_t c0, int64_t nc, bool relu, float* y, int64_t ldy,
                        const float* pf = nullptr) {
-#ifdef QKV_AVX512
+#if defined(QKV_AVX2) && !defined(QKV_AVX512)
+  // 8, 4 or 2 vectors per row: MR·CW accumulators + CW weights + 1 broadcast <= 16 registers
+  constexpr int CW = MR == 1 ? 8 : MR == 2 ? 4 : 2;
+  for (int64_t cb = 0; cb < nc; cb += 8 * CW)
+    panel_pass_avx2<MR, CW, kPf>(x, ldx, w, in, b, c0, nc, cb, relu, y, ldy, pf);
+#elif defined(QKV_AVX512)
   __m512 acc[MR][4];
   for (int q = 0; q < 4; ++q) {
     const __m512 bq = panel_bias(b, c0, nc, q);
