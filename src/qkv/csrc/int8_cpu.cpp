@@ -15,7 +15,8 @@
 // `vpdpbusd` multiplies 64 uint8 × int8 pairs and adds them, 4 by 4, into 16 int32 lanes
 // (one lane per output channel). A micro-kernel holds up to 4 rows × 64 output channels of
 // accumulators in registers; the dequantization, bias and ReLU are fused into the store.
-// Without VNNI (or in the portable build) plain C++ loops compute the same integers.
+// AVX2 widens both to int16 and adds exact pairs with vpmaddwd (vpmaddubsw could saturate);
+// in the portable build plain C++ loops compute the same integers.
 // Threads split the output channels (and the rows when there are many) with
 // at::parallel_for; a call too small to pay for the fork runs on the calling thread.
 // Rows with a non-finite value come out as NaN.
@@ -193,6 +194,42 @@ static void block_s32(const Problem& P, int64_t m0, int64_t n0, int32_t* out) {
                           _mm512_sub_epi32(c[r][t], _mm512_mullo_epi32(z, s)));
     }
   }
+#elif defined(QKV_AVX2)
+  // AVX2 has no u8·s8 dot product that cannot saturate (vpmaddubsw's pair sums overflow int16
+  // at 255·127·2), so both operands are widened to int16 and vpmaddwd adds exact pairs into
+  // int32: lane 2c + e holds channel c's sum over k = 2e, 2e + 1 of each group of 4. Per tile
+  // (16 channels), two passes of 8 channels: R rows x 2 accumulators stay in registers.
+  for (int t = 0; t < 4; ++t)
+    for (int h = 0; h < 16; h += 8) {  // channels 16t + h .. 16t + h + 7
+      __m256i acc[R][2];
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+      const int8_t* wh = wt + t * tile + 4 * h;
+      for (int64_t g = 0; g < groups; ++g) {
+        const __m128i* wp = reinterpret_cast<const __m128i*>(wh + g * 64);
+        const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(wp));  // 4 channels x 4 k
+        const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(wp + 1));
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          int32_t four;  // q[k = 4g .. 4g + 3] of row r, repeated for the 4 channels
+          std::memcpy(&four, P.q + (m0 + r) * P.Kp + 4 * g, 4);
+          const __m256i x = _mm256_cvtepu8_epi16(_mm_set1_epi32(four));
+          acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(x, w0));
+          acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(x, w1));
+        }
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        // pair sums -> channel sums, in channel order (hadd works within 128-bit halves)
+        const __m256i c = _mm256_permute4x64_epi64(_mm256_hadd_epi32(acc[r][0], acc[r][1]),
+                                                   0xd8);
+        const __m256i z = _mm256_set1_epi32(P.zero[m0 + r]);
+        const __m256i sw = _mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(P.wsum + n0 + 16 * t + h));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * 64 + 16 * t + h),
+                            _mm256_sub_epi32(c, _mm256_mullo_epi32(z, sw)));
+      }
+    }
 #else
   for (int r = 0; r < R; ++r) {
     const uint8_t* qr = P.q + (m0 + r) * P.Kp;
@@ -397,6 +434,8 @@ Tensor linear(const Tensor& x_, const Tensor& packed, const Tensor& wscale, cons
 std::string int8_isa() {
 #ifdef QKV_VNNI
   return "avx512_vnni";
+#elif defined(QKV_AVX2)
+  return "avx2 (int16 pairs)";
 #else
   return "portable";
 #endif
