@@ -80,6 +80,11 @@ def _extensions():
                 self.build_temp = temp
 
         def run(self):
+            # libraries an earlier build left under another name (build/lib is reused) must
+            # not ship in a wheel beside the current ones
+            for old in (Path(self.build_lib) / "qkv").glob("_C_*"):
+                if old.suffix != ".kernels":
+                    old.unlink()
             super().run()
             info = {
                 "torch": torch.__version__,
