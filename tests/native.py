@@ -1,10 +1,11 @@
 """Helpers for the tests of qkv's compiled kernels (qkv/csrc/)."""
 
 import os
-import subprocess
 import sys
 
 import pytest
+
+import deadline
 
 
 def require_built(built: bool, what: str, status: str) -> None:
@@ -45,8 +46,8 @@ def assert_level_ok(script: str, level: str) -> None:
 def assert_script_ok(script: str, **env: str) -> None:
     """Run ``script`` in a fresh process with ``env`` added (settings the kernels read once per
     process); it must print ``ok`` as its last line."""
-    res = subprocess.run(
-        [sys.executable, "-c", script], env=dict(os.environ, **env), capture_output=True,
-        text=True, timeout=600,
+    res = deadline.run(
+        [sys.executable, "-c", script], 600, f"a fresh process with {env or 'no settings'}",
+        env=dict(os.environ, **env), capture_output=True, text=True,
     )  # fmt: skip
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-2000:]

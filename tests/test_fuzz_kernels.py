@@ -8,7 +8,6 @@ PyTorch float64 ops, independent of qkv's own math.
 
 import math
 import os
-import subprocess
 import sys
 
 import hypothesis.strategies as st
@@ -16,6 +15,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 
+import deadline
 from qkv.functional import attention_steps, explain_dispatch, scaled_dot_product_attention
 from qkv.kernels.flash import flash_attention
 from qkv.kernels.varlen import varlen_attention
@@ -299,8 +299,8 @@ print("ok")
 
 
 def test_empty_batch_first_fused_call_in_a_fresh_process():
-    res = subprocess.run([sys.executable, "-c", _FRESH_PROCESS], capture_output=True, text=True,
-                         env=dict(os.environ), timeout=600)  # fmt: skip
+    res = deadline.run([sys.executable, "-c", _FRESH_PROCESS], 600, "a fresh process",
+                       capture_output=True, text=True, env=dict(os.environ))  # fmt: skip
     assert res.returncode == 0 and res.stdout.strip() == "ok", (res.returncode, res.stderr[-2000:])
 
 

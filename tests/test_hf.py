@@ -1,8 +1,9 @@
 """qkv.hf (attn_implementation="qkv") against transformers' own "eager" and "sdpa" attention.
 
-Tiny random models built from configs here (nothing downloads), fp32, seeds fixed. Padded
-query rows (left padding: a query that sees no key) are compared only where they are defined:
-eager gives them a softmax over masked keys, qkv and sdpa give zeros; nothing reads them.
+Tiny random models built from configs here (nothing downloads), fp32, seeds fixed. Most tests
+compare the valid rows only (sdpa gives zeros to a query that sees no key, nothing reads it);
+the tests of all-padding rows check that qkv gives eager's answer there too: the mean of the
+values, weights 1/Tk (zeros with gpt-oss's sinks).
 """
 
 from __future__ import annotations
@@ -534,3 +535,102 @@ def test_capture_selection_and_errors(models):
         with torch.no_grad(), qhf.capture_attention(model, heads=[4]):
             model(**kw)
     assert qhf.capture.active() is None  # the capture closed despite the error
+
+
+def _padded_batch(kind: str, encoder_decoder: bool) -> dict:
+    """Three rows: no padding, some padding (left for decoders, right otherwise), all padding."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, V, (3, 9), generator=g)
+    am = torch.ones_like(ids)
+    if kind == "decoder":
+        am[1, :3] = 0
+    else:
+        am[1, -3:] = 0
+    am[2] = 0
+    kw = {"input_ids": ids, "attention_mask": am}
+    if encoder_decoder:
+        kw["decoder_input_ids"] = torch.randint(3, V, (3, 4), generator=g)
+    return kw
+
+
+def _more(name: str):
+    conf_cls, model_cls, conf_kw = MORE[name]
+    if not hasattr(transformers, model_cls):
+        pytest.skip(f"transformers {transformers.__version__} has no {model_cls}")
+    torch.manual_seed(0)
+    return getattr(transformers, model_cls)(getattr(transformers, conf_cls)(**conf_kw)).eval()
+
+
+@pytest.mark.parametrize("name", [*BUILDERS, *MORE, "gpt_oss"])
+def test_all_padding_rows_equal_eager(models, name):
+    """A row whose mask hides every key (an all-padding encoder row, the decoder's
+    cross-attention over it, a decoder's left-padding queries) gives eager's output."""
+    if name in BUILDERS:
+        model, kind = models[name], KIND[name]
+    else:
+        model = _gpt_oss() if name == "gpt_oss" else _more(name)
+        kind = ("encoder-decoder" if model.config.is_encoder_decoder
+                else "encoder" if name in ("roberta", "distilbert") else "decoder")  # fmt: skip
+    kw = _padded_batch(kind, kind == "encoder-decoder")
+    out_q, out_e = _run(model, "qkv", **kw), _run(model, "eager", **kw)
+    key = "logits" if "logits" in out_e else "last_hidden_state"
+    for row in range(3):  # every row, the all-padding one included
+        _close(out_q[key][row], out_e[key][row])
+    if kind == "encoder-decoder":
+        _close(out_q.encoder_last_hidden_state, out_e.encoder_last_hidden_state)
+
+
+@pytest.mark.parametrize("name", list(BUILDERS))
+def test_all_padding_rows_weights_and_capture_equal_eager(models, name):
+    """output_attentions, and capture of one head (weights recomputed from the log-sum-exp),
+    give eager's 1/Tk on the rows that see no key."""
+    model, kind = models[name], KIND[name]
+    kw = _padded_batch(kind, kind == "encoder-decoder")
+    out_q = _run(model, "qkv", **kw, output_attentions=True)
+    out_e = _run(model, "eager", **kw, output_attentions=True)
+    with torch.no_grad(), qhf.capture_attention(model, heads=[1]) as cap:
+        model(**kw)
+    if kind == "encoder-decoder":
+        groups = [("encoder_attentions", "self"), ("decoder_attentions", "causal"),
+                  ("cross_attentions", "cross")]  # fmt: skip
+    else:
+        groups = [("attentions", "causal" if kind == "decoder" else "self")]
+    uniform = 0
+    for key, kind_ in groups:
+        for a, c, b in zip(out_q[key], cap.weights(kind_), out_e[key], strict=True):
+            _close(a, b)  # every row
+            _close(c, b[:, 1:2])
+            uniform += int((b - 1 / b.shape[-1]).abs().amax(-1).le(1e-7).sum())
+    assert uniform > 0, "no row of the batch sees no key"
+
+
+def _no_dropout(model):
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+        for attr in ("dropout", "attention_dropout"):
+            if isinstance(getattr(m, attr, None), float):
+                setattr(m, attr, 0.0)
+    return model
+
+
+@pytest.mark.parametrize("name", ["llama", "bert", "t5", "gemma2"])
+def test_all_padding_rows_gradients_equal_eager(name):
+    """Training with rows that see no key, their outputs in the loss: eager's gradients, the
+    ones its rounding gives the scores of such rows (softmax's Jacobian at 1/Tk) included."""
+    kind = KIND[name]
+    kw = _padded_batch(kind, kind == "encoder-decoder")
+    grads = {}
+    for impl in ("eager", "qkv"):
+        torch.manual_seed(0)
+        model = _no_dropout(BUILDERS[name]())
+        model.set_attn_implementation(impl)
+        model.train()
+        out = model(**kw)
+        y = out.logits if "logits" in out else out.last_hidden_state
+        w = torch.randn(y.shape, generator=torch.Generator().manual_seed(2))
+        (y * w).sum().backward()  # every row, the all-padding one included
+        grads[impl] = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert grads["qkv"].keys() == grads["eager"].keys()
+    for n in grads["eager"]:
+        _close(grads["qkv"][n], grads["eager"][n], 1e-4)

@@ -111,3 +111,22 @@ def test_record_call_errors_and_restores():
     with torch.no_grad():
         model(**_inputs("llama"))  # outside the block nothing more is recorded
     assert len(calls) == 1
+
+
+def test_walk_of_rows_that_see_no_key_equals_eager():
+    """Left padding in batch row 0: its padding queries see no key; the replay gives eager's
+    even weights there, as the adapter does, and gives back the module's output."""
+    model = _model("llama")
+    ids = _inputs("llama")["input_ids"]
+    am = torch.ones_like(ids)
+    am[0, :3] = 0
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=am, output_attentions=True).attentions[1]
+    layer = "model.layers.1.self_attn"
+    with torch.no_grad(), record_call(model, layer) as calls:
+        model(input_ids=ids, attention_mask=am)
+    w = walk(calls[0], 3)
+    assert w["check"] < 1e-5
+    torch.testing.assert_close(w["weights"], want[0, 3], atol=1e-6, rtol=0)
+    assert torch.equal(w["weights"][:3], torch.full((3, ids.shape[1]), 1 / ids.shape[1]))

@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+import deadline
 from qkv.kernels import _levels, _native
 
 # /proc/cpuinfo flags of real CPUs (the relevant subset)
@@ -77,8 +78,8 @@ def test_the_level_agrees_with_pytorchs_view_of_this_cpu():
 
 
 def _run(code: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], env=dict(os.environ, **env),
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    return deadline.run([sys.executable, "-c", code], 600, f"a fresh process with {env}",
+                        env=dict(os.environ, **env), capture_output=True, text=True)  # fmt: skip
 
 
 def test_forcing_a_level_this_cpu_lacks_is_a_clear_error_not_a_crash():
@@ -267,7 +268,8 @@ def test_the_neon_level_compiles_for_aarch64(tmp_path):
                *neon.flags, f"-DQKV_LEVEL={neon.name}", "-DTORCH_EXTENSION_NAME=qkv_neon",
                "-DTORCH_API_INCLUDE_EXTENSION_H", *includes, str(_native.CSRC / source),
                "-o", str(tmp_path / f"{source}.o")]  # fmt: skip
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        return deadline.run(cmd, 600, f"the Arm compile of {source}", capture_output=True,
+                            text=True)  # fmt: skip
 
     with ThreadPoolExecutor(2) as pool:
         results = dict(zip(_levels.SOURCES, pool.map(compile_one, _levels.SOURCES)))

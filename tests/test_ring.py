@@ -26,6 +26,7 @@ import torch.nn.functional as TF
 from hypothesis import given, settings
 from torch import nn
 
+import deadline
 from qkv import ALiBi, MultiHeadAttention, RotaryEmbedding
 from qkv.distributed import (
     RingAttentionError,
@@ -81,48 +82,94 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, world, port, out_dir, job, args):
+# Set in each spawned rank by _entry: the parent's load scale (a child's own reading would
+# count its siblings) and where the ranks leave their results and stages.
+_SCALE = 1.0
+_OUT_DIR = ""
+_RANK = 0
+
+
+def _scaled(base: float) -> float:
+    """``base`` seconds, scaled like the parent's deadlines (see tests/deadline.py)."""
+    return base * _SCALE
+
+
+def _stage(what: str) -> None:
+    """Record what this rank is doing, for the parent's message if it gives up waiting."""
+    with open(os.path.join(_OUT_DIR, f"rank{_RANK}.stage"), "w") as f:
+        f.write(what)
+
+
+def _entry(rank, world, port, out_dir, scale, job, args):
+    global _SCALE, _OUT_DIR, _RANK
+    _SCALE, _OUT_DIR, _RANK = scale, out_dir, rank
     result = {}
     try:
+        _stage("joining the process group")
         dist.init_process_group(
             "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-            timeout=timedelta(seconds=60),
+            timeout=timedelta(seconds=_scaled(60)),
         )  # fmt: skip
         torch.set_num_threads(1)
+        _stage(f"running {job.__name__}")
         result = job(rank, world, *args)
     except BaseException as e:  # report everything to the parent
         result = {"error": type(e).__name__, "message": str(e), "tb": traceback.format_exc()}
+    _stage("saving its result")
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     if "error" in result:
         os._exit(1)  # like an uncaught exception: the process dies, sockets close
+    _stage("leaving the process group")
     dist.destroy_process_group()
 
 
+def _state(r: int, p, out_dir: str) -> str:
+    """One rank's state for a message: alive or its exit code, and its last stage."""
+    try:
+        with open(os.path.join(out_dir, f"rank{r}.stage")) as f:
+            stage = f.read()
+    except OSError:
+        stage = "starting (imports)"
+    status = "alive" if p.is_alive() else f"exited {p.exitcode}"
+    return f"rank {r} {status}, last stage: {stage}"
+
+
 def launch(job, world: int, *args, limit: float = 90.0) -> list[dict]:
-    """Run ``job(rank, world, *args)`` in ``world`` processes; return each rank's result dict."""
+    """Run ``job(rank, world, *args)`` in ``world`` processes; return each rank's result dict.
+
+    ``limit``: seconds on a quiet machine for all ranks to finish, stretched while the machine
+    is busy (tests/deadline.py); past it the ranks are killed and the test is skipped (CPUs
+    saturated) or fails (a hang), with each rank's last stage in the message.
+    """
     ctx = mp.get_context("spawn")
     port = _free_port()
     with tempfile.TemporaryDirectory() as out_dir:
+        scale = deadline.scale()  # the children's timeouts: fixed when they start
         procs = [
-            ctx.Process(target=_entry, args=(r, world, port, out_dir, job, args))
+            ctx.Process(target=_entry, args=(r, world, port, out_dir, scale, job, args))
             for r in range(world)
         ]
         for p in procs:
             p.start()
-        deadline = time.monotonic() + limit
+        wait = deadline.Deadline(limit, f"{world} ranks running {job.__name__}")
+        while any(p.is_alive() for p in procs):
+            if wait.expired():
+                detail = "; ".join(_state(r, p, out_dir) for r, p in enumerate(procs))
+                for p in procs:
+                    if p.is_alive():
+                        p.kill()
+                        p.join()
+                wait.give_up(detail)
+            time.sleep(0.05)
         for p in procs:
-            p.join(max(0.1, deadline - time.monotonic()))
-        hung = [r for r, p in enumerate(procs) if p.is_alive()]
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
+            p.join()
         results = []
         for r in range(world):
             path = os.path.join(out_dir, f"rank{r}.pt")
-            results.append(torch.load(path) if os.path.exists(path) else {"error": "no result"})
-        for r in hung:
-            results[r] = {**results[r], "hung": True}
+            results.append(
+                torch.load(path) if os.path.exists(path)
+                else {"error": "no result", "message": _state(r, procs[r], out_dir)}
+            )  # fmt: skip
         return results
 
 
@@ -132,6 +179,7 @@ def launch(job, world: int, *args, limit: float = 90.0) -> list[dict]:
 def _equivalence_job(rank, world, names):
     errors = {}
     for name in names:
+        _stage(f"case {name}")
         T, h, h_kv, causal, window, layout, scale = CASES[name]
         g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
         q, k, v, go = (
@@ -142,8 +190,9 @@ def _equivalence_job(rank, world, names):
         ref_grads = torch.autograd.grad(ref, full, go)
         local = [shard(t, rank, world, layout=layout).requires_grad_() for t in (q, k, v)]
         out = ring_attention(
-            *local, causal=causal, window=window, scale=scale, layout=layout, timeout=30
-        )
+            *local, causal=causal, window=window, scale=scale, layout=layout,
+            timeout=_scaled(30),
+        )  # fmt: skip
         grads = torch.autograd.grad(out, local, shard(go, rank, world, layout=layout))
         torch_ref = TF.scaled_dot_product_attention(
             q, k, v, attn_mask=torch_mask(T, causal, window), scale=scale, enable_gqa=True
@@ -202,7 +251,7 @@ def _model_job(rank, world, layout):
 
 def _bad_shard_job(rank, world):
     q = torch.randn(1, 2, 5 if rank == 0 else 2, 4)  # T=7 contiguous over 2 would be [4, 3]
-    ring_attention(q, q, q, timeout=20)
+    ring_attention(q, q, q, timeout=_scaled(20))
     return {}
 
 
@@ -211,7 +260,13 @@ def _failure_job(rank, world, mode):
     if rank == 1:
         if mode == "raise":
             raise ValueError("rank 1 fails on purpose")
-        time.sleep(8)  # "stall": alive, joins the ring only after the others' timeout (3 s)
+        # "stall": alive, and never joins the ring while the others wait for it (3 s): it waits
+        # for their results, however long a busy machine makes them take
+        _stage("stalling until ranks 0 and 2 have given up")
+        others = [os.path.join(_OUT_DIR, f"rank{r}.pt") for r in (0, 2)]
+        stop = time.monotonic() + _scaled(60)
+        while not all(os.path.exists(f) for f in others) and time.monotonic() < stop:
+            time.sleep(0.05)
         return {"stalled": True}
     t0 = time.monotonic()
     try:
@@ -260,18 +315,18 @@ def test_mismatched_shards_raise_on_every_rank():
 
 @pytest.mark.parametrize("mode", ["raise", "stall"])
 def test_failing_rank_ends_the_others_with_clear_error(mode):
-    t0 = time.monotonic()
-    results = launch(_failure_job, 3, mode, limit=40)
-    assert time.monotonic() - t0 < 40
+    scale = deadline.scale()
+    results = launch(_failure_job, 3, mode, limit=40)  # a hang is reported by launch
     assert results[1].get("error" if mode == "raise" else "stalled") == (
         "ValueError" if mode == "raise" else True
-    )
+    ), results[1]
+    # timeout=3 s (stall), a dead peer fails at once: well before the process group's 60 s
+    bound = 15 * max(scale, deadline.scale())
     for rank in (0, 2):
         res = results[rank]
-        assert not res.get("hung"), f"rank {rank} hung"
         assert res.get("error") == "RingAttentionError", res
         assert f"rank {rank}/3 failed waiting" in res["message"]
-        assert res["after"] < 15, res  # timeout=3 s (stall); a dead peer fails at once
+        assert res["after"] < bound, res
 
 
 # --- single-process pieces -------------------------------------------------------------------

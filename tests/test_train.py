@@ -7,11 +7,13 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
+import deadline
 from qkv.apps.train import lr_at, parse_args, train, train_step
 from qkv.data import Batch, default_data_dir
 from qkv.generate import greedy_search
@@ -117,52 +119,78 @@ def test_small_model_on_2k_pairs_learns(tmp_path):
     assert model.cfg.d_model == 128
 
 
-def run_cli(args, **kw):
+def run_cli(args: list[str], log: Path) -> subprocess.Popen:
+    """``qkv train`` in a subprocess, its output appended to ``log`` (a file, not a pipe: a
+    pipe nobody reads fills up and stalls the run)."""
     env = {**os.environ, "PYTHONPATH": str(SRC_DIR), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "qkv", "train", *args]
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **kw)
+    with open(log, "ab") as out:
+        return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
 
 
-def wait_for(path: Path, timeout: float = 60.0) -> None:
-    t0 = time.monotonic()
-    while not path.exists():
-        if time.monotonic() - t0 > timeout:
-            raise TimeoutError(f"{path} did not appear")
-        time.sleep(0.2)
+def _tail(log: Path, n: int = 1500) -> str:
+    return log.read_text(errors="replace")[-n:] if log.exists() else "(no output)"
+
+
+def wait_for(
+    proc: subprocess.Popen, log: Path, what: str, done: Callable[[], bool], base: float = 60.0
+) -> None:
+    """Poll ``done()`` while ``proc`` runs. Fails at once if ``proc`` exits first; after
+    ``base`` quiet-machine seconds (scaled by load, tests/deadline.py) kills it and skips
+    (machine saturated) or fails, saying what it waited for and how the run's output ends."""
+    wait = deadline.Deadline(base, what)
+    while not done():
+        if proc.poll() is not None:
+            pytest.fail(f"qkv train exited ({proc.returncode}) before {what}:\n{_tail(log)}")
+        if wait.expired():
+            proc.kill()
+            proc.wait()
+            wait.give_up(f"qkv train was still running; its output ends:\n{_tail(log)}")
+        time.sleep(0.1)
 
 
 @needs_data
 def test_sigkill_then_sigint_never_corrupt(tmp_path):
     common = ["--checkpoint-minutes", "0", "--max-steps", "100000"]
-    cli = ["--out", str(tmp_path), "--train-limit", "300", "--val-limit", "40", "--vocab-size",
+    out = tmp_path / "run"
+    cli = ["--out", str(out), "--train-limit", "300", "--val-limit", "40", "--vocab-size",
            "500", "--d-model", "32", "--heads", "2", "--d-ff", "64", "--layers", "1",
            "--max-tokens", "500", "--threads", "1", "--no-progress", "--val-bleu", "0", *common]  # fmt: skip
-    proc = run_cli(cli)
-    wait_for(tmp_path / "last" / "trainer.pt")
+    log = tmp_path / "train.log"
+    proc = run_cli(cli, log)
+    trainer = out / "last" / "trainer.pt"
+    wait_for(proc, log, f"the first checkpoint ({trainer})", trainer.exists)
     time.sleep(1.0)
     proc.kill()  # SIGKILL at an arbitrary moment, maybe mid-save
     proc.wait()
     from qkv.models.io import resolve_dir
 
-    last = resolve_dir(tmp_path / "last")  # a complete checkpoint is always there
+    last = resolve_dir(out / "last")  # a complete checkpoint is always there
     state = torch.load(last / "trainer.pt", weights_only=True)
     assert state["step"] >= 1
     load_pretrained(last)
-    mtime = (tmp_path / "last").stat().st_mtime  # before the resumed run starts saving
-    proc = run_cli(["--resume", str(tmp_path)])
-    while True:  # until the resumed run has saved a newer checkpoint
+    mtime = (out / "last").stat().st_mtime  # before the resumed run starts saving
+
+    def saved_again() -> bool:
         try:
-            if (tmp_path / "last").stat().st_mtime != mtime:
-                break
+            return (out / "last").stat().st_mtime != mtime
         except FileNotFoundError:  # between the two renames of a save
-            pass
-        time.sleep(0.1)
+            return False
+
+    proc = run_cli(["--resume", str(out)], log)
+    wait_for(proc, log, "the resumed run's first checkpoint", saved_again)
     proc.send_signal(signal.SIGINT)  # graceful: checkpoint at the next step, exit 130
-    out, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 130, out.decode()
-    after = torch.load(tmp_path / "last" / "trainer.pt", weights_only=True)
+    wait = deadline.Deadline(60, "the interrupted run to checkpoint and exit")
+    while proc.poll() is None:
+        if wait.expired():
+            proc.kill()
+            proc.wait()
+            wait.give_up(f"SIGINT sent; the run's output ends:\n{_tail(log)}")
+        time.sleep(0.1)
+    assert proc.returncode == 130, _tail(log)
+    after = torch.load(out / "last" / "trainer.pt", weights_only=True)
     assert after["step"] > state["step"]
-    assert not list(tmp_path.glob(".last.tmp-*"))  # a killed run's temp dirs are cleaned up
+    assert not list(out.glob(".last.tmp-*"))  # a killed run's temp dirs are cleaned up
 
 
 def cat_batches(a: Batch, b: Batch) -> Batch:

@@ -29,6 +29,10 @@ transformers           qkv
                        and weights scaled by ``sigmoid(lse - sink)``
 =====================  ==========================================================
 
+A query whose bool mask hides every key gets eager's answer, not qkv's zeros: weights
+``1/Tk`` on every key, the mean of the values (see :mod:`qkv.hf.masks`); with sinks eager's
+answer is zeros, as qkv's.
+
 ``None`` mask: transformers skips building the mask exactly when sdpa's ``is_causal`` (or no
 mask) means the same; qkv's ``causal=True`` is aligned bottom-right, which is the same for
 ``Tq == Tk`` and for one query over a cache. The one other case, a static cache's prefill
@@ -53,6 +57,7 @@ from qkv.functional import attention_steps, scaled_dot_product_attention
 from qkv.hf import capture as _capture
 from qkv.hf import steps as _steps
 from qkv.hf.ablate import zero_heads
+from qkv.hf.masks import eager_empty_rows, empty_rows, fill_empty_rows, fill_empty_weights
 from qkv.kernels.flash import flash_attention
 from qkv.kernels.weights import weights_from_lse
 
@@ -206,16 +211,20 @@ def _attention(
                    dropout_p=float(dropout))  # fmt: skip
     full = bool(kwargs.get("output_attentions", False))
     sinks = kwargs.get("s_aux")
-    if sinks is not None:
+    if sinks is not None:  # eager's sink takes all of an empty row's weight: zeros, as here
         out, weights, picked = _with_sinks(query, key, value, sinks, full, heads, options)
         if heads is not None:
             recorder.record(module, picked, heads, causal=bool(is_causal))
         return out.transpose(1, 2).contiguous(), weights
     _steps.note(module, query, key, value, options)  # for qkv.hf.steps.record_call
+    # rows that see no key: qkv gives zeros, eager the mean of the values (qkv.hf.masks)
+    empty = empty_rows(mask, key.shape[2])
     weights = None
     if full:
         out, weights = scaled_dot_product_attention(query, key, value, **options,
                                                     return_weights=True)  # fmt: skip
+        if empty is not None:
+            weights = fill_empty_weights(empty, weights)
         if heads is not None:
             recorder.record(module, weights.detach().index_select(1, _index(heads, weights)),
                             heads, causal=bool(is_causal))  # fmt: skip
@@ -223,9 +232,20 @@ def _attention(
         out, picked = scaled_dot_product_attention(
             query, key, value, **options, return_weights=True, weights_heads=heads
         )
+        if empty is not None:
+            picked = fill_empty_weights(empty, picked, heads)
         recorder.record(module, picked, heads, causal=bool(is_causal))
     else:
         out = scaled_dot_product_attention(query, key, value, **options)
+    if empty is not None:
+        grad = torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (query, key, value, bias)
+        )
+        if grad:  # eager's gradients into q, k and the bias too
+            out = eager_empty_rows(empty, query, key, value, out, bias=bias, scale=scaling,
+                                   softcap=softcap)  # fmt: skip
+        else:
+            out = fill_empty_rows(empty, value, out)
     return out.transpose(1, 2).contiguous(), weights  # (B, Tq, h, d)
 
 

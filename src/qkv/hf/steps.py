@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from qkv.functional import attention_steps
 from qkv.hf.ablate import zero_heads
+from qkv.hf.masks import empty_rows, fill_empty_rows, fill_empty_weights
 
 __all__ = ["HFCall", "output_projection", "record_call", "walk"]
 
@@ -138,7 +139,11 @@ def walk(call: HFCall, head: int) -> dict:
         if opts.get(name) is not None and opts[name].shape[0] > 1:
             opts[name] = opts[name][:1]
     s = attention_steps(q, k, v, **opts)
-    out = zero_heads(call.module, s.output.transpose(1, 2))  # (1, Tq, h, d_v): ablation kept
+    output, weights = s.output, s.weights
+    empty = empty_rows(opts.get("mask"), k.shape[2])
+    if empty is not None:  # rows that see no key: eager's even weights, as the adapter gives
+        output, weights = fill_empty_rows(empty, v, output), fill_empty_weights(empty, weights)
+    out = zero_heads(call.module, output.transpose(1, 2))  # (1, Tq, h, d_v): ablation kept
     concat = out.reshape(1, out.shape[1], -1)  # (1, Tq, h·d_v)
     proj = output_projection(call.module, concat.shape[-1])
     wo = None if proj is None else proj(concat.to(call.query.dtype))  # (1, Tq, d_model)
@@ -156,7 +161,7 @@ def walk(call: HFCall, head: int) -> dict:
         "context": None if call.context is None else call.context[0],
         "q": q[0, head], "k": k[0, kv], "v": v[0, kv],
         "scores": s.scores[0, head], "scaled": s.scaled[0, head], "mask": mask,
-        "masked": s.masked[0, head], "weights": s.weights[0, head],
+        "masked": s.masked[0, head], "weights": weights[0, head],
         "output": out[0, :, head], "concat": concat[0], "wo": None if wo is None else wo[0],
         "scale": s.scale, "check": check,
     }  # fmt: skip
