@@ -18,8 +18,11 @@ $(STAMP): pyproject.toml setup.py Makefile scripts/setup-system.sh $(wildcard sr
 
 venv: $(STAMP)
 
+# the tour's pages and pictures go into one folder that git ignores, not the repository root
+DEMO_OUT ?= demo-out
 demo: $(STAMP)
-	HF_HUB_OFFLINE=1 $(VENV)/bin/qkv tour
+	HF_HUB_OFFLINE=1 $(VENV)/bin/qkv tour --out-dir $(DEMO_OUT)
+	@echo "make demo: pages and pictures written to $(DEMO_OUT)/ (translation.html, attention.html, *.png)"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests bench

@@ -31,6 +31,32 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from _measure import cpu_name  # noqa: E402
 
 SPLITS = ("val", "test_2016_flickr", "test_2017_flickr")
+LANGUAGES = {"en": "English", "fr": "French", "de": "German", "cs": "Czech"}
+
+
+def limits_section(src: str, tgt: str, vocab: int) -> list[str]:
+    """The card's "what it is for" section: the training data, and what it is not for."""
+    s, t = LANGUAGES.get(src, src), LANGUAGES.get(tgt, tgt)
+    return [
+        "## What it learned from, and what it is not for",
+        "",
+        f"- Trained on Multi30k task 1 only: 29,000 {s} captions of Flickr photos with their "
+        f"{t} translations. Short, literal descriptions of people, animals and scenes (\"Two "
+        "dogs play in the snow.\"): at most about 40 words, most under 20; a vocabulary of "
+        f"{vocab:,} pieces.",
+        "- For: short, everyday descriptive sentences, one at a time, and for studying how a "
+        "small translator attends (`qkv serve`, `qkv tour`).",
+        "- Not for: long sentences, several sentences that depend on each other, questions and "
+        "dialogue, technical, legal, medical or formal text, names and words outside the "
+        "captions, or anything where a wrong translation does harm. Outside its data it can "
+        "write fluent nonsense; the checks below catch only the plain cases.",
+        "- What `qkv.translate` does about it: no 4-gram of tokens is written twice (a sentence "
+        "it cannot handle ends instead of looping), the output has at most 2·source + 10 "
+        "tokens, a line in capitals is translated in sentence case and put back into capitals, "
+        "and a line of more than 40 words or of many unknown words gets a warning (a note on "
+        "stderr from `qkv translate`, `warnings` in `qkv serve`'s answer).",
+        "",
+    ]
 
 
 def score(tr, pairs, beam: int, lenpen: float) -> tuple[float, float, float]:
@@ -156,6 +182,7 @@ def main() -> int:
         f"Regression guard: greedy BLEU on the first 200 sentences of test_2016_flickr = "
         f"**{sub_bleu:.2f}** (`tests/test_shipped.py`).",
         "",
+        *limits_section(src, tgt, tr.tokenizer.vocab_size),
         "## How it was made",
         "",
         f"- Command (every option spelled out): `{command_of(targs)}`",

@@ -3,6 +3,8 @@ real server on 127.0.0.1."""
 
 from __future__ import annotations
 
+import http.client
+import json
 import socket
 import threading
 import time
@@ -92,3 +94,19 @@ def running_server(app) -> Iterator[int]:
         srv.should_exit = True
         th.join(timeout=10)
         sock.close()
+
+
+def page_ready(page) -> None:
+    """Wait until the explorer page has finished its current request (``data-ready``)."""
+    page.wait_for_timeout(50)
+    page.wait_for_selector("body[data-ready='1']")
+
+
+def post_json(server: str, **body) -> dict:
+    """POST ``body`` to ``server``'s /api/attention (``http://host:port``); the JSON answer."""
+    host, port = server.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn.request("POST", "/api/attention", json.dumps(body), {"Content-Type": "application/json"})
+    out = json.loads(conn.getresponse().read())
+    conn.close()
+    return out

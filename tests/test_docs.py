@@ -4,11 +4,12 @@ five-minute commands run as written."""
 import os
 import re
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+import deadline
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
@@ -17,9 +18,9 @@ FIVE = README[README.index("## Five minutes") : README.index("## The library at 
 
 def test_docs_site_builds_strict(tmp_path):
     pytest.importorskip("mkdocs")
-    r = subprocess.run(
+    r = deadline.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        300, "mkdocs build", cwd=ROOT, capture_output=True, text=True,
         env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]

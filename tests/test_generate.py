@@ -7,7 +7,7 @@ import torch
 
 from qkv.data import Tokenizer
 from qkv.dispatch import UNTUNED_DECODE
-from qkv.generate import beam_search, greedy_search, translate
+from qkv.generate import _repeats, beam_search, greedy_search, translate
 from qkv.kernels._native import int8_ops, native_level, native_status
 from qkv.kernels.int8 import quantize_linears
 from qkv.models import Seq2SeqTransformer, TransformerConfig
@@ -519,3 +519,58 @@ def test_fused_encoder_equals_model_encode(kw, S, int8):
         assert dec._encode_fused(empty, model.src_mask(empty)) is None
         with pytest.raises(ValueError, match="ids must lie in"):
             dec.encode(src + 100, mask)
+
+
+def _has_repeat(seq: list[int], n: int) -> bool:
+    seq = [t for t in seq if t not in (0, 2)]  # what was written, up to </s>
+    grams = [tuple(seq[i : i + n]) for i in range(len(seq) - n + 1)]
+    return len(grams) != len(set(grams))
+
+
+def test_repeats_names_the_token_after_each_earlier_occurrence():
+    hist = torch.tensor([[5, 6, 7, 5, 6], [5, 6, 7, 8, 9], [4, 4, 4, 4, 4]])
+    rows, toks = _repeats(hist, 3)  # last 2 tokens (5, 6) came before, then 7; (4, 4): then 4
+    assert sorted(zip(rows.tolist(), toks.tolist())) == [(0, 7), (2, 4), (2, 4), (2, 4)]
+    assert _repeats(hist[1:2], 3) is None and _repeats(hist[:, :2], 3) is None
+    rows, toks = _repeats(hist, 2)  # last token 6 came before, then 7; 4: then 4 (four times)
+    assert sorted(zip(rows.tolist(), toks.tolist())) == [(0, 7)] + [(2, 4)] * 4
+    with pytest.raises(ValueError, match="no_repeat_ngram"):
+        greedy_search(model_(), SRC, no_repeat_ngram=1)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_no_repeated_ngram_greedy_and_beam_cached_or_not(n):
+    """A random model loops; with the guard no output repeats an n-gram, the cached paths
+    equal the uncached ones, and a beam of one is greedy."""
+    model = model_(seed=5)
+    plain = greedy_search(model, RAGGED, max_new_tokens=30)
+    assert any(_has_repeat(r, n) for r in plain.tolist())  # it does loop without the guard
+    for K in (1, 3):
+        fast = beam_search(model, RAGGED, beam_size=K, max_new_tokens=30, no_repeat_ngram=n)
+        slow = beam_search(model, RAGGED, beam_size=K, max_new_tokens=30, no_repeat_ngram=n,
+                           use_cache=False)  # fmt: skip
+        assert torch.equal(fast, slow)
+        assert not any(_has_repeat(r, n) for r in fast.tolist())
+    greedy = greedy_search(model, RAGGED, max_new_tokens=30, no_repeat_ngram=n)
+    assert torch.equal(greedy, greedy_search(model, RAGGED, max_new_tokens=30,
+                                             no_repeat_ngram=n, use_cache=False))  # fmt: skip
+    assert not any(_has_repeat(r, n) for r in greedy.tolist())
+    beam1 = beam_search(model, RAGGED, beam_size=1, max_new_tokens=30, no_repeat_ngram=n)
+    T = max(greedy.shape[1], beam1.shape[1])
+    pad = lambda t: torch.nn.functional.pad(t, (0, T - t.shape[1]))  # noqa: E731
+    assert torch.equal(pad(greedy), pad(beam1))
+
+
+def test_the_guard_keeps_the_models_log_probabilities():
+    """Beam search with the guard scores its hypotheses as the model does (no renormalising
+    over the tokens left): each kept hypothesis' score is its log-probability / length^alpha."""
+    model = model_(seed=6)
+    src = SRC[:1]
+    ids, scores = beam_search(model, src, beam_size=4, max_new_tokens=12, no_repeat_ngram=2,
+                              n_best=4, length_penalty=1.0)  # fmt: skip
+    for seq, sc in zip(ids[0].tolist(), scores[0].tolist()):
+        if sc == float("-inf"):
+            continue
+        seq = seq[: seq.index(2) + 1]
+        assert not _has_repeat(seq, 2)
+        assert sc == pytest.approx(sequence_logprob(model, src, seq) / len(seq), abs=1e-4)

@@ -6,6 +6,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -55,6 +58,12 @@ def test_health_lists_models_and_page_has_csp(client):
     strings = client.get("/static/i18n/strings.json").json()
     assert set(strings["languages"]) == {"en", "my", "vi", "bn", "zh"}
     assert all(set(strings[k]) == set(strings["en"]) for k in strings["languages"])
+    holes = lambda s: sorted(re.findall(r"\{\w+\}", s))  # noqa: E731
+    for lang in strings["languages"]:  # every placeholder of the English text, none more
+        bad = [k for k, v in strings[lang].items() if holes(v) != holes(strings["en"][k])]
+        assert bad == [], (lang, bad)
+    labelled = {m["name"]: m["label_key"] for m in r.json()["models"]}
+    assert labelled["random"] == "model.random" and labelled["tiny-fr"] == ""  # a DIR: its name
 
 
 def _torch_weights(module, x: torch.Tensor) -> torch.Tensor:
@@ -248,6 +257,38 @@ def test_cli_missing_model_dir_is_one_line(capsys, tmp_path):
         assert main(argv) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("qkv serve: error:")
+
+
+def test_a_translation_far_from_the_training_data_comes_with_a_note(client):
+    """Capitals fall apart into pieces the vocabulary does not know: said in the answer, as a
+    code for the page (in the reader's language) and as an English note."""
+    r = post(client, text="A GROUP OF MUSICIANS IS PLAYING ON THE STAGE.", model="en-fr",
+             translate=True)  # fmt: skip
+    tr = r.json()["translation"]
+    assert [w["code"] for w in tr["warnings"]] == ["pieces"] and "vocabulary" in tr["note"]
+    tr = post(client, text=BOY, model="en-fr", translate=True).json()["translation"]
+    assert tr["warnings"] == [] and tr["note"] is None
+    assert tr["text"] in ("Le garçon entraîne le chiot.", "Le garçon dresse le chiot.")
+
+
+def test_a_model_dir_without_tokenizer_is_refused_at_start(capsys, tmp_path, reg):
+    """Not served and then refused on every request: one line at start, exit 2."""
+    from qkv.apps.cli import main
+    from serve_helpers import _SAVED
+
+    tiny = Path(_SAVED["tiny-fr"])  # saved by the reg fixture
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for f in ("config.json", "model.safetensors"):
+        shutil.copy(tiny / f, bare / f)
+    hf = tmp_path / "hf"  # a transformers directory: weights and config, no tokenizer
+    hf.mkdir()
+    (hf / "config.json").write_text('{"model_type": "bert"}')
+    (hf / "model.safetensors").write_bytes(b"")
+    for d, want in ((bare, "tokenizer.json"), (hf, "vocab.txt"), (tmp_path, "no config.json")):
+        assert main(["serve", "--model", f"mine={d}"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("qkv serve: error: --model mine=") and want in err[0]
 
 
 def test_qkv_view_writes_the_explorer_page_with_the_same_limits(tmp_path, capsys):

@@ -20,7 +20,8 @@ XSS = "<script>alert(1)</script> <img src=x onerror=alert(1)> \"'><svg onload=al
 
 uvicorn = pytest.importorskip("uvicorn")
 from qkv.apps.serve.app import create_app  # noqa: E402
-from serve_helpers import one_thread, registry  # noqa: E402
+from serve_helpers import one_thread, post_json, registry  # noqa: E402
+from serve_helpers import page_ready as _ready  # noqa: E402
 
 
 def _free_port() -> int:
@@ -83,20 +84,6 @@ def _open(browser, url):
     return page, errors, dialogs, outside
 
 
-def _ready(page):
-    page.wait_for_timeout(50)
-    page.wait_for_selector("body[data-ready='1']")
-
-
-def _post(server: str, **body) -> dict:
-    host, port = server.removeprefix("http://").split(":")
-    conn = http.client.HTTPConnection(host, int(port), timeout=60)
-    conn.request("POST", "/api/attention", json.dumps(body), {"Content-Type": "application/json"})
-    out = json.loads(conn.getresponse().read())
-    conn.close()
-    return out
-
-
 def _shot(page, name):
     ARTIFACTS.mkdir(exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / f"serve_{name}.png"))
@@ -139,7 +126,7 @@ def test_every_view_renders_and_languages_switch(server, browser):
     page.click(".toks.left div[data-i='10']")
     assert "pinned" in page.get_attribute(".toks.left div[data-i='10']", "class")
     shown = page.eval_on_selector_all(".blocks span", "s => s.map(x => +x.dataset.v)")
-    resp = _post(server, text=page.input_value("#text"), model="random")
+    resp = post_json(server, text=page.input_value("#text"), model="random")
     want = resp["layers"][0]
 
     def want_stats(layer):
@@ -236,7 +223,7 @@ def test_hostile_text_fires_nothing(server, browser):
     labels = page.eval_on_selector_all(".toks.left div", "ds => ds.map(d => d.textContent)")
     assert "<" in labels and "script" in labels and "onerror" in labels
     assert page.eval_on_selector_all("img, svg, iframe", "x => x.length") == 0
-    assert page.eval_on_selector_all("script", "s => s.length") == 1
+    assert page.eval_on_selector_all("script", "s => s.length") == 2  # export.js, app.js
     page.wait_for_timeout(200)
     assert dialogs == [] and errors == []
     page.close()
@@ -316,4 +303,161 @@ def test_notebook_view_is_self_contained_and_safe(browser, tmp_path):
     toks, ids = big.tokenize(" ".join(["word"] * 600))
     html = capture(big, ids, tokens=toks)._repr_html_()
     assert len(html) < 4_000_000 and "Cut to the first" in html
+    page.close()
+
+
+# The page's words as the reader sees them: visible text, the chosen option of each menu,
+# tooltips and accessible names; never what is marked translate="no" (tokens, translations,
+# layer names: data, not words of the page).
+_UI_TEXT = """() => {
+  const out = [], data = (e) => !e || e.closest("[translate='no'], script, style, #tip");
+  const walk = document.createTreeWalker(document.body, NodeFilter.SHOW_TEXT);
+  for (let n = walk.nextNode(); n; n = walk.nextNode()) {
+    const p = n.parentElement;
+    if (!data(p) && !p.closest("select") && p.checkVisibility() && n.textContent.trim()) out.push(n.textContent);
+  }
+  for (const s of document.querySelectorAll("select")) {
+    if (!data(s) && s.checkVisibility() && s.selectedOptions.length) out.push(s.selectedOptions[0].textContent);
+  }
+  for (const e of document.querySelectorAll("[title], [aria-label]")) {
+    if (!data(e) && e.checkVisibility()) out.push(e.title || "", e.getAttribute("aria-label") || "");
+  }
+  return out.join("\\n");
+}"""
+
+
+def _english_left(strings: dict, lang: str, text: str) -> list[tuple[str, str]]:
+    """English words of the strings table still on a page shown in ``lang``: each piece of an
+    English text between its placeholders, unless ``lang``'s own table uses it too (a term it
+    keeps, such as "token" or "Q·Kᵀ"). Pieces without a word of 3+ letters are skipped."""
+    import re
+
+    own = "\n".join(strings[lang].values())
+    left = []
+    for key, english in strings["en"].items():
+        if strings[lang][key] == english:
+            continue
+        for piece in re.split(r"\{\w+\}", english):
+            piece = piece.strip(" .,:;()“”—←→▶❚·=%#…")
+            if not re.search(r"[A-Za-z]{3}", piece) or piece in own:
+                continue
+            if re.search(rf"(?<![\w-]){re.escape(piece)}(?![\w-])", text):
+                left.append((key, piece))
+    return left
+
+
+@pytest.mark.parametrize("lang", ["my", "vi", "bn", "zh"])
+def test_every_view_is_in_the_readers_language(server, browser, lang):
+    strings = json.loads(
+        (Path(__file__).parents[1] / "src/qkv/apps/serve/static/i18n/strings.json").read_text()
+    )
+    page, errors, dialogs, outside = _open(browser, f"{server}/?model=tiny-fr&translate=1"
+                                           f"&text=the%20boy%20trains%20the%20puppy&lang={lang}")  # fmt: skip
+    assert page.get_attribute("html", "lang") == lang
+
+    def check(where: str) -> None:
+        text = page.evaluate(_UI_TEXT)
+        assert _english_left(strings, lang, text) == [], (lang, where, text)
+
+    for view in ("step", "head", "model", "trans", "work"):
+        page.click(f".tab[data-view='{view}']")
+        _ready(page)
+        check(view)
+    page.click(".tab[data-view='trans']")
+    page.select_option("#beam", "2")  # the beam table and the greedy line
+    _ready(page)
+    page.wait_for_selector("#beams")
+    check("trans, beam 2")
+    page.click(".tab[data-view='work']")
+    page.uncheck("input.switch[data-layer='decoder.layers.0.self_attn'][data-head='0']")
+    page.click("#ablate-run")  # what changed; the probe's "it" is not in the text: its message
+    _ready(page)
+    page.wait_for_selector("#changes")
+    check("work, a head off")
+    page.select_option("#model", "random")  # the random-weights notice
+    _ready(page)
+    assert not page.is_hidden("#notice")
+    page.click(".tab[data-view='work']")
+    page.click("#probe-example")  # the probe's verdict
+    _ready(page)
+    page.wait_for_selector("#probe-verdict")
+    check("work, probe")
+    for view in ("step", "head", "model", "trans", "work"):
+        page.click(f".tab[data-view='{view}']")
+        _ready(page)
+        check(f"random, {view}")
+    page.fill("#text", " ")  # refused by the server: the error, in the reader's words
+    page.press("#text", "Enter")
+    _ready(page)
+    assert page.text_content("#notice") and not page.is_hidden("#notice")
+    check("error")
+    page.fill("#text", "A GROUP OF MUSICIANS IS PLAYING ON THE STAGE.")  # far from the captions
+    page.select_option("#model", "en-fr")  # (a shipped translator: it ticks translate)
+    _ready(page)
+    assert strings[lang]["warn.pieces"] in page.text_content("#notice")
+    check("warning")
+    page.select_option("#lang", "en")  # and back: the same page in English
+    assert page.text_content("#run") == "Run" and page.get_attribute("html", "lang") == "en"
+    assert dialogs == [] and _but_refusals(errors) == [] and outside == []
+    page.close()
+
+
+def test_a_failed_request_clears_the_maps_and_says_why(browser, tmp_path):
+    """A model that fails every request: the previous model's maps do not stay under its name."""
+    from qkv.apps.serve.models import Registry, default_registry
+    from serve_helpers import running_server
+
+    def broken():
+        raise ValueError("this model cannot read text")
+
+    reg = Registry()
+    reg._entries["random"] = default_registry()._entries["random"]
+    reg.add("broken", broken)
+    with one_thread(), running_server(create_app(reg)) as port:
+        page, errors, dialogs, _ = _open(browser, f"http://127.0.0.1:{port}/?model=random")
+        assert page.eval_on_selector_all("#view-step .card", "cs => cs.length") > 0
+        page.select_option("#model", "broken")
+        _ready(page)
+        notice = page.text_content("#notice")
+        assert "could not answer" in notice and "this model cannot read text" in notice
+        assert "this model cannot read text" in page.text_content("#view-step")
+        for view in ("step", "head", "model", "trans", "work"):
+            page.click(f".tab[data-view='{view}']")
+            assert page.eval_on_selector_all(f"#view-{view} canvas, #view-{view} .card",
+                                             "x => x.length") == 0  # fmt: skip
+        assert page.eval_on_selector_all("#layer option", "o => o.length") == 0
+        assert page.eval_on_selector_all("#stats tbody tr", "r => r.length") == 0
+        assert page.text_content("#status") == ""
+        _shot(page, "failed_request")
+        page.select_option("#model", "random")  # and back: maps again, no error
+        _ready(page)
+        assert page.is_hidden("#notice") is False  # the random-weights notice
+        assert "could not answer" not in page.text_content("#notice")
+        assert page.eval_on_selector_all("#view-work .card", "cs => cs.length") > 0
+        assert dialogs == [] and _but_refusals(errors) == []
+        page.close()
+
+
+def _but_refusals(errors: list[str]) -> list[str]:
+    """The console's errors but the browser's own line for each 4xx the server answered."""
+    return [e for e in errors if not e.startswith("Failed to load resource: the server responded")]
+
+
+def test_the_layer_menu_is_never_cut(server, browser):
+    """At 1280×800 the layer menu is as wide as its longest name (e.g. a decoder's
+    "decoder.layers.1.cross_attn (cross)"), in every language, and the page does not scroll
+    sideways."""
+    page, errors, _, _ = _open(browser, f"{server}/?model=tiny-fr&translate=1&view=trans")
+    natural = """s => { const c = s.cloneNode(true); c.style.cssText = "position:absolute;max-width:none";
+      document.body.append(c); const w = c.getBoundingClientRect().width; c.remove();
+      return [s.getBoundingClientRect().width, w, s.getBoundingClientRect().right]; }"""
+    for lang in ("en", "my", "vi", "bn", "zh"):
+        page.select_option("#lang", lang)
+        shown, wanted, right = page.eval_on_selector("#layer", natural)
+        assert shown >= wanted - 0.5 and right <= 1280, (lang, shown, wanted, right)
+        assert page.evaluate("document.documentElement.scrollWidth") <= 1280
+    page.select_option("#lang", "en")
+    assert page.input_value("#layer") == "decoder.layers.1.cross_attn"
+    _shot(page, "layer_menu")
+    assert errors == []
     page.close()

@@ -63,3 +63,32 @@ def test_int8_keeps_the_bleu_of_the_card():
     pairs = multi30k("test_2016_flickr", tr.src, tr.tgt)[:200]
     bleu, _ = bleu_chrf(tr([s for s, _ in pairs], beam=1), [t for _, t in pairs])
     assert abs(bleu - card["test_2016_flickr_first200_greedy_bleu"]) < 0.5
+
+
+def test_a_sentence_in_capitals_is_translated_and_put_back_in_capitals():
+    """A caption in capitals used to come out as "Une bande de MAS PSILOIINIIITATATOREEE...":
+    the captions the model learned from have almost no capitals."""
+    tr = load("en-fr")
+    with pytest.warns(UserWarning, match="all in capitals"):
+        out = tr("THE BOY TRAINS THE PUPPY.")
+    assert NOTES_FR.fullmatch(out.lower().capitalize()), out  # "LE GARÇON ENTRAÎNE LE CHIOT."
+    assert out == out.upper()
+
+
+LONG = ("A man sits on a bench holding his dog and looking at the water, while a boy and his "
+        "younger brother playing together at the playground and a woman in blue looks in a "
+        "black leather bag while sitting on a bench during a sunny afternoon while people and "
+        "limousines passed behind her.")  # fmt: skip
+
+
+@pytest.mark.parametrize("beam", [1, 5])
+def test_a_long_sentence_is_flagged_and_does_not_loop(beam):
+    """53 words, longer than any training caption: greedy decoding used to loop ("tandis
+    qu'elle regarde une aire de jeux, tandis qu'elle regarde...") to the length limit."""
+    tr = load("en-fr")
+    with pytest.warns(UserWarning, match="This sentence has 53 words"):
+        out = tr(LONG, beam=beam)
+    ids = tr.tokenizer.encode(out)
+    grams = [tuple(ids[i : i + 4]) for i in range(len(ids) - 3)]
+    assert len(grams) == len(set(grams)), out
+    assert len(ids) < 1.5 * len(tr.tokenizer.encode(LONG)), out

@@ -112,3 +112,48 @@ def test_a_translator_is_a_plain_callable(tiny_dir):
         tr("a dog", beam=0)
     with pytest.raises(TypeError):
         tr([1, 2])
+
+
+def test_no_text_on_a_terminal_says_how_instead_of_waiting(tiny_dir, capsys, monkeypatch):
+    """``qkv translate`` with nothing to translate and a terminal as stdin: exit 2 at once,
+    one line saying how to give text (a pseudo-terminal: isatty is the real one)."""
+    import os
+    import pty
+
+    master, slave = pty.openpty()
+    with os.fdopen(slave, "r") as tty:
+        monkeypatch.setattr("sys.stdin", tty)
+        assert main(["translate", "--model", str(tiny_dir)]) == 2
+    os.close(master)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("qkv translate: error: no text to translate")
+    assert "--file" in err[0] and "| qkv translate" in err[0]
+
+
+def test_capitals_are_translated_as_a_caption_and_put_back(tiny_dir):
+    from qkv.translate import in_capitals, sentence_case
+
+    assert in_capitals("A DOG RUNS IN THE PARK.") and not in_capitals("A dog runs in NYC.")
+    assert not in_capitals("I") and not in_capitals("USA") and not in_capitals("42 !")
+    assert sentence_case("A DOG RUNS. I SEE IT! “WHO?” he asks", "en") == \
+        "A dog runs. I see it! “Who?” he asks"  # fmt: skip
+    tr = load(tiny_dir)
+    with pytest.warns(UserWarning, match="all in capitals"):
+        out = tr("A DOG RUNS IN THE PARK")
+    assert out == tr("A dog runs in the park").upper()
+
+
+def test_far_from_the_training_data_warns_once_per_line_a_few_lines_at_most(tiny_dir):
+    tr = load(tiny_dir)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an ordinary caption: no warning
+        tr("a dog runs in the park")
+    long = " ".join(["a dog runs in the park"] * 9)  # 54 words in one sentence
+    with pytest.warns(UserWarning, match="This sentence has 54 words"):
+        tr(long)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tr([long] * 9)
+    said = [str(w.message) for w in caught if "source tokens" not in str(w.message)]
+    assert said[0].startswith("line 1: This sentence has 54 words") and len(said) == 6
+    assert said[-1] == "4 more such notes on 4 more line(s)"

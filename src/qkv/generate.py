@@ -9,6 +9,13 @@ reordered by index); any other model through ``model.decode(..., cache=model.new
 ``use_cache=False`` recomputes the whole prefix every step: the slow reference that the cached
 paths must equal, token for token.
 
+``no_repeat_ngram=n`` (greedy and beam search) never writes an n-gram of tokens twice in one
+hypothesis, as production decoders do (``no_repeat_ngram_size``): a small model out of its
+depth otherwise loops ("ses cordes, ses cordes, ...") until the length limit. The guard works
+in Python on what each step returns: greedy sets the banned logits to ``-inf`` before the
+compiled pick; beam search asks the compiled top-k for a few more candidates and drops the
+banned ones (the others keep the model's log-probabilities).
+
 Shapes: ``src (B, S)`` → generated ids ``(B, T)`` (after ``<s>``; ``</s>`` then ``<pad>``).
 """
 
@@ -62,6 +69,38 @@ def _check_src(src: Tensor) -> None:
 def _check_min(min_new_tokens: int) -> None:
     if not isinstance(min_new_tokens, int) or min_new_tokens < 0:
         raise ValueError(f"min_new_tokens must be an int >= 0, got {min_new_tokens!r}")
+
+
+def _check_ngram(n: int) -> None:
+    if not isinstance(n, int) or n < 0 or n == 1:
+        raise ValueError(f"no_repeat_ngram must be 0 (off) or an int >= 2, got {n!r}")
+
+
+def _repeats(hist: Tensor, n: int) -> tuple[Tensor, Tensor] | None:
+    """The tokens that would repeat an n-gram: ``hist (N, L)`` holds what each hypothesis
+    wrote so far; a token is banned for row ``r`` if it followed an earlier occurrence of the
+    row's last ``n - 1`` tokens. Returns ``(rows, tokens)`` (pairs, possibly repeated), or
+    ``None`` when nothing is banned (most steps). A few small tensor operations per step."""
+    L = hist.shape[1]
+    if n < 2 or L < n:
+        return None
+    suffix = hist[:, L - n + 1 :]  # (N, n-1): the n-gram's start if the next token completes it
+    windows = hist[:, : L - 1].unfold(1, n - 1, 1)  # (N, L-n+1, n-1), started at 0..L-n
+    rows, starts = (windows == suffix[:, None, :]).all(-1).nonzero(as_tuple=True)
+    if rows.numel() == 0:
+        return None
+    return rows, hist[rows, starts + n - 1]
+
+
+def _drop_banned(top: Tensor, idx: Tensor, banned: tuple[Tensor, Tensor], offsets: Tensor,
+                 V: int, k: int) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """The ``k`` best of beam search's candidates ``top, idx (B, k + extra)`` that are not
+    banned: ``banned`` pairs (row, token), rows ``offsets (B, 1) + beam``. Best first, ties
+    in the kernel's order."""
+    keys = banned[0] * V + banned[1]  # row·V + token
+    top = top.masked_fill(torch.isin(offsets * V + idx, keys), float("-inf"))
+    top, order = top.sort(dim=1, descending=True, stable=True)
+    return top[:, :k], idx.gather(1, order[:, :k])
 
 
 class _Steps:
@@ -125,6 +164,7 @@ def greedy_search(
     use_cache: bool = True,
     ignore_eos: bool = False,
     cache_dtype: torch.dtype | None = None,
+    no_repeat_ngram: int = 0,
 ) -> Tensor:
     """Most likely next token at every step. Returns ids ``(B, T)``, pad after ``</s>``.
 
@@ -132,17 +172,20 @@ def greedy_search(
     likely token is). ``ignore_eos`` keeps going for exactly ``max_new_tokens``, ``</s>`` or
     not (benchmarks). ``cache_dtype``: storage dtype of the self-attention caches (e.g.
     ``torch.bfloat16`` for an fp32 model, or ``torch.int8``: rows of int8 values and a scale,
-    see :mod:`qkv.cache`; the default keeps the model's dtype).
+    see :mod:`qkv.cache`; the default keeps the model's dtype). ``no_repeat_ngram=n`` (>= 2):
+    no n-gram of tokens is written twice (the next most likely token is); 0: off.
 
     >>> out = greedy_search(model, torch.tensor([[5, 6, 2]]))  # doctest: +SKIP
     """
     _check_src(src)
     _check_min(min_new_tokens)
+    _check_ngram(no_repeat_ngram)
     cfg = model.cfg
     limits = _limits(model, src, max_new_tokens)  # (B,)
     T_max = int(limits.max())
     if use_cache:
-        return _greedy_cached(model, src, limits, T_max, min_new_tokens, ignore_eos, cache_dtype)
+        return _greedy_cached(model, src, limits, T_max, min_new_tokens, ignore_eos, cache_dtype,
+                              no_repeat_ngram)  # fmt: skip
     B, dev = src.shape[0], src.device
     ys = torch.full((B, T_max + 1), cfg.pad_id, dtype=torch.long, device=dev)
     ys[:, 0] = cfg.bos_id
@@ -152,6 +195,8 @@ def greedy_search(
     n = 0
     for t in range(T_max):
         logits = model.decode(ys[:, : t + 1], memory, mask)[:, -1]
+        if no_repeat_ngram and (banned := _repeats(ys[:, 1 : t + 1], no_repeat_ngram)):
+            logits[banned] = float("-inf")
         nxt = _argmax(logits, cfg.eos_id if t < min_new_tokens else -1)  # (B,)
         n = t + 1
         if ignore_eos:
@@ -166,7 +211,7 @@ def greedy_search(
 
 
 def _greedy_cached(model, src: Tensor, limits: Tensor, T_max: int, min_new_tokens: int,
-                   ignore_eos: bool, cache_dtype) -> Tensor:  # fmt: skip
+                   ignore_eos: bool, cache_dtype, no_repeat_ngram: int = 0) -> Tensor:  # fmt: skip
     """greedy_search with the cache: a sentence that finished leaves the batch (later steps
     skip its rows). The tokens are kept step-major, so each step's are one contiguous row
     that the next step reads as it is."""
@@ -184,6 +229,10 @@ def _greedy_cached(model, src: Tensor, limits: Tensor, T_max: int, min_new_token
     try:
         for t in range(T_max):
             logits = steps(tokens)  # (B_alive, V)
+            if no_repeat_ngram and t >= no_repeat_ngram:
+                written = out[1 : t + 1] if alive is None else out[1 : t + 1, alive]  # (t, B_alive)
+                if banned := _repeats(written.t(), no_repeat_ngram):
+                    logits[banned] = float("-inf")  # this step's output: the next rewrites it
             n = t + 1
             block = cfg.eos_id if t < min_new_tokens else -1
             if alive is None and module is not None and logits.dtype == torch.float32:
@@ -256,6 +305,7 @@ def beam_search(
     use_cache: bool = True,
     cache_dtype: torch.dtype | None = None,
     n_best: int = 1,
+    no_repeat_ngram: int = 0,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Beam search; a finished hypothesis scores ``log p / len ** length_penalty``.
 
@@ -266,10 +316,12 @@ def beam_search(
     ``B·beam_size`` rows per step). Returns the best hypothesis per sentence, ids ``(B, T)``;
     with ``n_best > 1``, the ``n_best`` best hypotheses that ended (best first) and their
     scores: ``(ids (B, n_best, T), scores (B, n_best))``, padded with ``pad_id`` and ``-inf``
-    where fewer ended.
+    where fewer ended. ``no_repeat_ngram=n`` (>= 2): no hypothesis writes an n-gram of tokens
+    twice (its log-probability stays what the model gives; the n-gram is just never taken).
     """
     _check_src(src)
     _check_min(min_new_tokens)
+    _check_ngram(no_repeat_ngram)
     if beam_size < 1:
         raise ValueError(f"beam_size must be >= 1, got {beam_size}")
     if not 1 <= n_best <= beam_size:
@@ -308,7 +360,12 @@ def beam_search(
             logits = model.decode(ys[:, : t + 1], memory, mask)[:, -1]
         V = logits.shape[-1]
         block = eos if t < min_new_tokens else -1
-        top, idx = _candidates(logits, scores.view(-1), K, 2 * K, block)  # (B_alive, 2K)
+        banned = _repeats(ys[:, 1 : t + 1], no_repeat_ngram) if no_repeat_ngram else None
+        # a sentence with m banned (hypothesis, token) pairs needs 2K + m candidates to keep 2K
+        extra = int(torch.bincount(banned[0] // K).max()) if banned else 0
+        top, idx = _candidates(logits, scores.view(-1), K, 2 * K + extra, block)  # (B_alive, 2K+m)
+        if banned:
+            top, idx = _drop_banned(top, idx, banned, offsets, V, 2 * K)  # (B_alive, 2K)
         beam, tok = idx // V, idx % V
         # </s> blocked: it can only appear as a -inf filler candidate, which never counts
         hit = None if block >= 0 else tok == eos
@@ -405,9 +462,11 @@ def translate(
     max_tokens: int = 4000,
     progress: bool = False,
     cache_dtype: torch.dtype | None = None,
+    no_repeat_ngram: int = 0,
 ) -> list[str]:
     """Translate ``sentences`` (batched by length, in order). ``beam_size=1`` is greedy;
-    ``cache_dtype`` as :func:`greedy_search`'s."""
+    ``cache_dtype`` and ``no_repeat_ngram`` as :func:`greedy_search`'s. Each output has at most
+    ``2·len(source) + 10`` tokens."""
     from tqdm import tqdm
 
     if isinstance(sentences, str):
@@ -438,10 +497,11 @@ def translate(
                 src[r, : len(ids[i])] = torch.tensor(ids[i])
             src = src.to(dev)
             if beam_size == 1:
-                hyp = greedy_search(model, src, cache_dtype=cache_dtype)
+                hyp = greedy_search(model, src, cache_dtype=cache_dtype,
+                                    no_repeat_ngram=no_repeat_ngram)  # fmt: skip
             else:
                 hyp = beam_search(model, src, beam_size=beam_size, length_penalty=length_penalty,
-                                  cache_dtype=cache_dtype)  # fmt: skip
+                                  cache_dtype=cache_dtype, no_repeat_ngram=no_repeat_ngram)  # fmt: skip
             for r, i in enumerate(batch):
                 out[i] = tokenizer.decode(hyp[r].tolist())
     return out

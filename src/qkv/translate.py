@@ -1,7 +1,17 @@
 """Translation with a trained model, by name or directory (the command line: :mod:`qkv.apps.translate`).
 
 qkv ships two models trained on Multi30k with ``qkv train`` (``en-fr``, the default, and
-``fr-en``); any ``qkv train`` run directory works too.
+``fr-en``); any ``qkv train`` run directory works too. Multi30k is 29,000 English image
+captions (at most ~40 words, most under 20) with their French: the models translate short
+descriptive sentences, not long or technical text. A :class:`Translator` knows its limits:
+
+* it never writes a 4-gram of tokens twice (``no_repeat_ngram``), so a sentence it cannot
+  handle ends instead of looping to the length limit (``2·source + 10`` tokens);
+* a line in capitals (``A GROUP OF MUSICIANS``) is translated in sentence case, then put back
+  into capitals: the captions it learned from have almost no words in capitals;
+* it warns (:class:`UserWarning`; ``qkv translate`` prints a note) when a line is far from
+  the training data: a sentence of more than 40 words, or many words the vocabulary does not
+  know (split into small pieces).
 
     qkv translate "The boy trains the puppy."
     echo "Un chien court." | qkv translate --model fr-en
@@ -15,6 +25,7 @@ qkv ships two models trained on Multi30k with ``qkv train`` (``en-fr``, the defa
 
 from __future__ import annotations
 
+import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,15 +35,98 @@ from torch import nn
 
 from qkv.data import Tokenizer
 from qkv.generate import translate as _decode
-from qkv.limits import split_to_fit
+from qkv.limits import split_sentences, split_to_fit
 from qkv.loading import read_json
 from qkv.models import load_pretrained
 from qkv.models.io import resolve_dir
 from qkv.models.shipped import DEFAULT, shipped, shipped_dir
 
-__all__ = ["Translator", "load", "load_translator"]
+__all__ = [
+    "NO_REPEAT_NGRAM",
+    "Translator",
+    "in_capitals",
+    "load",
+    "load_translator",
+    "sentence_case",
+    "source_warnings",
+    "warning_text",
+]
 
-GENERATION_FILE = "generation.json"  # {"src", "tgt", "beam", "length_penalty"}: decoding defaults
+# {"src", "tgt", "beam", "length_penalty", optional "no_repeat_ngram"}: decoding defaults
+GENERATION_FILE = "generation.json"
+
+# Tokens, not words (a word is 1-3 tokens). 4: BLEU of the shipped models within -0.11..+0.49
+# of no guard on val, test_2016 and test_2017 (greedy and beam 5; 9 of 12 up) and loops cut
+# short; 3 cost 0.3 BLEU (legitimate repeats such as "un homme ... un homme" broken); 5 and 6
+# keep BLEU but let a lost model wander to the length limit ("dans une guitare dans la ...").
+NO_REPEAT_NGRAM = 4
+# The training captions: at most 37 (en) / 43 (fr) words, 99.9% at most 32.
+LONG_SENTENCE_WORDS = 40
+# Tokens per word of a training sentence: 99.9% at most 2.3 (the vocabulary knows its words);
+# an unknown word falls apart into byte-level pieces. Only from 6 tokens on (a name alone).
+PIECES_PER_WORD = 2.5
+
+# The English of each warning (the explorer has them in every language: static/i18n, "warn.*")
+WARNINGS = {
+    "long": "This sentence has {words} words; the model learned from image captions of up to "
+            "about 40 words, so the translation may be poor.",
+    "pieces": "Words here are unknown to the model's vocabulary (split into many small pieces), "
+              "so the translation may be poor.",
+    "caps": "The text is all in capitals: it was translated in lower case and the translation "
+            "put back into capitals.",
+}  # fmt: skip
+
+
+def source_warnings(tokenizer: Tokenizer, text: str) -> list[dict]:
+    """Why ``text`` is far from the captions the translators learned from: ``[{"code": "long",
+    "words": n}]`` for a sentence of more than 40 words, ``{"code": "pieces", "per_word": x}``
+    for many tokens per word (unknown words); ``[]`` for an ordinary caption.
+
+    >>> from qkv.data import Tokenizer
+    >>> tok = Tokenizer.train(["a dog runs on the grass"] * 20, vocab_size=300)
+    >>> source_warnings(tok, "a dog runs on the grass")
+    []
+    >>> [w["code"] for w in source_warnings(tok, " ".join(["dog"] * 41))]
+    ['long']
+    """
+    out: list[dict] = []
+    words = max((len(s.split()) for s in split_sentences(text)), default=0)
+    if words > LONG_SENTENCE_WORDS:
+        out.append({"code": "long", "words": words})
+    n_words, n_tokens = len(text.split()), len(tokenizer.encode(text))
+    if n_words and n_tokens >= 6 and n_tokens > PIECES_PER_WORD * n_words:
+        out.append({"code": "pieces", "per_word": round(n_tokens / n_words, 1)})
+    return out
+
+
+def warning_text(w: dict) -> str:
+    """The English sentence of one of :func:`source_warnings`' warnings."""
+    return WARNINGS[w["code"]].format(**w)
+
+
+def in_capitals(text: str) -> bool:
+    """Whether ``text`` is written in capitals: no lower-case letter and at least two words of
+    two or more capitals ("I", "A" or one acronym alone are not).
+
+    >>> in_capitals("A GROUP OF MUSICIANS IS PLAYING."), in_capitals("A dog in NYC.")
+    (True, False)
+    """
+    if any(c.islower() for c in text):
+        return False
+    return sum(sum(c.isupper() for c in w) >= 2 for w in text.split()) >= 2
+
+
+def sentence_case(text: str, lang: str | None = None) -> str:
+    """``text`` in lower case with each sentence's first letter in capitals (and English
+    "I"): how the training captions are written.
+
+    >>> sentence_case("A MAN RUNS. I SEE HIM!", "en")
+    'A man runs. I see him!'
+    """
+    out = re.sub(r"(^|[.!?…]\s+)(\W*)(\w)", lambda m: m[1] + m[2] + m[3].upper(), text.lower())
+    if lang == "en":
+        out = re.sub(r"\bi\b", "I", out)
+    return out
 
 
 def _model_dir(spec: str | Path) -> Path:
@@ -73,6 +167,7 @@ class Translator:
     beam: int = 1
     length_penalty: float = 1.0
     cache_dtype: torch.dtype | None = None  # the decoder's self-attention caches (qkv.cache)
+    no_repeat_ngram: int = NO_REPEAT_NGRAM  # 0: off (qkv.generate)
 
     @property
     def max_source_tokens(self) -> int:
@@ -108,22 +203,44 @@ class Translator:
             raise ValueError(f"beam must be >= 1, got {beam}")
         limit = self.max_source_tokens
         pieces, owner = [], []  # every non-empty piece, and the line it belongs to
+        caps, notes = set(), []  # lines in capitals; (line, warning) far from the training data
         for i, line in enumerate(lines):
             if not line.strip():
                 continue
-            parts = self.pieces(line.strip())
+            text = line.strip()
+            if in_capitals(text):  # unknown to the model in capitals: translated as a caption
+                caps.add(i)
+                text = sentence_case(text, self.src)
+                notes.append((i, {"code": "caps"}))
+            notes += [(i, w) for w in source_warnings(self.tokenizer, text)]
+            parts = self.pieces(text)
             if len(parts) > 1:
                 warnings.warn(f"line {i + 1} is longer than the model's {limit} source "
                               f"tokens: translated in {len(parts)} pieces", stacklevel=2)  # fmt: skip
             pieces += parts
             owner += [i] * len(parts)
+        self._warn(notes, len(lines))
         out = _decode(self.model, self.tokenizer, pieces, beam_size=beam,
-                      length_penalty=lenpen, progress=progress,
-                      cache_dtype=self.cache_dtype) if pieces else []  # fmt: skip
+                      length_penalty=lenpen, progress=progress, cache_dtype=self.cache_dtype,
+                      no_repeat_ngram=self.no_repeat_ngram) if pieces else []  # fmt: skip
         result = [""] * len(lines)
         for i, hyp in zip(owner, out):
             result[i] = f"{result[i]} {hyp}" if result[i] else hyp
+        for i in caps:
+            result[i] = result[i].upper()
         return result[0] if single else result
+
+    @staticmethod
+    def _warn(notes: list[tuple[int, dict]], n_lines: int, most: int = 5) -> None:
+        """One UserWarning per note ("line 3: ..." when there are several lines), at most
+        ``most``, then how many more: a long file gets a few lines on stderr, not thousands."""
+        for i, w in notes[:most]:
+            text = warning_text(w)
+            warnings.warn(f"line {i + 1}: {text}" if n_lines > 1 else text, stacklevel=3)
+        if len(notes) > most:
+            lines = len({i for i, _ in notes[most:]})
+            warnings.warn(f"{len(notes) - most} more such notes on {lines} more line(s)",
+                          stacklevel=3)  # fmt: skip
 
 
 def load(spec: str | Path = DEFAULT, *, int8: bool = False) -> Translator:
@@ -144,4 +261,5 @@ def load(spec: str | Path = DEFAULT, *, int8: bool = False) -> Translator:
     name = spec if isinstance(spec, str) and spec in shipped() else str(path)
     return Translator(model, tok, name=name, path=path, src=gen.get("src"), tgt=gen.get("tgt"),
                       beam=int(gen.get("beam", 1)),
-                      length_penalty=float(gen.get("length_penalty", 1.0)))  # fmt: skip
+                      length_penalty=float(gen.get("length_penalty", 1.0)),
+                      no_repeat_ngram=int(gen.get("no_repeat_ngram", NO_REPEAT_NGRAM)))  # fmt: skip

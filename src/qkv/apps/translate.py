@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 import warnings
 
 import torch
 
 from qkv.apps.cli_args import (
+    CliError,
     float_range,
     int_range,
     note,
@@ -28,11 +30,25 @@ from qkv.translate import load
 __all__ = ["add_parser"]
 
 
+NO_INPUT = ("no text to translate: give sentences as arguments (qkv translate \"The boy trains "
+            "the puppy.\"), a file of lines with --file FILE, or lines on standard input (echo "
+            "\"Un chien court.\" | qkv translate --model fr-en); see qkv translate --help")
+
+
+def _stdin_is_terminal() -> bool:
+    try:
+        return sys.stdin is None or sys.stdin.isatty()
+    except ValueError:  # closed
+        return True
+
+
 def _read_input(args: argparse.Namespace) -> list[str]:
     if args.file:
         return read_lines(args.file)
     if args.text:
         return list(args.text)
+    if _stdin_is_terminal():  # nobody is piping text in: waiting would look like a hang
+        raise CliError(NO_INPUT)
     return read_stdin_lines()
 
 

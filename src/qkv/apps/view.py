@@ -1,6 +1,7 @@
 """``qkv view`` (HTML viewer + pictures) and ``qkv heads`` (statistics, pronoun probe, ablation).
 
     qkv view "The boy trains the puppy." --model random --out attention.html --png attention.png
+    qkv view "The boy trains the puppy." --layer 1 --head 2 --svg h2.svg --json h2.json --csv h2.csv
     qkv view --model random --translate "The boy trains the puppy." --out translate.html
     qkv heads "The animal didn't cross the street because it was tired." --token it \\
         --candidates animal street --ablate
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from rich import box
@@ -24,6 +26,9 @@ from qkv.inspect.ablate import ablate, ablation_scan, parse_heads
 from qkv.inspect.loaders import load
 from qkv.inspect.stats import ProbeRow, head_stats, normalize_token, pronoun_probe
 from qkv.limits import MAX_TOKENS, fit_text
+
+if TYPE_CHECKING:
+    from qkv.inspect.export import HeadMap
 
 console = Console()
 
@@ -55,14 +60,21 @@ def run_view(args: argparse.Namespace) -> int:
     if args.translate and args.beam > 1 and args.model == "random":
         raise CliError("--model random decodes greedily only; drop --beam")
     title = f"qkv: translating {text!r}" if args.translate else f"qkv: {text!r}"
+    if (args.layer is not None or args.head is not None) and not any(
+        getattr(args, fmt) for fmt in EXPORTS
+    ):
+        raise CliError("--layer/--head choose what --svg, --json or --csv write; give one")
     page, response = view_page(args.model, text, translate=bool(args.translate), beam=args.beam,
                                title=title)  # fmt: skip
+    hm = _export_map(args, response)
     out = atomic_write_text(args.out, page)
     if response["notice"]:
         note(response["notice"], "view")
     if response.get("random"):
         note(RANDOM_NOTE, "view")
     console.print(f"viewer written: [bold]{out.resolve()}[/] (open it in a browser)")
+    if hm is not None:
+        _write_exports(args, hm)
     maps = maps_from_response(response)
     if args.png:
         plot_grid(maps, args.png)
@@ -72,6 +84,40 @@ def run_view(args: argparse.Namespace) -> int:
             plot_alignment(maps, path=align)
             console.print(f"alignment written: [bold]{align}[/]")
     return 0
+
+
+EXPORTS = ("svg", "json", "csv")
+
+
+def _export_map(args: argparse.Namespace, response: dict) -> HeadMap | None:
+    """``--svg/--json/--csv``: the map of one layer and head (default: the page's first
+    selection), its numbers exactly as the page holds them (cut to the server's limits, so
+    bounded); ``None`` when no export is asked for. Checked before anything is written."""
+    from qkv.inspect.export import head_map
+
+    if not any(getattr(args, fmt) for fmt in EXPORTS):
+        return None
+    step = response.get("step") or {}
+    layer = args.layer if args.layer is not None else step.get("layer")
+    head = args.head if args.head is not None else step.get("head")
+    if isinstance(layer, str) and layer.lstrip("-").isdigit():
+        layer = int(layer)
+    try:
+        hm = head_map(response, layer, head)
+    except (KeyError, IndexError, ValueError) as e:
+        raise CliError(str(e).strip("'\"")) from None
+    return hm
+
+
+def _write_exports(args: argparse.Namespace, hm: HeadMap) -> None:
+    from qkv.inspect.export import to_csv, to_json, to_svg
+
+    write = {"svg": to_svg, "json": to_json, "csv": to_csv}
+    for fmt in EXPORTS:
+        path = getattr(args, fmt)
+        if path:
+            atomic_write_text(path, write[fmt](hm))
+            console.print(f"{fmt.upper()} of {hm.layer} head {hm.head} written: [bold]{path}[/]")
 
 
 RANDOM_NOTE = (
@@ -221,6 +267,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="HTML file to write")  # fmt: skip
     p.add_argument("--png", default=None, type=output_file(".png", ".svg"),
                    help="also draw the layers × heads grid (.png/.svg)")  # fmt: skip
+    for fmt, what in (("svg", "an SVG picture"), ("json", "JSON (tokens, weights)"),
+                      ("csv", "CSV (key tokens across, a query per row)")):  # fmt: skip
+        p.add_argument(f"--{fmt}", default=None, type=output_file(f".{fmt}"),
+                       help=f"also write one layer and head (--layer/--head) as {what}")  # fmt: skip
+    p.add_argument("--layer", default=None,
+                   help="layer for --svg/--json/--csv: name or index (default: the page's "
+                   "first, the last cross-attention when translating)")  # fmt: skip
+    p.add_argument("--head", type=int_range(0, None), default=None,
+                   help="head for --svg/--json/--csv (default: 0)")  # fmt: skip
     p.add_argument(
         "--translate",
         default=None,

@@ -106,6 +106,25 @@ class AttentionMaps:
 
         return notebook_html(self)
 
+    # One head's map as a file (qkv.inspect.export: bounded, the explorer's download format)
+    def to_svg(self, layer: int | str = 0, head: int | None = None) -> str:
+        """``layer``/``head`` (default: its first) as an SVG picture with token labels."""
+        from qkv.inspect.export import head_map, to_svg
+
+        return to_svg(head_map(self, layer, head))
+
+    def to_json(self, layer: int | str = 0, head: int | None = None) -> str:
+        """``layer``/``head`` as JSON: tokens, layer, head and the ``[Tq][Tk]`` weights."""
+        from qkv.inspect.export import head_map, to_json
+
+        return to_json(head_map(self, layer, head))
+
+    def to_csv(self, layer: int | str = 0, head: int | None = None) -> str:
+        """``layer``/``head`` as CSV: key tokens across, one row per query token."""
+        from qkv.inspect.export import head_map, to_csv
+
+        return to_csv(head_map(self, layer, head))
+
     def to_dict(self, decimals: int = 4) -> dict[str, Any]:
         """JSON-ready: ``{"step", "layers": [{"name", "kind", "heads", "q_tokens", ...}]}``."""
         return {

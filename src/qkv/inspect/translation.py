@@ -30,6 +30,7 @@ torch.Size([4, 9, 8])
 
 from __future__ import annotations
 
+import unicodedata
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NamedTuple
@@ -53,17 +54,49 @@ __all__ = [
 
 
 def piece_labels(tokenizer, ids: Sequence[int]) -> list[str]:
-    """Readable labels of token ids: word starts as the word, continuations as ``##piece``."""
+    """Readable labels of token ids, one per id (rows and columns stay one per piece).
+
+    A word start shows as the word; a piece inside a word as ``##piece``, except punctuation,
+    which shows bare (``puppy`` ``.``, not ``##.``); a lone space as ``␣``. A character the
+    byte-level tokenizer split into several pieces shows on its first piece, its other pieces
+    as ``(char)``, instead of a replacement character each.
+    """
     specials = {0: "<pad>", 1: "<s>", 2: "</s>", 3: "<unk>"}
-    out = []
-    for i in ids:
-        i = int(i)
-        if i in specials:
-            out.append(specials[i])
+    ids = [int(i) for i in ids]
+
+    def decode(part: list[int]) -> str:
+        return tokenizer.hf.decode(part, skip_special_tokens=False)
+
+    out: list[str] = []
+    j = 0
+    while j < len(ids):
+        if ids[j] in specials:
+            out.append(specials[ids[j]])
+            j += 1
             continue
-        text = tokenizer.hf.decode([i], skip_special_tokens=False)
-        out.append(text[1:] if text.startswith(" ") else "##" + text)
+        text, end = decode(ids[j : j + 1]), j + 1
+        # part of a character: the fewest following pieces (a character is ≤ 4 bytes) that
+        # complete it
+        while "\ufffd" in text and end < min(j + 4, len(ids)) and ids[end] not in specials:
+            end += 1
+            whole = decode(ids[j:end])
+            if "\ufffd" not in whole:
+                text = whole
+                break
+        else:
+            end = j + 1
+        out += [_piece(text)] + [f"({text.strip() or '␣'})"] * (end - j - 1)
+        j = end
     return out
+
+
+def _piece(text: str) -> str:
+    """One piece's label: see :func:`piece_labels`."""
+    if text.startswith(" "):
+        return text[1:] or "␣"
+    if text and all(unicodedata.category(c)[0] in "PS" for c in text):
+        return text  # punctuation sticks to its word anyway; "##." reads as noise
+    return "##" + text
 
 
 def _replay(model, src: Tensor, hyp: list[int]) -> None:
@@ -85,10 +118,11 @@ class Recorded(NamedTuple):
 
 def record_translation(
     model, tokenizer, text: str, *, beam: int = 1, length_penalty: float = 1.0,
-    max_new_tokens: int | None = None,
+    max_new_tokens: int | None = None, no_repeat_ngram: int = 0,
 ) -> Recorded:  # fmt: skip
     """Translate ``text``: the output ids (incl. ``</s>``), the maps of each decoding step and,
-    for beam search, every hypothesis it kept with its score."""
+    for beam search, every hypothesis it kept with its score. ``no_repeat_ngram`` as
+    :func:`~qkv.generate.greedy_search`'s (``qkv translate`` uses 4)."""
     from qkv.generate import beam_search, greedy_search
 
     if not isinstance(text, str) or not text.strip():
@@ -100,10 +134,12 @@ def record_translation(
     with torch.no_grad():
         if beam <= 1:
             with recording(model) as rec:
-                out = greedy_search(model, src, max_new_tokens=max_new_tokens)[0]
+                out = greedy_search(model, src, max_new_tokens=max_new_tokens,
+                                    no_repeat_ngram=no_repeat_ngram)[0]  # fmt: skip
         else:
             outs, scores = beam_search(model, src, beam_size=beam, length_penalty=length_penalty,
-                                       max_new_tokens=max_new_tokens, n_best=beam)  # fmt: skip
+                                       max_new_tokens=max_new_tokens, n_best=beam,
+                                       no_repeat_ngram=no_repeat_ngram)  # fmt: skip
             beams = [(_trim(model, tokenizer, o), float(sc)) for o, sc in zip(outs[0], scores[0])
                      if sc > float("-inf")]  # fmt: skip
             out = outs[0, 0]

@@ -277,11 +277,14 @@ def _decode(entry: Entry, text: str, beam: int) -> dict:
     model = loaded.full_model
     if loaded.tokenizer is not None:  # a qkv.models translator
         from qkv.inspect.translation import piece_labels, record_translation
+        from qkv.translate import NO_REPEAT_NGRAM
 
         tok = loaded.tokenizer
         S = len(tok.encode(text)[: model.cfg.max_len // 2 - 1]) + 1
+        # the repetition guard of qkv translate: the page shows what the command writes
         hyp, steps, beams = record_translation(model, tok, text, beam=beam,
-                                               max_new_tokens=target_limit(S))  # fmt: skip
+                                               max_new_tokens=target_limit(S),
+                                               no_repeat_ngram=NO_REPEAT_NGRAM)  # fmt: skip
         ids = tok.encode(text)[: model.cfg.max_len // 2 - 1] + [tok.eos_id]
         tgt_in = [model.cfg.bos_id, *hyp[:-1]]
         return {"src": ids, "tgt_in": tgt_in, "steps": steps, "text": tok.decode(hyp),
@@ -341,7 +344,7 @@ def _translation(entry: Entry, req: AttentionRequest, text: str) -> dict:
         "translation": {"source_tokens": d["source_tokens"], "target_tokens": d["produced"],
                         "decoder_inputs": d["inputs"], "text": d["text"], "beam": beam,
                         "steps": len(d["steps"]), "beams": d.get("beams", []),
-                        "length_penalty": 1.0},
+                        "length_penalty": 1.0, **_warnings(loaded, text)},
     }  # fmt: skip
     if beam > 1:
         with torch.no_grad(), heads_off(model, spec):
@@ -353,6 +356,18 @@ def _translation(entry: Entry, req: AttentionRequest, text: str) -> dict:
                            "baseline": {"translation": base["text"],
                                         "probe": _probe(merge_steps(base["steps"]), req)}}  # fmt: skip
     return out
+
+
+def _warnings(loaded, text: str) -> dict:
+    """``warnings``: why ``text`` is far from a qkv translator's training data (codes with
+    their numbers; the page says them in the reader's language), and ``note``: the same in
+    English for API clients, or ``None``."""
+    if loaded.tokenizer is None:  # the random tiny model: nothing was learned from any data
+        return {"warnings": [], "note": None}
+    from qkv.translate import source_warnings, warning_text
+
+    found = source_warnings(loaded.tokenizer, text)
+    return {"warnings": found, "note": " ".join(map(warning_text, found)) or None}
 
 
 def attention(entry: Entry, req: AttentionRequest) -> dict:

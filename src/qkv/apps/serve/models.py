@@ -36,6 +36,16 @@ __all__ = [
     "entry_for",
 ]
 
+# Where a directory's tokenizer may be: a qkv model has tokenizer.json; BERT (qkv.pretrained)
+# tokenizer.json or vocab.txt; a transformers model any file AutoTokenizer reads
+# (qkv.hf.load_model looks for these).
+_TOKENIZER_FILES = {
+    "qkv": ("tokenizer.json",),
+    "bert": ("tokenizer.json", "vocab.txt"),
+    "transformers": ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "spiece.model",
+                     "source.spm"),
+}  # fmt: skip
+
 # name -> the argument of ``qkv.translate.load`` (offered only when that function exists and
 # finds the model). One line per shipped translator.
 SHIPPED_TRANSLATORS: dict[str, str] = {"en-fr": "en-fr", "fr-en": "fr-en"}
@@ -54,12 +64,14 @@ class Entry:
     loader: Callable[[], Loaded]
     translator: bool = False  # decodes (seq2seq): the Translation view applies
     random: bool = False  # random weights: the maps show mechanics, not language
+    label_key: str = ""  # the label's key in static/i18n/strings.json ({name}: the name)
     loaded: Loaded | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)  # around every forward
 
     def info(self) -> dict:
-        return {"name": self.name, "label": self.label, "translator": self.translator,
-                "random": self.random, "loaded": self.loaded is not None}  # fmt: skip
+        return {"name": self.name, "label": self.label, "label_key": self.label_key,
+                "translator": self.translator, "random": self.random,
+                "loaded": self.loaded is not None}  # fmt: skip
 
 
 class Registry:
@@ -70,15 +82,21 @@ class Registry:
         self._load_lock = threading.Lock()
 
     def add(self, name: str, loader: Callable[[], Loaded], label: str = "", *,
-            translator: bool = False, random: bool = False) -> None:  # fmt: skip
+            translator: bool = False, random: bool = False, label_key: str = "") -> None:  # fmt: skip
         """Offer ``loader()`` under ``name`` (replacing an earlier entry of that name)."""
         if not name or not name.replace("-", "").replace("_", "").replace(".", "").isalnum():
             raise ValueError(f"model name must be letters, digits, '-', '_' or '.', got {name!r}")
-        self._entries[name] = Entry(name, label or name, loader, translator, random)
+        self._entries[name] = Entry(name, label or name, loader, translator, random, label_key)
 
     def add_dir(self, name: str, path: str | Path) -> None:
         """Offer a saved model directory (a qkv translation model, BERT, or any transformers
-        model directory) under ``name``."""
+        model directory) under ``name``.
+
+        The model loads on first use, but what every request needs is checked now (a
+        ``ValueError``, which ``qkv serve`` reports as one line, exit 2): a ``config.json`` and
+        a tokenizer. Without them the server would start and answer every request with an
+        error.
+        """
         from qkv.inspect.loaders import load
 
         path = Path(path)
@@ -93,6 +111,7 @@ class Registry:
             meta = json.loads(config.read_text(encoding="utf-8")) if config.is_file() else {}
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
             raise ValueError(f"--model {name}=DIR: cannot read {config}: {err}") from None
+        _check_tokenizer(name, path, config, meta)
         translator = isinstance(meta, dict) and (meta.get("kind") == "seq2seq"
                                                  or meta.get("is_encoder_decoder") is True)  # fmt: skip
         self.add(name, lambda: load(str(path)), f"{name} ({path.name})", translator=translator)
@@ -116,6 +135,21 @@ class Registry:
                         m.eval()
                     entry.loaded = loaded
         return entry
+
+
+def _check_tokenizer(name: str, path: Path, config: Path, meta: object) -> None:
+    """Refuse a model directory that no loader can read text with (no config, no tokenizer)."""
+    if not config.is_file():
+        raise ValueError(f"--model {name}={path}: not a model directory (no config.json)")
+    from qkv.models.io import KINDS
+
+    meta = meta if isinstance(meta, dict) else {}
+    kind = ("qkv" if meta.get("kind") in KINDS
+            else "bert" if meta.get("model_type") == "bert" else "transformers")  # fmt: skip
+    wanted = _TOKENIZER_FILES[kind]
+    if not any((config.parent / f).is_file() for f in wanted):
+        raise ValueError(f"--model {name}={path}: no tokenizer in {config.parent} (looked for "
+                         f"{' or '.join(wanted)}); the explorer needs one to read text")  # fmt: skip
 
 
 def _random() -> Loaded:
@@ -155,13 +189,14 @@ def _shipped(name: str) -> Callable[[], Loaded] | None:
 def default_registry(dirs: dict[str, str] | None = None) -> Registry:
     """MiniLM, the random tiny model, shipped translators, and ``dirs`` (``{name: directory}``)."""
     reg = Registry()
-    reg.add("minilm", _minilm, "all-MiniLM-L6-v2 (6 layers × 12 heads)")
+    reg.add("minilm", _minilm, "all-MiniLM-L6-v2 (6 layers × 12 heads)", label_key="model.minilm")
     reg.add("random", _random, "tiny model, RANDOM weights (mechanics only)", translator=True,
-            random=True)  # fmt: skip
+            random=True, label_key="model.random")  # fmt: skip
     for name in SHIPPED_TRANSLATORS:
         loader = _shipped(name)
         if loader is not None:
-            reg.add(name, loader, f"translator {name}", translator=True)
+            reg.add(name, loader, f"translator {name}", translator=True,
+                    label_key="model.translator")  # fmt: skip
     for name, path in (dirs or {}).items():
         reg.add_dir(name, path)
     return reg

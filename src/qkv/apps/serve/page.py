@@ -55,6 +55,7 @@ def maps_response(maps: AttentionMaps, *, title: str = "") -> dict:
         "model": title, "random": False, "limit": limit, "truncated": cut,
         "notice": f"Cut to the first {limit} tokens (rows and columns) to keep the page small."
         if cut else None,
+        "notice_key": "notice.cutPage",  # the page shows the notice from its strings table
         "text": " ".join(tokens), "tokens": tokens, "layers": maps_json(maps),
         "stats": _stats(maps), "step": None, "probe": None, "elapsed_ms": 0,
     }  # fmt: skip
@@ -69,28 +70,35 @@ def _script_json(data: object) -> str:
     return text
 
 
+_LINK = re.compile(r'<link rel="stylesheet" href="/static/([\w.-]+\.css)">\n?')
+_SCRIPT = re.compile(r'<script src="/static/([\w.-]+\.js)" defer></script>\n?')
+
+
 def render_page(response: dict, *, title: str = "qkv attention") -> str:
-    """The explorer page with its CSS, JS, strings and ``response`` inlined."""
+    """The explorer page with its CSS, JS (every file index.html loads, in its order),
+    strings and ``response`` inlined."""
     page = _static("index.html")
-    css, js = _static("app.css"), _static("app.js")
-    if re.search(r"</style", css, re.I) or re.search(r"</script", js, re.I):
+    css = "\n".join(_static(name) for name in _LINK.findall(page))
+    scripts = [_static(name) for name in _SCRIPT.findall(page)]
+    if re.search(r"</style", css, re.I) or any(re.search(r"</script", js, re.I) for js in scripts):
         raise ValueError("static files must not contain </style or </script")
     blob = _script_json({"response": response, "strings": json.loads(_static("i18n/strings.json"))})
     head = (f'<meta http-equiv="Content-Security-Policy" content="{OFFLINE_CSP}">\n'
-            f"<style>{css}</style>\n")  # fmt: skip
-    page = page.replace('<link rel="stylesheet" href="/static/app.css">', head)
-    page = page.replace('<script src="/static/app.js" defer></script>', "")
+            f"<style>{css}</style>\n</head>")  # fmt: skip
+    page = _SCRIPT.sub("", _LINK.sub("", page)).replace("</head>", head, 1)
     page = page.replace("<title>qkv explorer</title>", f"<title>{_html.escape(title)}</title>")
-    tail = (f'<script type="application/json" id="qkv-data">{blob}</script>\n'
-            f"<script>{js}</script>\n</body>")  # fmt: skip
+    inline = "".join(f"<script>{js}</script>\n" for js in scripts)
+    tail = f'<script type="application/json" id="qkv-data">{blob}</script>\n{inline}</body>'
     return page.replace("</body>", tail)
 
 
 def notebook_html(maps: AttentionMaps, *, height: int = 760) -> str:
     """The page in an ``<iframe srcdoc>`` (isolated styles and scripts) for Jupyter."""
     page = render_page(maps_response(maps))
+    # allow-downloads: the views' download buttons (SVG, PNG, JSON, CSV) work in the notebook
     return (f'<iframe srcdoc="{_html.escape(page, quote=True)}" style="width:100%;'
-            f'height:{int(height)}px;border:1px solid #ddd" sandbox="allow-scripts"></iframe>')  # fmt: skip
+            f'height:{int(height)}px;border:1px solid #ddd" '
+            'sandbox="allow-scripts allow-downloads"></iframe>')  # fmt: skip
 
 
 def maps_from_response(response: dict) -> AttentionMaps:

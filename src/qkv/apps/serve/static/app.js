@@ -12,12 +12,10 @@
   const HEAD_COLORS = ["#2557c7", "#d9480f", "#2b8a3e", "#ae3ec9", "#c92a2a", "#1098ad",
     "#e67700", "#5f3dc4", "#087f5b", "#a61e4d", "#364fc7", "#5c940d", "#862e9c", "#0b7285",
     "#d6336c", "#495057"];
-  const TITLES = { x: "X", context: "memory", q: "Q", k: "K", v: "V", scores: "Q·Kᵀ",
-    scaled: "Q·Kᵀ / √d_k", mask: "mask", masked: "masked", weights: "softmax → weights",
-    output: "weights · V", concat: "concat(heads)", wo: "concat · W_O" };
   const S = { data: null, strings: null, lang: "en", view: "step", layer: null, head: 0,
     heads: new Set(), pinned: null, step: 0, off: new Set(), offline: false, busy: false,
-    pending: false, timer: null, probeToken: "it", probeCands: "animal, street", models: [] };
+    pending: false, timer: null, probeToken: "it", probeCands: "animal, street", models: [],
+    error: null, notice: null, status: null };
 
   // ---------- colour scales & heat maps on canvas ----------
   function seq(v) { // 0..1 → white..blue
@@ -98,7 +96,7 @@
       const r = cv.getBoundingClientRect();
       const j = Math.floor((ev.clientX - r.left - labW) / cell), i = Math.floor((ev.clientY - r.top - labH) / cellH);
       if (i < 0 || j < 0 || i >= R || j >= C) return hideTip();
-      showTip(ev, feat ? `${rows[i]}, dim ${cols[j]} = ${fmt(values[i][j])}` : `${rows[i]} → ${cols[j]} = ${fmt(values[i][j])}`);
+      showTip(ev, t(feat ? "map.tipFeature" : "map.tip", { row: rows[i], col: cols[j], v: fmt(values[i][j]) }));
     });
     cv.addEventListener("mouseleave", hideTip);
     cv.dataset.rows = R; cv.dataset.cols = C;
@@ -108,23 +106,45 @@
     const bg = bar.getContext("2d");
     for (let x = 0; x < 120; x++) { bg.fillStyle = prob ? seq(x / 119) : div((x / 119) * 2 * m - m, m); bg.fillRect(x, 0, 1, 10); }
     sc.append(el("span", "", prob ? "0" : fmt(-m)), bar, el("span", "", prob ? "1" : fmt(m)));
-    if (values.some((row) => row.includes(null))) sc.append(el("span", "", "grey = −∞"));
+    if (values.some((row) => row.includes(null))) sc.append(el("span", "", t("map.grey")));
     wrap.appendChild(sc);
     return wrap;
   }
-  function short(name) { return String(name).replace("encoder.layers.", "enc ").replace("decoder.layers.", "dec ").replace(/\.(self_attn|cross_attn|attn)$/, (m, k) => " " + k.replace("_attn", "").replace("attn", "self")); }
+  function short(name) { return String(name).replace("encoder.layers.", t("short.enc") + " ").replace("decoder.layers.", t("short.dec") + " ").replace(/\.(self_attn|cross_attn|attn)$/, (m, k) => " " + t(k === "cross_attn" ? "kind.cross" : "kind.self")); }
   function clip(s, n) { s = String(s); return s.length > n ? s.slice(0, n - 1) + "…" : s; }
 
   // ---------- data helpers ----------
   const layers = () => (S.data ? S.data.layers : []);
   const layerIdx = () => Math.max(0, layers().findIndex((l) => l.name === S.layer));
   const curLayer = () => layers()[layerIdx()];
-  const t = (key) => (S.strings && ((S.strings[S.lang] || {})[key] || (S.strings.en || {})[key])) || "";
+  // every word on the page comes from i18n/strings.json: the reader's language, else English;
+  // "{name}" placeholders are filled from vars
+  const t = (key, vars) => {
+    const s = (S.strings && ((S.strings[S.lang] || {})[key] || (S.strings.en || {})[key])) || "";
+    return vars ? s.replace(/\{(\w+)\}/g, (m, k) => (k in vars ? String(vars[k]) : m)) : s;
+  };
+  // t() as nodes, each filled-in value in a translate="no" span: tokens, model output and
+  // names are data, not words of the page (a translation tool, and the i18n test, skip them)
+  function tn(key, vars) {
+    const s = t(key), out = [], re = /\{(\w+)\}/g;
+    let last = 0, m;
+    while ((m = re.exec(s))) {
+      out.push(document.createTextNode(s.slice(last, m.index)));
+      const v = el("span", "", m[1] in vars ? vars[m[1]] : m[0]); v.translate = false; out.push(v);
+      last = re.lastIndex;
+    }
+    out.push(document.createTextNode(s.slice(last)));
+    return out;
+  }
+  const elt = (tag, cls, key, vars) => { const e = el(tag, cls); e.append(...tn(key, vars || {})); return e; };
+  const data = (tag, cls, text) => { const e = el(tag, cls, text); e.translate = false; return e; };
+  const kindName = (k) => t("kind." + k) || k;
+  const title = (key) => t("title." + key) || key;
 
   // ---------- side panel ----------
   function renderSide() {
     const ls = $("#layer"), hs = $("#head");
-    ls.replaceChildren(...layers().map((l) => { const o = el("option", "", `${l.name} (${l.kind})`); o.value = l.name; return o; }));
+    ls.replaceChildren(...layers().map((l) => { const o = el("option", "", t("layer.option", { name: l.name, kind: kindName(l.kind) })); o.value = l.name; return o; }));
     ls.value = S.layer || "";
     const L = curLayer();
     hs.replaceChildren(...(L ? L.heads : []).map((h) => { const o = el("option", "", h); o.value = h; return o; }));
@@ -156,21 +176,23 @@
       const why = S.data.step_unavailable;
       if (S.offline || why) {
         const L = curLayer(); const hi = L.heads.indexOf(S.head);
-        const note = why ? "the step-by-step view is not available for this model" : "the offline page holds the weights only; qkv serve shows every step";
-        root.append(el("p", "intro", `${S.layer}, head ${S.head}: attention weights (${note}).`));
-        const c = el("div", "card"); c.append(el("h3", "", TITLES.weights), el("p", "", t("step.weights")), heatmap(L.weights[hi], L.q_tokens, L.k_tokens, { maxWidth: viewWidth() - 20, prob: true }));
+        const note = t(why ? "step.unavailable" : "step.offline");
+        root.append(el("p", "intro", t("step.weightsOnly", { layer: S.layer, head: S.head, note })));
+        const c = el("div", "card"); c.append(el("h3", "", title("weights")), el("p", "", t("step.weights")), heatmap(L.weights[hi], L.q_tokens, L.k_tokens, { maxWidth: viewWidth() - 20, prob: true }));
         root.append(c); return;
       }
-      root.append(el("p", "intro", "Loading this layer and head…")); return;
+      root.append(el("p", "intro", t("step.loading"))); return;
     }
-    const intro = el("p", "intro", `${st.layer} (${st.kind}), head ${st.head} of ${st.n_heads}: d_model = ${st.d_model}, d_k = ${st.d_k}, ` + (Math.abs(st.scale - 1 / Math.sqrt(st.d_k)) < 1e-5 ? "scale 1/√d_k" : "scale") + ` = ${st.scale}` + (st.head_off ? " — this head is switched off" : "") + (st.note ? ` (${st.note})` : ""));
+    const scale = t(Math.abs(st.scale - 1 / Math.sqrt(st.d_k)) < 1e-5 ? "step.scaleDk" : "step.scale");
+    // st.note is the one server note (compute_hf.STEP_NOTE), in the table as step.hfNote
+    const intro = el("p", "intro", t("step.intro", { layer: st.layer, kind: kindName(st.kind), head: st.head, n: st.n_heads, d_model: st.d_model, d_k: st.d_k, scale, value: st.scale }) + (st.head_off ? t("step.headOff") : "") + (st.note ? ` (${t("step.hfNote")})` : ""));
     root.append(intro);
     const cards = el("div", "cards");
     const w = Math.max(280, Math.floor((viewWidth() - 24) / Math.max(1, Math.floor(viewWidth() / 300))) - 18);
     for (const m of st.matrices) {
       const c = el("div", "card"); c.dataset.key = m.key;
-      const h = el("h3", "", TITLES[m.key] || m.key);
-      const cut = m.shape[1] > m.cols.length ? `, first ${m.cols.length} columns` : "";
+      const h = el("h3", "", title(m.key));
+      const cut = m.shape[1] > m.cols.length ? t("step.firstCols", { n: m.cols.length }) : "";
       h.append(el("span", "shape", `  ${m.shape[0]}×${m.shape[1]}${cut}`));
       const p = el("p", "expl", t("step." + m.key)); p.lang = S.lang;
       const feat = ["x", "context", "q", "k", "v", "output", "concat", "wo"].includes(m.key);
@@ -183,29 +205,29 @@
   function renderHead(root) {
     const L = curLayer(); if (!L) return;
     const chips = el("div", "head-chips");
-    chips.append(el("span", "", "heads:"));
+    chips.append(el("span", "", t("head.heads")));
     L.heads.forEach((h, hi) => {
       const b = el("button", "chip" + (S.heads.has(h) ? " on" : ""), h);
       b.style.background = HEAD_COLORS[hi % HEAD_COLORS.length]; b.dataset.head = h;
-      b.title = `head ${h}: click to show/hide`;
+      b.title = t("head.chipTitle", { head: h });
       b.addEventListener("click", () => { S.heads.has(h) ? S.heads.delete(h) : S.heads.add(h); renderView(); });
       chips.append(b);
     });
-    const all = el("button", "", "all"); all.addEventListener("click", () => { S.heads = new Set(L.heads); renderView(); });
-    const top = el("select"); top.id = "top-heads"; top.title = "turn on the 3 heads of this layer that score highest";
-    [["", "top 3 by…"], ["prev", "previous token"], ["first", "first token"], ["punct", "punctuation"], ["focus", "lowest entropy"]]
-      .forEach(([k, v]) => { const o = el("option", "", v); o.value = k; top.append(o); });
+    const all = el("button", "", t("head.all")); all.addEventListener("click", () => { S.heads = new Set(L.heads); renderView(); });
+    const top = el("select"); top.id = "top-heads"; top.title = t("head.topTitle");
+    [["", "head.top"], ["prev", "head.byPrev"], ["first", "head.byFirst"], ["punct", "head.byPunct"], ["focus", "head.byFocus"]]
+      .forEach(([k, v]) => { const o = el("option", "", t(v)); o.value = k; top.append(o); });
     top.addEventListener("change", () => {
       const k = top.value; if (!k) return;
       const st = S.data.stats.filter((x) => x.layer === L.name);
       const score = (x) => (k === "focus" ? -(x.entropy ?? 99) : (x[k] ?? -1));
       S.heads = new Set(st.sort((a, b) => score(b) - score(a)).slice(0, 3).map((x) => x.head)); renderView();
     });
-    chips.append(all, top, el("span", "hint", "  left: queries, right: keys; line and block strength = weight. Hover a query to isolate it, click to pin."));
+    chips.append(all, top, el("span", "hint", "  " + t("head.hint")));
     root.append(chips);
     const R = L.q_tokens.length, C = L.k_tokens.length;
     const hv = el("div", "headview");
-    const left = el("div", "toks left"), right = el("div", "toks right"), blocks = el("div", "blocks");
+    const left = data("div", "toks left"), right = data("div", "toks right"), blocks = el("div", "blocks");
     const cv = el("canvas"); const RH = 24, W = 240, H = Math.max(R, C) * RH;
     cv.width = W; cv.height = H; cv.style.width = W + "px"; cv.style.height = H + "px";
     L.q_tokens.forEach((tk, i) => {
@@ -238,7 +260,7 @@
           const s = el("span");
           const v = q !== null && q !== undefined ? L.weights[hi][q][j] : L.weights[hi].reduce((a, r) => a + r[j], 0) / R;
           s.style.background = HEAD_COLORS[hi % HEAD_COLORS.length]; s.style.opacity = Math.max(0.04, Math.min(1, v));
-          s.title = `head ${h}: ${fmt(v)}`; s.dataset.head = h; s.dataset.v = v;
+          s.title = t("head.blockTitle", { head: h, v: fmt(v) }); s.dataset.head = h; s.dataset.v = v;
           row.append(s);
         }
       });
@@ -251,18 +273,18 @@
   function renderModel(root) {
     const ls = layers(); if (!ls.length) return;
     const H = Math.max(...ls.map((l) => l.heads.length));
-    const avail = viewWidth() - 130, availH = Math.max(300, $("#views").clientHeight - 60);
+    const avail = viewWidth() - 170, availH = Math.max(300, $("#views").clientHeight - 60);
     const size = Math.max(26, Math.min(110, Math.floor(avail / H) - 4, Math.floor(availH / ls.length) - 4));
-    root.append(el("p", "intro", `${ls.length} layers × ${H} heads. Colour = √weight (so small weights stay visible). Click a map to open it (step by step).`));
+    root.append(el("p", "intro", t("grid.intro", { layers: ls.length, heads: H })));
     const grid = el("div", "grid");
-    grid.style.gridTemplateColumns = `120px repeat(${H}, ${size + 2}px)`;
+    grid.style.gridTemplateColumns = `160px repeat(${H}, ${size + 2}px)`; // labels: "解码器 2 交叉注意力"
     grid.append(el("div"));
-    for (let h = 0; h < H; h++) grid.append(el("div", "colh", `head ${h}`));
+    for (let h = 0; h < H; h++) grid.append(el("div", "colh", t("grid.head", { head: h })));
     ls.forEach((L, li) => {
-      const lab = el("div", "lab", short(L.name)); lab.title = `${L.name} (${L.kind})`; grid.append(lab);
+      const lab = el("div", "lab", short(L.name)); lab.title = t("layer.option", { name: L.name, kind: kindName(L.kind) }); grid.append(lab);
       L.heads.forEach((h, hi) => {
         const cv = el("canvas", "thumb" + (L.name === S.layer && h === S.head ? " sel" : "") + (S.off.has(L.name + "|" + h) ? " off" : ""));
-        cv.width = size; cv.height = size; cv.dataset.layer = li; cv.dataset.head = h; cv.title = `${L.name}, head ${h}`;
+        cv.width = size; cv.height = size; cv.dataset.layer = li; cv.dataset.head = h; cv.title = t("grid.thumbTitle", { layer: L.name, head: h });
         const w = L.weights[hi], R = w.length, C = R ? w[0].length : 0;
         const g = cv.getContext("2d"); const img = g.createImageData(size, size);
         for (let y = 0; y < size; y++) for (let x = 0; x < size; x++) { // downsampled: max of the cells under a pixel
@@ -283,33 +305,34 @@
 
   // the beam's final hypotheses, best first, scored as beam search ranks them
   function beamTable(tr) {
-    const t = el("table", "beams"); t.id = "beams";
-    const cap = el("caption", "", `the ${tr.beams.length} hypotheses beam search kept (score: log-probability ÷ length^${tr.length_penalty})`);
-    t.append(cap);
-    const head = el("tr"); ["#", "score", "hypothesis"].forEach((h) => head.append(el("th", "", h))); t.append(head);
+    const tb = el("table", "beams"); tb.id = "beams";
+    const cap = el("caption", "", t("beams.caption", { n: tr.beams.length, lp: tr.length_penalty }));
+    tb.append(cap);
+    const head = el("tr"); ["#", t("beams.score"), t("beams.hyp")].forEach((h) => head.append(el("th", "", h))); tb.append(head);
     tr.beams.forEach((b, i) => {
       const row = el("tr", b.chosen ? "chosen" : "");
-      row.append(el("td", "", String(i + 1)), el("td", "num", b.score.toFixed(3)), el("td", "", b.text + (b.chosen ? "  ← chosen" : "")));
-      t.append(row);
+      const hyp = el("td"); hyp.append(data("span", "", b.text), b.chosen ? "  " + t("beams.chosen") : "");
+      row.append(el("td", "", String(i + 1)), el("td", "num", b.score.toFixed(3)), hyp);
+      tb.append(row);
     });
-    return t;
+    return tb;
   }
 
   function renderTrans(root) {
     const tr = S.data.translation;
-    if (!tr) { root.append(el("p", "intro", "Tick “translate” with a translation model (random works too) to decode and see its steps.")); return; }
+    if (!tr) { root.append(el("p", "intro", t("trans.none"))); return; }
     const n = tr.target_tokens.length;
     S.step = Math.min(S.step, n - 1);
-    const line = el("p", "intro"); line.append(el("strong", "", "Translation: "), document.createTextNode(tr.text));
+    const line = el("p", "intro"); line.append(el("strong", "", t("trans.label")), data("span", "", tr.text));
     root.append(line);
-    if (tr.beam > 1) root.append(el("p", "hint", `beam search (beam ${tr.beam}) chose this; greedy decoding gives: ${tr.greedy_text}`));
+    if (tr.beam > 1) root.append(elt("p", "hint", "trans.beamHint", { beam: tr.beam, greedy: tr.greedy_text }));
     if (tr.beams && tr.beams.length > 1) root.append(beamTable(tr));
     const ctl = el("div", "row2");
     const slider = el("input"); slider.type = "range"; slider.min = 0; slider.max = n - 1; slider.value = S.step; slider.id = "step-slider";
     slider.addEventListener("input", () => { S.step = +slider.value; renderView(); });
-    const lab = el("span", "", `step ${S.step + 1} / ${n}: wrote “${tr.target_tokens[S.step]}”`); lab.id = "step-label";
-    const play = el("button", "", S.timer ? "❚❚ pause" : "▶ play"); play.id = "play";
-    play.title = "watch the translation being written, one decoding step at a time";
+    const lab = elt("span", "", "trans.step", { i: S.step + 1, n, token: tr.target_tokens[S.step] }); lab.id = "step-label";
+    const play = el("button", "", t(S.timer ? "trans.pause" : "trans.play")); play.id = "play";
+    play.title = t("trans.playTitle");
     play.addEventListener("click", () => {
       if (S.timer) { clearInterval(S.timer); S.timer = null; renderView(); return; }
       if (S.step >= n - 1) S.step = -1;
@@ -320,7 +343,7 @@
       }, 700);
     });
     ctl.append(play, slider, lab); root.append(ctl);
-    const toks = el("div", "tokens-line");
+    const toks = data("div", "tokens-line");
     tr.target_tokens.forEach((tk, i) => toks.append(el("span", i === S.step ? "cur" : i > S.step ? "future" : "", tk)));
     root.append(toks);
     const cross = layers().filter((l) => l.kind === "cross"), dec = layers().filter((l) => l.kind === "causal");
@@ -328,17 +351,17 @@
     if (S.layer && cross.some((l) => l.name === S.layer)) cl = cross.find((l) => l.name === S.layer);
     const hi = Math.max(0, cl.heads.indexOf(S.head));
     const row = el("div", "row2");
-    const a = el("div", "panel"); a.append(el("h3", "", `cross-attention ${short(cl.name)}, head ${cl.heads[hi]}`), el("p", "hint", "rows: target tokens as they are written; columns: the source"));
+    const a = el("div", "panel"); a.append(el("h3", "", t("trans.cross", { layer: short(cl.name), head: cl.heads[hi] })), el("p", "hint", t("trans.crossHint")));
     a.append(heatmap(cl.weights[hi], cl.q_tokens, cl.k_tokens, { maxWidth: Math.min(600, viewWidth() - 330), maxCell: 44, prob: true, highlightRow: S.step, rowsShown: S.step }));
     row.append(a);
     const dl = dec.find((l) => l.name === cl.name.replace("cross_attn", "self_attn")) || dec[dec.length - 1];
     if (dl) {
       const b = el("div", "panel"); const dhi = Math.max(0, dl.heads.indexOf(S.head));
-      b.append(el("h3", "", `decoder self-attention ${short(dl.name)}, head ${dl.heads[dhi]}`), el("p", "hint", `step ${S.step + 1}: what the decoder input “${dl.q_tokens[S.step]}” looks at`));
+      b.append(el("h3", "", t("trans.self", { layer: short(dl.name), head: dl.heads[dhi] })), elt("p", "hint", "trans.selfHint", { i: S.step + 1, token: dl.q_tokens[S.step] }));
       const bars = el("div", "bars"); const w = dl.weights[dhi][S.step] || [];
       for (let j = 0; j <= S.step && j < w.length; j++) {
         const r = el("div"); const bar = el("span", "bar"); bar.style.width = Math.round(180 * w[j]) + "px";
-        r.append(el("span", "t", dl.k_tokens[j]), bar, el("span", "", fmt(w[j]))); bars.append(r);
+        r.append(data("span", "t", dl.k_tokens[j]), bar, el("span", "", fmt(w[j]))); bars.append(r);
       }
       b.append(bars); row.append(b);
     }
@@ -347,45 +370,48 @@
 
   function renderWork(root) {
     const d = S.data;
-    if (S.offline) { root.append(el("p", "intro", "The pronoun probe and head switches run the model: open this text in qkv serve.")); return; }
+    if (S.offline) { root.append(el("p", "intro", t("work.offline"))); return; }
     const p = el("div", "card");
-    p.append(el("h3", "", "Pronoun probe: which heads send a token to which candidate?"));
+    p.append(el("h3", "", t("work.probeTitle")));
     const f = el("div", "row2");
     const tok = el("input", "small"); tok.id = "probe-token"; tok.value = S.probeToken;
     const cands = el("input"); cands.id = "probe-cands"; cands.value = S.probeCands;
-    const go = el("button", "", "probe"); go.id = "probe-run";
+    const go = el("button", "", t("work.probe")); go.id = "probe-run";
     go.addEventListener("click", () => { S.probeToken = tok.value.trim(); S.probeCands = cands.value; refresh(); });
-    const ex = el("button", "", "use “The animal didn't cross the street because it was tired.”"); ex.id = "probe-example";
+    const ex = elt("button", "", "work.useExample", { text: "The animal didn't cross the street because it was tired." }); ex.id = "probe-example";
     ex.addEventListener("click", () => { $("#text").value = "The animal didn't cross the street because it was tired."; S.probeToken = "it"; S.probeCands = "animal, street"; refresh(); });
-    const ctl = el("button", "", "control: “…because it was wide.”"); ctl.id = "probe-control";
+    const ctl = elt("button", "", "work.control", { text: "…because it was wide." }); ctl.id = "probe-control";
     ctl.addEventListener("click", () => { $("#text").value = "The animal didn't cross the street because it was wide."; S.probeToken = "it"; S.probeCands = "animal, street"; refresh(); });
-    f.append(el("span", "", "token"), tok, el("span", "", "candidates"), cands, go, ex, ctl);
-    p.append(f, el("p", "hint", "A head that resolves the pronoun should switch from “animal” (tired) to “street” (wide) in the control sentence; the same answer in both means it follows the words, not the meaning."));
+    tok.translate = false; cands.translate = false;
+    f.append(el("span", "", t("work.token")), tok, el("span", "", t("work.candidates")), cands, go, ex, ctl);
+    p.append(f, el("p", "hint", t("work.probeHint")));
     const pr = d.probe;
-    if (!pr) p.append(el("p", "hint", "Give a token and candidates."));
-    else if (pr.error) p.append(el("p", "err", pr.error));
+    if (!pr) p.append(el("p", "hint", t("work.give")));
+    else if (pr.error) p.append(elt("p", "err", "work.probeError", { token: S.probeToken, candidates: S.probeCands }));
     else {
       const votes = Object.entries(pr.votes).map(([c, n]) => `${c} ×${n}`).join(", ");
-      const v = pr.deciding ? `${pr.deciding} of ${pr.n_heads} heads decide (top weight ≥ 0.2 and ≥ 0.1 ahead of the runner-up): ${votes}.`
-        : `No head decides: in none of the ${pr.n_heads} heads does “${pr.token}” put ≥ 0.2 on one candidate and ≥ 0.1 more than on the other.`;
-      const vv = el("p", "verdict", v); vv.id = "probe-verdict"; p.append(vv);
+      const vv = pr.deciding ? elt("p", "verdict", "work.decide", { deciding: pr.deciding, n: pr.n_heads, votes })
+        : elt("p", "verdict", "work.noDecide", { n: pr.n_heads, token: pr.token });
+      vv.id = "probe-verdict"; p.append(vv);
       const tb = el("table", "probe"); const hr = el("tr");
-      ["layer", "head", ...pr.candidates, "best", "margin"].forEach((x) => hr.append(el("th", "", x)));
+      [t("work.layer"), t("work.head")].forEach((x) => hr.append(el("th", "", x)));
+      pr.candidates.forEach((x) => hr.append(data("th", "", x)));
+      [t("work.best"), t("work.margin")].forEach((x) => hr.append(el("th", "", x)));
       tb.append(hr);
       for (const r of pr.rows) {
-        const tr = el("tr"); tr.append(el("td", "", r.layer), el("td", "", r.head), ...pr.candidates.map((c) => el("td", "", fmt(r.scores[c]))), el("td", "", r.best), el("td", "", fmt(r.margin)));
+        const tr = el("tr"); tr.append(data("td", "", r.layer), el("td", "", r.head), ...pr.candidates.map((c) => el("td", "", fmt(r.scores[c]))), data("td", "", r.best), el("td", "", fmt(r.margin)));
         tb.append(tr);
       }
       p.append(tb);
     }
     root.append(p);
     const s = el("div", "card");
-    s.append(el("h3", "", "Switch heads off (their output is zeroed before W_O) and re-run"));
+    s.append(el("h3", "", t("work.switchTitle")));
     const ls = layers().filter((l, i, a) => a.findIndex((m) => m.name === l.name) === i);
     const H = Math.max(...ls.map((l) => l.heads.length));
     const sw = el("div", "switches"); sw.style.gridTemplateColumns = `200px repeat(${H}, 44px)`;
     for (const L of ls) {
-      const lab = el("div", "", L.name); sw.append(lab);
+      const lab = data("div", "", L.name); sw.append(lab);
       for (const h of L.heads) {
         const l = el("label"); const cb = el("input"); cb.type = "checkbox"; cb.className = "switch";
         cb.checked = !S.off.has(L.name + "|" + h); cb.dataset.layer = L.name; cb.dataset.head = h;
@@ -394,24 +420,24 @@
       }
     }
     s.append(sw);
-    const apply = el("button", "", "re-run with these heads"); apply.id = "ablate-run";
+    const apply = el("button", "", t("work.rerun")); apply.id = "ablate-run";
     apply.addEventListener("click", refresh);
-    const reset = el("button", "", "all heads on"); reset.addEventListener("click", () => { S.off.clear(); refresh(); });
+    const reset = el("button", "", t("work.allOn")); reset.addEventListener("click", () => { S.off.clear(); refresh(); });
     s.append(apply, document.createTextNode(" "), reset);
     if (d.ablation) {
       const c = el("div", "changed"); c.id = "changes";
-      c.append(el("div", "", `${d.ablation.heads.length} head(s) off. What changed:`));
+      c.append(el("div", "", t("work.changed", { n: d.ablation.heads.length })));
       if (d.translation) {
-        const b = el("div", "before"); b.append(document.createTextNode("all heads on: " + d.ablation.baseline.translation)); c.append(b);
-        c.append(el("div", "", "with heads off: " + d.translation.text));
+        c.append(elt("div", "before", "work.before", { text: d.ablation.baseline.translation }));
+        c.append(elt("div", "", "work.after", { text: d.translation.text }));
       }
-      if (d.ablation.hidden_change !== undefined) c.append(el("div", "", `final token vectors moved by ${(100 * d.ablation.hidden_change).toFixed(1)}% (relative L2)`));
+      if (d.ablation.hidden_change !== undefined) c.append(el("div", "", t("work.moved", { pct: (100 * d.ablation.hidden_change).toFixed(1) })));
       const bp = d.ablation.baseline.probe;
       if (bp && !bp.error && d.probe && !d.probe.error) {
         const key = (r) => `${r.layer}|${r.head}`; const before = new Map(bp.rows.map((r) => [key(r), r]));
-        const top = d.probe.rows.slice(0, 3).map((r) => { const b = before.get(key(r)); return `${r.layer} h${r.head}: ${pr.candidates.map((x) => `${x} ${b ? fmt(b.scores[x]) : "?"} → ${fmt(r.scores[x])}`).join(", ")}`; });
-        c.append(el("div", "", "probe (before → after): " + top.join(" · ")));
-        c.append(el("div", "before", `deciding heads: ${bp.deciding} → ${d.probe.deciding}`));
+        const top = d.probe.rows.slice(0, 3).map((r) => { const b = before.get(key(r)); return t("work.deltaRow", { layer: r.layer, head: r.head, scores: pr.candidates.map((x) => `${x} ${b ? fmt(b.scores[x]) : "?"} → ${fmt(r.scores[x])}`).join(", ") }); });
+        c.append(elt("div", "", "work.probeDelta", { rows: top.join(" · ") }));
+        c.append(el("div", "before", t("work.deciding", { before: bp.deciding, after: d.probe.deciding })));
       }
       s.append(c);
     }
@@ -422,8 +448,9 @@
   function renderView() {
     for (const v of Object.keys(RENDER)) $("#view-" + v).hidden = v !== S.view;
     const root = $("#view-" + S.view); root.replaceChildren();
-    if (!S.data) return;
-    try { RENDER[S.view](root); } catch (err) { root.append(el("p", "err", "render error: " + err)); console.error(err); }
+    if (!S.data) { if (S.error) root.append(elt("p", "err", ...S.error)); return; }
+    try { RENDER[S.view](root); } catch (err) { root.append(elt("p", "err", "view.renderError", { err })); console.error(err); }
+    if (window.qkvExport) window.qkvExport.attach(root, { S, t, short }); // export.js: download buttons
     document.body.dataset.view = S.view;
   }
   function setTabs() {
@@ -432,6 +459,23 @@
       b.textContent = t(b.dataset.i18n) || b.textContent;
     });
   }
+  // the page in S.lang: index.html's words (data-i18n, data-i18n-aria, "KEY.title" tooltips),
+  // the model menu, the status line and the notice
+  function applyLang() {
+    document.documentElement.lang = S.lang;
+    if (!S.offline) document.title = t("app.title");
+    document.querySelectorAll("[data-i18n]").forEach((e) => {
+      e.textContent = t(e.dataset.i18n) || e.textContent;
+      const tip = t(e.dataset.i18n + ".title"); if (tip) e.title = tip;
+    });
+    document.querySelectorAll("[data-i18n-aria]").forEach((e) => e.setAttribute("aria-label", t(e.dataset.i18nAria) || e.getAttribute("aria-label")));
+    $("#model").querySelectorAll("option").forEach((o) => { const m = S.models.find((x) => x.name === o.value); if (m) o.textContent = modelLabel(m); });
+    showStatus(...(S.status || []));
+    if (S.notice) showNotice(...S.notice);
+    setTabs();
+  }
+  // the built-in models' labels are in the table; a --model DIR is shown by its name
+  const modelLabel = (m) => (m.label_key ? t(m.label_key, { name: m.name }) : m.label);
 
   // ---------- requests ----------
   function payload() {
@@ -446,33 +490,45 @@
   async function refresh() {
     if (S.offline) return;
     if (S.busy) { S.pending = true; return; }
-    S.busy = true; document.body.dataset.ready = "0"; $("#status").textContent = "computing…";
+    S.busy = true; document.body.dataset.ready = "0"; showStatus("status.computing");
     const body = payload();
     if (!body.layer) S.off.clear();
     try {
       const r = await fetch("/api/attention", { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body) });
       const d = await r.json();
-      if (!r.ok) { $("#status").textContent = ""; showNotice(d.error || `error ${r.status}`, true); }
-      else { accept(d); $("#status").textContent = `${d.tokens.length} tokens · ${d.elapsed_ms} ms`; }
-    } catch (err) { showNotice("request failed: " + err, true); }
+      if (!r.ok) fail(["error.server", { err: d.error || t("error.status", { status: r.status }) }]);
+      else { accept(d); showStatus("status.done", { n: d.tokens.length, ms: d.elapsed_ms }); }
+    } catch (err) { fail(["error.request", { err }]); }
     S.busy = false;
     if (S.pending) { S.pending = false; return refresh(); }
     document.body.dataset.ready = "1";
   }
-  function showNotice(msg, isErr) {
-    const n = $("#notice"); n.hidden = !msg; n.textContent = msg || ""; n.className = isErr ? "random" : "";
+  // notes: [key, vars] pairs (or a server's text), kept so that a change of language redraws them
+  function showNotice(notes, isErr) {
+    S.notice = notes && notes.length ? [notes, isErr] : null;
+    const n = $("#notice"); n.replaceChildren(); n.hidden = !S.notice; n.className = isErr ? "random" : "";
+    (notes || []).forEach((x, i) => n.append(...(i ? [" "] : []), ...(typeof x === "string" ? [x] : tn(x[0], x[1] || {}))));
+  }
+  function showStatus(key, vars) { S.status = key ? [key, vars] : null; $("#status").textContent = key ? t(key, vars) : ""; }
+  // a failed request: the previous answer's maps go (they belong to another text or model)
+  function fail(note) {
+    if (S.timer) { clearInterval(S.timer); S.timer = null; }
+    S.data = null; S.error = note; showStatus(null); showNotice([note], true);
+    renderSide(); renderView();
   }
   function accept(d) {
     if (S.timer) { clearInterval(S.timer); S.timer = null; }
-    S.data = d;
+    S.data = d; S.error = null;
     const names = d.layers.map((l) => l.name);
     if (!names.includes(S.layer)) { S.layer = d.step ? d.step.layer : names[0]; S.head = d.step ? d.step.head : 0; S.heads = new Set([S.head]); }
     if (d.step) { S.layer = d.step.layer; S.head = d.step.head; }
     if (![...S.heads].length) S.heads = new Set([S.head]);
     const notes = [];
-    if (d.random) notes.push("Random weights: these maps show the mechanics, not language (nothing was trained).");
-    if (d.notice) notes.push(d.notice);
-    showNotice(notes.join(" "), !!d.random);
+    if (d.random) notes.push(["notice.random"]);
+    if (d.truncated) notes.push([d.notice_key || "notice.cut", { n: d.tokens.length, limit: d.limit }]);
+    else if (d.notice) notes.push(d.notice);
+    for (const w of (d.translation && d.translation.warnings) || []) notes.push(["warn." + w.code, w]);
+    showNotice(notes, !!d.random);
     $("#tabs .tab[data-view='trans']").disabled = false;
     renderSide(); renderView();
   }
@@ -492,7 +548,7 @@
       S.offline = true; S.strings = blob.strings;
       $("#bar").hidden = true;
       fillLang();
-      accept(blob.response); setTabs();
+      accept(blob.response); applyLang();
       document.body.dataset.ready = "1";
       return;
     }
@@ -500,14 +556,14 @@
     S.strings = strings; S.models = health.models;
     fillLang();
     const ms = $("#model");
-    ms.replaceChildren(...health.models.map((m) => { const o = el("option", "", m.label); o.value = m.name; return o; }));
+    ms.replaceChildren(...health.models.map((m) => { const o = el("option", "", modelLabel(m)); o.value = m.name; return o; }));
     const q = new URLSearchParams(location.search);
     if (q.get("model")) ms.value = q.get("model");
     if (q.get("text")) $("#text").value = q.get("text");
     if (q.get("translate") === "1") $("#translate").checked = true;
     if (q.get("view") && RENDER[q.get("view")]) S.view = q.get("view");
     if (q.get("lang") && strings[q.get("lang")]) S.lang = q.get("lang");
-    $("#lang").value = S.lang; setTabs();
+    $("#lang").value = S.lang; applyLang();
     $("#run").addEventListener("click", refresh);
     $("#text").addEventListener("keydown", (e) => { if (e.key === "Enter") refresh(); });
     ms.addEventListener("change", () => { const m = S.models.find((x) => x.name === ms.value); $("#translate").checked = !!(m && m.translator && m.name !== "random"); refresh(); });
@@ -519,7 +575,7 @@
     const ls = $("#lang");
     ls.replaceChildren(...Object.entries(S.strings.languages).map(([k, v]) => { const o = el("option", "", v); o.value = k; return o; }));
     ls.value = S.lang;
-    ls.addEventListener("change", () => { S.lang = ls.value; document.documentElement.lang = S.lang; setTabs(); renderView(); });
+    ls.addEventListener("change", () => { S.lang = ls.value; applyLang(); renderSide(); renderView(); });
   }
-  document.addEventListener("DOMContentLoaded", () => { start().catch((err) => { showNotice("could not start: " + err, true); console.error(err); }); });
+  document.addEventListener("DOMContentLoaded", () => { start().catch((err) => { showNotice([S.strings ? ["error.start", { err }] : String(err)], true); console.error(err); }); });
 })();
