@@ -1,8 +1,13 @@
-"""The package's layers: no import cycles at module level, and the library never imports the
-applications (``qkv.apps``) when it is imported."""
+"""The package's layers: every import (inside functions too) goes downward, as the contracts
+of ``[tool.importlinter]`` in pyproject.toml say (checked with import-linter); no import
+cycles at module level, and the library never imports the applications (``qkv.apps``) when
+it is imported."""
 
 import ast
+import os
 from pathlib import Path
+
+import pytest
 
 import qkv
 
@@ -74,3 +79,22 @@ def test_library_does_not_import_the_apps():
     assert {
         n: d for n, d in bad.items() if d and not n.startswith(("qkv.apps", "qkv.__main__"))
     } == {}
+
+
+def test_imports_follow_the_layers(capsys):
+    """import-linter over the whole import graph (function-level imports included): a new
+    upward import (or one of the core modules importing an application dependency) fails
+    here, naming the import and its line."""
+    cli = pytest.importorskip("importlinter.cli", reason="import-linter (the dev extra)")
+    config = ROOT.parents[1] / "pyproject.toml"
+    if not config.exists():
+        pytest.skip("no source checkout (installed package)")
+    old = os.getcwd()
+    os.chdir(ROOT.parent)  # the package's parent directory: import-linter finds qkv there
+    try:
+        code = cli.lint_imports(config_filenames=(str(config),), no_cache=True)
+    finally:
+        os.chdir(old)
+    out = capsys.readouterr().out
+    assert code == 0, out[-4000:]
+    assert "qkv's layers import only downward KEPT" in out, out[-2000:]
