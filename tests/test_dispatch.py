@@ -297,3 +297,30 @@ def test_each_level_has_its_measured_rules(level, monkeypatch):
         limit = dispatch.UNTUNED_DECODE.get(level)  # None: the first table's decode row
         want = "decode" if limit is None or (4 * Tq <= limit[0] and dtype in limit[1]) else "torch"
         assert got == want, (level, Tq, dtype, got)
+
+
+def test_a_bias_row_hidden_by_a_huge_finite_value_gets_right_gradients():
+    """A row of a float bias all ``finfo.min`` (a mask written as a bias, without -inf): its
+    fp32 log-sum-exp loses ``log Tk``, and a backward that rebuilds the weights from it (torch,
+    flash) gives gradients Tk times too large. ``auto`` sees the row and takes math; rows that
+    see some key (a padding bias) keep the fast path."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 4, 8, dtype=torch.float64, generator=g) for _ in range(3))
+    bias = torch.zeros(4, 4, dtype=torch.float64)
+    bias[1] = torch.finfo(torch.float32).min
+
+    def grads(backend, dtype):
+        ins = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        out = scaled_dot_product_attention(*ins, bias=bias.to(dtype), backend=backend)
+        return [out, *torch.autograd.grad(out.square().sum(), ins)]
+
+    ref = grads("math", torch.float64)  # every key of row 1 equally weighted: V's mean
+    assert torch.allclose(ref[0][0, :, 1], v[0].mean(-2))
+    for got, want in zip(grads("auto", torch.float32), ref):
+        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    with torch.enable_grad():
+        ins = [t.float().requires_grad_() for t in (q, k, v)]
+        assert explain_dispatch(*ins, bias=bias.float()).backend == "math"
+        padding = torch.zeros(4, 4)
+        padding[:, 3] = torch.finfo(torch.float32).min  # every row sees keys 0-2
+        assert explain_dispatch(*ins, bias=padding).backend != "math"

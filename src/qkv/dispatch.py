@@ -78,7 +78,8 @@ Every call logs one debug line on ``logging.getLogger("qkv")``; :func:`explain_d
 which backend a call would use and why each faster one was rejected.
 
 The decision of a call depends on its shapes, dtypes, devices and options only (and, when
-gradients are needed, on whether the scores can exceed ``HUGE_LOGITS``), so
+gradients are needed, on whether the scores can exceed ``HUGE_LOGITS``, which a float bias
+whose row is hidden by a huge finite value such as ``finfo.min`` makes them do), so
 :func:`decide` remembers it per such signature, with how to run it (torch SDPA's keyword
 arguments, flash's plan): a repeated call costs a key of the tensors' metadata (built in C++
 where the fused kernels are), a dictionary lookup and, with gradients, one pass over q and
@@ -201,7 +202,9 @@ def describe(
     """The :class:`Case` of a call with these arguments."""
     shape = check_qkv(q, k, v)
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    bound = _logit_bound(q, k, scale) if grad and not shape.empty else 0.0
+    bound = 0.0
+    if grad and not shape.empty:
+        bound = max(_logit_bound(q, k, scale), _bias_bound(bias))
     return Case(
         shape=shape,
         dtype=q.dtype,
@@ -235,6 +238,23 @@ def _logit_bound(q: Tensor, k: Tensor, scale: float | None) -> float:
             return module.max_abs_product(q, k) * d_k * sc
     (q_lo, q_hi), (k_lo, k_hi) = torch.aminmax(q.detach()), torch.aminmax(k.detach())
     return max(-float(q_lo), float(q_hi)) * max(-float(k_lo), float(k_hi)) * d_k * sc
+
+
+def _bias_bound(bias: object) -> float:
+    """How far below zero the highest entry of a float bias's row lies, for rows whose entries
+    are all finite and negative (0 without such rows).
+
+    A row hidden by a huge finite value (``finfo.min`` instead of -inf) has scores of that
+    size: its fp32 log-sum-exp ``m + log l`` loses ``log l`` next to ``|m| ~ 3e38``, and the
+    backward of torch and flash, which rebuilds the weights from it, gives gradients ``Tk``
+    times too large (the forward is right). One pass over the bias, with gradients only.
+    """
+    if not isinstance(bias, Tensor) or not bias.is_floating_point() or bias.numel() == 0:
+        return 0.0
+    top = bias.detach().amax(-1)
+    top = top[torch.isfinite(top)]
+    low = float(top.min()) if top.numel() else 0.0
+    return -low if low < 0 else 0.0
 
 
 # the options of a call, in the order :func:`_decide` takes them, and their defaults
@@ -293,7 +313,8 @@ def _decide(
     huge = False
     if grad:
         try:  # values: checked on every call (a shape error is raised by the checks below)
-            huge = bool(q.numel() and k.numel()) and _logit_bound(q, k, scale) >= HUGE_LOGITS
+            huge = bool(q.numel() and k.numel()) and (
+                _logit_bound(q, k, scale) >= HUGE_LOGITS or _bias_bound(bias) >= HUGE_LOGITS)
         except (IndexError, RuntimeError):
             pass
     if isinstance(heads, (list, Tensor)):  # by value (the checks read the indices)
