@@ -170,7 +170,7 @@ def _clip(s: str, n: int = 16) -> str:
 
 
 def seq_colour(v: float | None) -> str:
-    """0..1 → white..blue, the explorer's colour scale (``seq`` in app.js); None → grey."""
+    """0..1 → white..blue, the explorer's colour scale (``seq`` in static/export.js); None → grey."""
     if v is None:
         return "#bbbbbb"
     t = max(0.0, min(1.0, v))

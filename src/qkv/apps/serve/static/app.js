@@ -9,30 +9,15 @@
     if (text !== undefined) e.textContent = String(text);
     return e;
   };
-  const HEAD_COLORS = ["#2557c7", "#d9480f", "#2b8a3e", "#ae3ec9", "#c92a2a", "#1098ad",
-    "#e67700", "#5f3dc4", "#087f5b", "#a61e4d", "#364fc7", "#5c940d", "#862e9c", "#0b7285",
-    "#d6336c", "#495057"];
+  // head colours and colour scales: export.js's (loaded first), so that the screen and a
+  // downloaded picture always agree
+  const { HEAD_COLORS, seq, div, range } = window.qkvExport;
   const S = { data: null, strings: null, lang: "en", view: "step", layer: null, head: 0,
     heads: new Set(), pinned: null, step: 0, off: new Set(), offline: false, busy: false,
     pending: false, timer: null, probeToken: "it", probeCands: "animal, street", models: [],
     error: null, notice: null, status: null };
 
-  // ---------- colour scales & heat maps on canvas ----------
-  function seq(v) { // 0..1 → white..blue
-    const t = Math.max(0, Math.min(1, v));
-    return `rgb(${Math.round(255 - 218 * t)},${Math.round(255 - 168 * t)},${Math.round(255 - 56 * t)})`;
-  }
-  function div(v, m) { // -m..m → blue..white..red
-    const t = m > 0 ? Math.max(-1, Math.min(1, v / m)) : 0;
-    if (t >= 0) return `rgb(255,${Math.round(255 - 170 * t)},${Math.round(255 - 190 * t)})`;
-    return `rgb(${Math.round(255 + 200 * t)},${Math.round(255 + 130 * t)},255)`;
-  }
-  function range(values) {
-    let lo = Infinity, hi = -Infinity;
-    for (const row of values) for (const v of row) if (v !== null) { lo = Math.min(lo, v); hi = Math.max(hi, v); }
-    if (lo === Infinity) { lo = 0; hi = 0; }
-    return [lo, hi];
-  }
+  // ---------- heat maps on canvas ----------
   function fmt(v) { return v === null || v === undefined ? "−∞" : (Math.abs(v) >= 100 ? v.toFixed(1) : v.toFixed(3)); }
 
   const tip = () => $("#tip");
@@ -450,7 +435,7 @@
     const root = $("#view-" + S.view); root.replaceChildren();
     if (!S.data) { if (S.error) root.append(elt("p", "err", ...S.error)); return; }
     try { RENDER[S.view](root); } catch (err) { root.append(elt("p", "err", "view.renderError", { err })); console.error(err); }
-    if (window.qkvExport) window.qkvExport.attach(root, { S, t, short }); // export.js: download buttons
+    window.qkvExport.attach(root, { S, t, short }); // export.js: download buttons
     document.body.dataset.view = S.view;
   }
   function setTabs() {

@@ -2,7 +2,8 @@
 // (one <rect> per weight, token labels, colour scale), or as PNG (that SVG drawn into a canvas
 // at 3× its pixels, for print); the numbers as JSON (tokens, layer, head, the weights exactly
 // as the API returned them, and what the view shows) or CSV (key tokens across, one row per
-// query token). app.js calls qkvExport.attach(root, ctx) after it draws a view.
+// query token). app.js calls qkvExport.attach(root, ctx) after it draws a view, and draws
+// with this file's head colours and colour scales.
 // Token text reaches the page only as textContent, and the SVG only through xml().
 "use strict";
 (() => {
@@ -15,7 +16,7 @@
   const FONT = "'Noto Sans', 'Noto Sans Myanmar', 'Noto Sans Bengali', 'Noto Sans CJK SC', 'DejaVu Sans', sans-serif";
   const HEAD_COLORS = ["#2557c7", "#d9480f", "#2b8a3e", "#ae3ec9", "#c92a2a", "#1098ad",
     "#e67700", "#5f3dc4", "#087f5b", "#a61e4d", "#364fc7", "#5c940d", "#862e9c", "#0b7285",
-    "#d6336c", "#495057"]; // as in app.js: a head has the same colour on screen and on paper
+    "#d6336c", "#495057"]; // app.js draws with these too: a head's colour on screen and on paper
   const EN = { // used when strings.json lacks a key (an older strings file, a test page)
     "export.download": "Download",
     "export.svg": "The picture on screen as SVG (vector, with token labels and colour scale)",
@@ -36,11 +37,11 @@
   const num3 = (v) => String(Math.round(v * 1000) / 1000); // opacities
   function clip(s, n) { s = String(s); return s.length > n ? s.slice(0, n - 1) + "…" : s; }
   function fmt(v) { return v === null || v === undefined ? "−∞" : (Math.abs(v) >= 100 ? v.toFixed(1) : v.toFixed(3)); }
-  function seq(v) { // 0..1 → white..blue: app.js's scale
+  function seq(v) { // 0..1 → white..blue (app.js uses this one)
     const t = Math.max(0, Math.min(1, v));
     return rgb(255 - 218 * t, 255 - 168 * t, 255 - 56 * t);
   }
-  function div(v, m) { // -m..m → blue..white..red: app.js's scale
+  function div(v, m) { // -m..m → blue..white..red (app.js uses this one)
     const t = m > 0 ? Math.max(-1, Math.min(1, v / m)) : 0;
     return t >= 0 ? rgb(255, 255 - 170 * t, 255 - 190 * t) : rgb(255 + 200 * t, 255 + 130 * t, 255);
   }
@@ -469,5 +470,6 @@
     root.prepend(bar);
   }
 
-  window.qkvExport = { attach, xml, toSVG, toJSON, toCSV, MAX_SIDE, MAX_BYTES };
+  window.qkvExport = { attach, xml, toSVG, toJSON, toCSV, MAX_SIDE, MAX_BYTES, HEAD_COLORS, seq, div,
+    range };
 })();
