@@ -155,7 +155,7 @@ def test_a_damaged_cached_build_is_removed_before_loading(tmp_path, monkeypatch,
     lib = tmp_path / name / f"{name}.so"
     lib.parent.mkdir()
     lib.write_bytes(b"\x7fELF half a library")
-    record = lib.parent / "qkv-build.sha256"
+    record = lib.parent / _native.RECORD
     record.write_text(_levels.file_digest(lib) + "\n")
     assert _native._check_cached(name) == lib and lib.exists()  # intact: kept
     with open(lib, "ab") as f:

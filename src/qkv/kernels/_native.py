@@ -168,14 +168,17 @@ def _jit_name(build: str) -> str:
     return f"qkv_native_{build}_{_levels.source_digest(CSRC)}"
 
 
-def _check_cached(name: str) -> Path | None:
-    """The cached library of build ``name`` if any; a library whose sha256 is not the one
-    recorded after its build (truncated, damaged, or left by an interrupted build) is
+RECORD = "qkv-build.sha256"  # beside a just-in-time build: its library's sha256
+
+
+def _check_cached(name: str) -> Path:
+    """The path of build ``name``'s cached library; a library there whose sha256 is not the
+    one recorded after its build (truncated, damaged, or left by an interrupted build) is
     removed, with a message, so that the builder makes it again."""
     from torch.utils.cpp_extension import _get_build_directory
 
     directory = Path(_get_build_directory(name, verbose=False))
-    lib, record = directory / f"{name}.so", directory / "qkv-build.sha256"
+    lib, record = directory / f"{name}.so", directory / RECORD
     if lib.exists():
         try:
             ok = record.read_text().strip() == _levels.file_digest(lib)
@@ -208,7 +211,7 @@ def _compile(build: str) -> object:
                 verbose=False,
             )
         if fresh:  # record the new library's checksum (after a complete build only)
-            record = lib.parent / "qkv-build.sha256"
+            record = lib.parent / RECORD
             tmp = record.with_suffix(".tmp")
             tmp.write_text(_levels.file_digest(lib) + "\n")
             tmp.replace(record)  # never a half-written record
