@@ -143,21 +143,37 @@ def check_bias(bias: Tensor | None, shape: AttentionShape, device: torch.device)
     check_broadcast("bias", bias, shape.scores)
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def check_options(
     *,
     window: int | None,
     scale: float | None,
     softcap: float | None,
     dropout_p: float,
+    dtype: torch.dtype | None = None,
 ) -> None:
+    """The options' values; ``dtype`` (the inputs') bounds ``scale`` and ``softcap`` by the
+    range of the scores' dtype (float32 for every input but float64), where every backend
+    computes them: beyond it they round to 0 or inf and the answer would be NaN."""
     if window is not None and (
         isinstance(window, bool) or not isinstance(window, int) or window < 1
     ):
         raise ValueError(f"window must be an int >= 1 or None, got {window!r}")
-    if scale is not None and not 0 < scale < math.inf:
-        raise ValueError(f"scale must be a finite number > 0 or None, got {scale!r}")
-    if softcap is not None and not 0 < softcap < math.inf:
-        raise ValueError(f"softcap must be a finite number > 0 or None, got {softcap!r}")
+    wide = torch.float64 if dtype == torch.float64 else torch.float32
+    lo, hi = torch.finfo(wide).tiny, torch.finfo(wide).max
+    for name, x in (("scale", scale), ("softcap", softcap)):
+        if x is None:
+            continue
+        if not 0 < x < math.inf:
+            raise ValueError(f"{name} must be a finite number > 0 or None, got {x!r}")
+        if dtype is not None and not lo <= x <= hi:
+            raise ValueError(
+                f"{name}={x!r} is outside what {_dtype_name(wide)} holds ({lo:.3g} to "
+                f"{hi:.3g}), the dtype the scores of {_dtype_name(dtype)} inputs are computed in"
+            )
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
 

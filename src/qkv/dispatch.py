@@ -332,9 +332,10 @@ def _decide(
         return hit
     options = dict(zip(OPTIONS, call))
     case = describe(q, k, v, **options)  # (also checks q, k, v)
+    # the options first: a bad value is the same error whichever backend was asked for
+    check_options(window=window, scale=scale, softcap=softcap, dropout_p=dropout_p, dtype=q.dtype)
     decision = choose(case, backend)
-    if decision.backend != "math":  # math checks its arguments itself
-        check_options(window=window, scale=scale, softcap=softcap, dropout_p=dropout_p)
+    if decision.backend != "math":  # math checks its mask and bias itself
         check_mask(mask, case.shape, q.device)
         check_bias(bias, case.shape, q.device)
     entry = (case, decision, _fast_path(q, k, v, case, decision, mask, bias))

@@ -19,7 +19,10 @@ Order of operations: ``scores = q kᵀ`` → ``scaled = scores · scale`` → so
 ``c·tanh(scaled/c)`` → ``+ bias`` → mask (``-inf`` where not allowed) → softmax → dropout
 → ``weights · v``; for bf16/fp16 inputs all of it is computed in float32 (fp16 cannot hold
 ``q·kᵀ`` of moderate inputs) and only the results are rounded. A query row with no visible
-key gets zero weights and a zero output (never NaN), and its gradients are zero.
+key gets zero weights and a zero output (never NaN), and its gradients are zero. NaN and inf
+in the inputs follow one rule on every backend (:mod:`qkv._nonfinite`): a NaN or ``+inf``
+logit at a key a row may see makes the row NaN, ``-inf`` masks, and values at keys a row
+may not see take no part.
 
 Empty inputs: a zero batch dim, ``h``, ``Tq`` or ``Tk`` gives the same on every backend, an
 output of zeros of shape ``(..., h, Tq, d_v)`` (with ``Tk = 0`` each query sees no key, so its
@@ -37,6 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from qkv import dispatch, masks
+from qkv._nonfinite import scores_may_be_nonfinite, values_for_kernel, weights_times_values
 from qkv._validate import check_bias, check_mask, check_options, check_qkv
 from qkv.block_mask import BlockMask
 from qkv.kernels.decode import run_decode
@@ -142,7 +146,7 @@ def attention_steps(
     tensor([[[ 4., 14.]]])
     """
     shape = check_qkv(q, k, v)
-    check_options(window=window, scale=scale, softcap=softcap, dropout_p=dropout_p)
+    check_options(window=window, scale=scale, softcap=softcap, dropout_p=dropout_p, dtype=q.dtype)
     check_mask(mask, shape, q.device)
     check_bias(bias, shape, q.device)
     scale = 1.0 / math.sqrt(shape.d_k) if scale is None else float(scale)
@@ -155,15 +159,18 @@ def attention_steps(
     scaled = scores * scale
     if softcap is not None:
         scaled = softcap * torch.tanh(scaled / softcap)
-    if bias is not None:
-        scaled = scaled + bias
+    if bias is not None:  # a -inf bias masks its key, even where the score is +inf
+        scaled = torch.where(bias == float("-inf"), bias, scaled + bias)
     structure = structure_mask(shape.Tq, shape.Tk, causal=causal, window=window, device=q.device)
     full_mask = masks.combine(mask, structure)
     masked = scaled if full_mask is None else scaled.masked_fill(~full_mask, float("-inf"))
     weights, lse = _safe_softmax(masked)  # (fp32 for bf16/fp16, as the scores)
     attn = F.dropout(weights, p=dropout_p) if dropout_p > 0 else weights
     # in fp32 for bf16/fp16 as well: the backward's dO·vᵀ overflows fp16 from |v| ~ 1e4
-    output = (attn @ v.to(wide)).to(q.dtype)  # (..., h, Tq, d_v)
+    # values at keys a row may not see take no part, even a NaN there (see qkv._nonfinite)
+    output = weights_times_values(attn, v.to(wide), full_mask, bias).to(
+        q.dtype
+    )  # (..., h, Tq, d_v)
     weights = weights.to(q.dtype)
     return AttentionSteps(q, k, v, scores, scale, scaled, full_mask, masked, lse, weights, output)
 
@@ -241,8 +248,19 @@ def scaled_dot_product_attention(
         check_per_head(alibi_slopes, rel_bias, shape, q.device)
         why = _why_not_fused(q, shape, backend, scale, dropout_p, return_weights, weights_heads)
         if why is None:
+            if isinstance(mask, BlockMask):  # its hidden keys are anywhere: look at every value
+                exact = q.device.type == "cuda" or bool(torch.isfinite(v).all())
+            else:
+                v, exact = values_for_kernel(
+                    v, mask=mask, bias=bias, causal=causal, window=window, Tq=shape.Tq
+                )
+            if not exact:
+                why = _NONFINITE_VALUES
+        if why is None:
             dispatch.logger.debug("sdpa backend=flash (fused): %s", _FUSED_EXTRAS)
-            check_options(window=window, scale=scale, softcap=softcap, dropout_p=dropout_p)
+            check_options(
+                window=window, scale=scale, softcap=softcap, dropout_p=dropout_p, dtype=q.dtype
+            )
             check_bias(bias, shape, q.device)
             out, lse = flash_attention(
                 q, k, v, mask=mask, bias=bias, causal=causal, window=window, scale=scale,
@@ -264,6 +282,13 @@ def scaled_dot_product_attention(
     # describe + choose + the chosen backend's argument checks, remembered per call signature
     call = (mask, bias, causal, window, scale, softcap, dropout_p, return_weights, weights_heads)
     case, decision, fast = dispatch._decide(q, k, v, backend, call)
+    if decision.backend != "math":  # NaN and inf: one rule on every backend (qkv._nonfinite)
+        v, exact = values_for_kernel(
+            v, mask=mask, bias=bias, causal=causal, window=window, Tq=case.shape.Tq
+        )
+        if not exact or (decision.backend == "torch" and scores_may_be_nonfinite(q, k, bias)):
+            reasons = {decision.backend: _NONFINITE_VALUES}
+            decision, fast = dispatch.Decision("math", backend, reasons), None
     if dispatch.logger.isEnabledFor(logging.DEBUG):
         dispatch.log_decision(decision, case)
     if fast is not None:  # torch SDPA's arguments or flash's plan, worked out once
@@ -293,6 +318,9 @@ def scaled_dot_product_attention(
     return out, weights_from_lse(q, k, lse, heads=weights_heads, **options)
 
 
+_NONFINITE_VALUES = (
+    "a NaN or inf in the inputs that only the reference keeps to the rule (qkv._nonfinite)"
+)
 _FUSED_EXTRAS = (
     "block mask / ALiBi slopes / rel_bias: fused flash runs them without a dense (Tq, Tk) tensor"
 )

@@ -1036,6 +1036,11 @@ static inline void softmax_block(const float* S, float* P, int64_t R, float* m, 
 #else
     for (int64_t j = 0; j < kBlock; ++j) bm = s[j] > bm ? s[j] : bm;
 #endif
+    // vmaxps drops a NaN: a block whose visible scores are all NaN looks empty here; look
+    // again (rare: only blocks with no finite visible score), a NaN makes the row NaN
+    if (bm == kNegInf)
+      for (int64_t j = 0; j < kBlock; ++j)
+        if (std::isnan(s[j])) bm = std::numeric_limits<float>::quiet_NaN();
     if (bm == kNegInf) {  // nothing visible in this block
       if constexpr (kBf16P)
         std::memset(reinterpret_cast<BFloat16*>(P) + r * kBlock, 0, kBlock * sizeof(BFloat16));
@@ -1058,7 +1063,8 @@ static inline void softmax_block(const float* S, float* P, int64_t R, float* m, 
     const __m512 vmr = _mm512_set1_ps(mr), ninf = _mm512_set1_ps(kNegInf);
     for (int64_t j = 0; j < kBlock; j += 16) {
       const __m512 x = _mm512_loadu_ps(s + j);
-      const __mmask16 vis = _mm512_cmp_ps_mask(x, ninf, _CMP_NEQ_OQ);
+      // unordered: a NaN lane stays visible (its NaN reaches l and the output)
+      const __mmask16 vis = _mm512_cmp_ps_mask(x, ninf, _CMP_NEQ_UQ);
       const __m512 e = exp2_v<false>(_mm512_sub_ps(x, vmr), vis);
       if constexpr (kBf16P) {
         const __m256i eb = (__m256i)_mm512_cvtneps_pbh(e);
@@ -1803,9 +1809,18 @@ static void decode_impl(const Problem<T>& P, O* out, float* lse, int64_t splits)
     const int64_t s0 = head_first[h], s1 = head_first[h + 1];
     for (int64_t r = 0; r < R; ++r) {
       float M = kNegInf;
-      for (int64_t s = s0; s < s1; ++s)
-        if (partial(s)[R + r] > 0.f) M = std::max(M, partial(s)[r]);
+      bool nan = false;  // a NaN score at a visible key: the row is NaN, lse too
+      for (int64_t s = s0; s < s1; ++s) {
+        const float ms = partial(s)[r], ls = partial(s)[R + r];
+        if (std::isnan(ms) || std::isnan(ls)) nan = true;
+        else if (ls > 0.f) M = std::max(M, ms);
+      }
       O* o = out + (h * R + r) * dv;
+      if (nan) {
+        for (int64_t c = 0; c < dv; ++c) o[c] = from_float<O>(std::numeric_limits<float>::quiet_NaN());
+        lse[h * R + r] = std::numeric_limits<float>::quiet_NaN();
+        continue;
+      }
       if (M == kNegInf) {  // no visible key
         for (int64_t c = 0; c < dv; ++c) o[c] = from_float<O>(0.f);
         lse[h * R + r] = kNegInf;

@@ -773,8 +773,9 @@ struct Dims {
 // (absolute error ~1e-7), the sign copied from x.
 static inline __m512 tanh_v(__m512 x) {
   const __m512 one = _mm512_set1_ps(1.f);
-  const __m512 t = _mm512_max_ps(_mm512_mul_ps(_mm512_abs_ps(x), _mm512_set1_ps(-2.f * kLog2e)),
-                                 _mm512_set1_ps(-200.f));
+  // max returns its second operand when one is NaN: x's NaN is kept (a NaN logit stays NaN)
+  const __m512 t = _mm512_max_ps(_mm512_set1_ps(-200.f),
+                                 _mm512_mul_ps(_mm512_abs_ps(x), _mm512_set1_ps(-2.f * kLog2e)));
   const __m512 e = exp2_v<false>(t, 0xffff);
   const __m512 den = _mm512_add_ps(one, e);  // in [1, 2]: 1/den by rcp14 and a Newton step
   __m512 r = _mm512_rcp14_ps(den);
@@ -787,9 +788,9 @@ static inline __m512 tanh_v(__m512 x) {
 // the same on 8 lanes (rcp is 12 bits here: the Newton step brings it to ~23)
 static inline __m256 tanh_v8(__m256 x) {
   const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
-  const __m256 t = _mm256_max_ps(
-      _mm256_mul_ps(_mm256_andnot_ps(sign, x), _mm256_set1_ps(-2.f * kLog2e)),
-      _mm256_set1_ps(-200.f));
+  const __m256 t = _mm256_max_ps(  // x's NaN kept, as above
+      _mm256_set1_ps(-200.f),
+      _mm256_mul_ps(_mm256_andnot_ps(sign, x), _mm256_set1_ps(-2.f * kLog2e)));
   const __m256 e = exp2_v8(t);
   const __m256 den = _mm256_add_ps(one, e);
   __m256 r = _mm256_rcp_ps(den);
@@ -859,7 +860,9 @@ struct Variant {
           const __m256i h = _mm256_maskz_loadu_epi16(k, bb + c);
           b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
         }
-        x = _mm512_add_ps(x, b);
+        // a -inf bias masks its key even where the score is +inf (+inf - inf would be NaN)
+        x = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(b, _mm512_set1_ps(kNegInf), _CMP_EQ_OQ),
+                                 _mm512_add_ps(x, b), b);
       }
       if (alibi) {
         const __m512 dist = _mm512_abs_ps(
@@ -888,7 +891,9 @@ struct Variant {
         const __m256 b = !bs[4] ? _mm256_set1_ps(bias_at(0))
                          : br   ? _mm256_loadu_ps(br + c)
                                 : load8(reinterpret_cast<const BFloat16*>(bb + c));
-        x = _mm256_add_ps(x, b);
+        // a -inf bias masks its key even where the score is +inf (+inf - inf would be NaN)
+        x = _mm256_blendv_ps(_mm256_add_ps(x, b), b,
+                             _mm256_cmp_ps(b, _mm256_set1_ps(kNegInf), _CMP_EQ_OQ));
       }
       if (alibi) {
         const __m256 dist = _mm256_andnot_ps(
@@ -908,7 +913,10 @@ struct Variant {
         if (t) t[c] = th;
         x = cap * th;
       }
-      if (bias) x += bias_at(bs[4] ? c : 0);
+      if (bias) {
+        const float b = bias_at(bs[4] ? c : 0);
+        x = b == kNegInf ? b : x + b;  // -inf masks even a +inf score
+      }
       if (alibi) x -= slope * std::fabs(dpos - static_cast<float>(c));
       if (rr) x += rr[c];
       neg |= x == kNegInf;
@@ -956,6 +964,13 @@ struct Variant {
     return v;
   }
 };
+
+// whether x[c] is NaN for some allowed c in [c0, c1) (all c without a mask m)
+static bool any_nan(const float* x, const uint8_t* m, int64_t c0, int64_t c1) {
+  for (int64_t c = c0; c < c1; ++c)
+    if ((!m || m[c]) && std::isnan(x[c])) return true;
+  return false;
+}
 
 // mb[c] = allowed by the mask row m (all if none) and x[c] > -inf, for c in [c0, c1)
 static inline const uint8_t* finite_mask(const float* x, const uint8_t* m, uint8_t* mb,
@@ -1229,9 +1244,13 @@ static void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tens
           if (var.on && c1 > c0 && var.row(s, nullptr, n, g, qs + r, ks, c0, c1))
             mr = finite_mask(s, mr, mb.data(), c0, c1);
           float m_new, a, sum;
-          const float bmax = c1 <= c0 || m[r] != kNegInf
-                                 ? kNegInf
-                                 : row_max_masked(s + c0, mr ? mr + c0 : nullptr, c1 - c0);
+          float bmax = c1 <= c0 || m[r] != kNegInf
+                           ? kNegInf
+                           : row_max_masked(s + c0, mr ? mr + c0 : nullptr, c1 - c0);
+          // vmaxps drops a NaN, so a row whose visible scores are all NaN looks empty: look
+          // again (only such rows); a NaN score at a visible key makes the row NaN, lse too
+          if (bmax == kNegInf && c1 > c0 && m[r] == kNegInf && any_nan(s, mr, c0, c1))
+            bmax = std::numeric_limits<float>::quiet_NaN();
           if (c1 <= c0 || (m[r] == kNegInf && bmax == kNegInf)) {  // nothing visible yet
             for (int64_t c = 0; c < enk; ++c) store<T>(p + c, 0.f);
             alpha[r] = 1.f;

@@ -371,7 +371,7 @@ def ring_attention(
     >>> # unshard(all_gather(out_l), layout="zigzag") == scaled_dot_product_attention(q, k, v, causal=True)
     """
     shape = check_qkv(q, k, v)
-    check_options(window=window, scale=scale, softcap=None, dropout_p=0.0)
+    check_options(window=window, scale=scale, softcap=None, dropout_p=0.0, dtype=q.dtype)
     if q.dim() != 4:
         raise ValueError(f"q must be (B, h, T_local, d_k), got shape {tuple(q.shape)}")
     if shape.Tk != shape.Tq:

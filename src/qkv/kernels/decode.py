@@ -138,7 +138,7 @@ def decode_attention(
     if (k.dtype == torch.int8) != (v.dtype == torch.int8):
         raise TypeError(f"k and v must both be int8 rows or neither, got {k.dtype}, {v.dtype}")
     shape = check_qkv(q, as_unpacked(k, q), as_unpacked(v, q))
-    check_options(window=window, scale=scale, softcap=None, dropout_p=0.0)
+    check_options(window=window, scale=scale, softcap=None, dropout_p=0.0, dtype=q.dtype)
     check_mask(mask, shape, q.device)
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     why = decode_rejects(q.device, q.dtype, grad=grad, scale=scale)

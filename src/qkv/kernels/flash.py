@@ -121,8 +121,9 @@ def _scores(
     if plan.softcap is not None:
         t = torch.tanh(s)
         s = t * plan.softcap
-    if bias5 is not None:
-        s.view(-1, plan.shape.h_kv, G, bq, bk).add_(block(bias5, qs, qe, ks, ke))
+    if bias5 is not None:  # a -inf bias masks its key, even where the score is NaN or +inf
+        b = block(bias5, qs, qe, ks, ke)
+        s.view(-1, plan.shape.h_kv, G, bq, bk).add_(b).masked_fill_(b == _NEG_INF, _NEG_INF)
     blocked = _blocked(plan.structure, qs, qe, ks, ke, s.device)  # (bq, bk) or None
     if blocked is not None:
         s.view(N, G, bq, bk).masked_fill_(blocked, _NEG_INF)
@@ -193,17 +194,16 @@ def _forward(
             n, rows = n1 - n0, G * (qe - qs)
             qb = q4[n0:n1, :, qs:qe].reshape(n, rows, d)  # (n, G·bq, d)
             m = l = acc = None  # running max, sum (n, G·bq, 1) and output (n, G·bq, d_v)
-            any_floor = False  # only a masked block can leave a row with no visible key
             for ks, ke in plan.structure.key_blocks(qs, qe, plan.block_k):
                 vb = v3[n0:n1, ks:ke]
                 s, _ = _scores(plan, qb, k3[n0:n1, ks:ke], bias5, mask5, qs, qe, ks, ke)
                 m_blk = s.amax(dim=-1, keepdim=True)  # (n, G·bq, 1)
                 m_new = m_blk if m is None else torch.maximum(m, m_blk)
                 floor = masked or plan.structure.block_mask(qs, qe, ks, ke, dev) is not None
-                # a row with no visible key yet has m = -inf: shift by 0 (its p is ~0)
-                shift = m_new.masked_fill(m_new == _NEG_INF, 0.0) if floor else m_new
+                # a row with no visible key yet has m = -inf: shift by 0 (its p is ~0); also
+                # unmasked, where an inf in q or k makes a row's scores all -inf
+                shift = m_new.masked_fill(m_new == _NEG_INF, 0.0)
                 p = _sub_exp(s, shift, acc_dtype, floor)  # (n, G·bq, bk), in place for fp32
-                any_floor |= floor
                 if m is None:  # first key block: nothing to rescale
                     l = p.sum(dim=-1, keepdim=True)
                     acc = torch.bmm(p, vb)
@@ -212,9 +212,7 @@ def _forward(
                     l.mul_(alpha).add_(p.sum(dim=-1, keepdim=True))
                     acc.mul_(alpha).baddbmm_(p, vb)  # acc += p v without a temporary
                 m = m_new
-            acc.div_(l)
-            if any_floor:
-                acc.masked_fill_(m == _NEG_INF, 0.0)  # rows with no visible key → 0
+            acc.div_(l).masked_fill_(m == _NEG_INF, 0.0)  # rows with no visible key → 0
             out[n0:n1, :, qs:qe] = acc.view(n, G, -1, d_v)
             lse_all[n0:n1, :, qs:qe] = (m + l.log()).view(n, G, -1)  # -inf for an empty row
     return out, lse_all
@@ -571,7 +569,7 @@ def flash_attention(
     torch.Size([1, 2, 300, 16])
     """
     shape = check_qkv(q, k, v)
-    check_options(window=window, scale=scale, softcap=softcap, dropout_p=0.0)
+    check_options(window=window, scale=scale, softcap=softcap, dropout_p=0.0, dtype=q.dtype)
     block_mask = mask if isinstance(mask, BlockMask) else None
     if block_mask is not None:
         check_block_mask(block_mask, shape, q.device)

@@ -1,0 +1,165 @@
+"""NaN and inf in attention inputs: one rule on every backend.
+
+The rule, stated on the logits ``x = softcap(q kᵀ · scale) + bias`` of a query row:
+
+- a NaN or ``+inf`` logit at a key the row may see makes the row's output (and lse) NaN;
+  a NaN or inf in ``q``, ``k`` or ``bias`` gives such a logit (inf·0 and inf - inf are NaN,
+  ``+inf`` is the largest logit and ``exp(inf - inf)`` its weight);
+- a ``-inf`` logit means "masked", as a ``-inf`` in a float mask or bias always has: it is the
+  only non-finite logit that leaves a row finite;
+- values at keys the row may see are multiplied by their weights as IEEE arithmetic does
+  (an inf value gives inf, or NaN next to a -inf or a zero weight);
+- values at keys the row may **not** see take no part at all: a NaN left in the unused tail
+  of a preallocated cache never reaches an output.
+
+The reference math (:func:`qkv.functional.attention_steps`) and the fused kernels follow the
+first three by construction (their row maximum looks for NaN where a max instruction drops
+it). The last one needs care, since ``0 · NaN`` is NaN: :func:`values_for_kernel` zeroes the
+values at keys no row may see before a kernel reads them (a cheap look at the mask first,
+the values themselves only at keys some row may not see), and sends a call whose non-finite
+value sits at a key that some rows see and others do not to the reference, which
+:func:`weights_times_values` computes exactly. PyTorch's SDPA gives zeros for a row whose
+logits are all NaN, so :func:`scores_may_be_nonfinite` sends such calls to the reference too.
+
+On CUDA these checks are skipped (each would wait for the device): there the kernels' own
+IEEE behaviour applies.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+__all__ = ["scores_may_be_nonfinite", "values_for_kernel", "weights_times_values"]
+
+
+def _checked(x: Tensor) -> bool:
+    return x.device.type != "cuda"
+
+
+def _finite(x: Tensor) -> bool:
+    """Whether ``x`` holds no NaN or inf, as one sum (a NaN or inf makes it non-finite; so
+    does an overflow of huge finite values, which only sends a call to the reference): a
+    few µs where ``isfinite(x).all()`` takes tens."""
+    return math.isfinite(float(x.detach().sum())) if x.numel() else True
+
+
+def scores_may_be_nonfinite(q: Tensor, k: Tensor, bias: Tensor | None) -> bool:
+    """Whether a NaN or inf in ``q``, ``k`` or ``bias`` (other than a bias's ``-inf``) may
+    make logits NaN or ``+inf``: then only the reference follows the rule everywhere."""
+    if not _checked(q):
+        return False
+    if not (_finite(q) and _finite(k)):
+        return True
+    return bias is not None and bool((bias.isnan() | bias.isposinf()).any())
+
+
+def _key_ranges(Tq: int, Tk: int, causal: bool, window: int | None) -> tuple[range, range]:
+    """Keys every row sees and keys some row sees under ``causal``/``window`` (see
+    :func:`qkv.masks.sliding_window`; row i sits at key position ``p(i) = Tk - Tq + i``)."""
+    p0, p1 = Tk - Tq, Tk - 1  # the first and the last row's positions
+    if window is None:
+        if not causal:
+            return range(0, Tk), range(0, Tk)
+        return range(0, min(max(p0 + 1, 0), Tk)), range(0, Tk)
+    ahead = 0 if causal else window - 1  # keys after p(i) a row sees
+
+    def span(a: int, b: int) -> range:  # [a, b) within [0, Tk), empty when b <= a
+        a, b = min(max(a, 0), Tk), min(b, Tk)
+        return range(a, max(a, b))
+
+    return span(p1 - window + 1, p0 + ahead + 1), span(p0 - window + 1, p1 + ahead + 1)
+
+
+_SMALL = 1 << 16  # values of at most this many elements are summed whole (one op)
+
+
+def _seen_keys(
+    mask: Tensor | None, bias: Tensor | None, every: range, some: range, Tk: int, device
+) -> tuple[Tensor, Tensor]:
+    """Two ``(Tk,)`` bools: keys every row (of every batch and head) may see, and keys some
+    row may see (an over-estimate that takes mask, bias and structure apart)."""
+    by_every = torch.zeros(Tk, dtype=torch.bool, device=device)
+    by_every[every.start : every.stop] = True
+    by_some = torch.zeros_like(by_every)
+    by_some[some.start : some.stop] = True
+    for allowed in (mask, None if bias is None else ~bias.isneginf()):
+        if allowed is not None:
+            rows = allowed.reshape(-1, allowed.shape[-1])  # (..., Tk) or (..., 1)
+            by_every &= rows.all(0).expand(Tk)
+            by_some &= rows.any(0).expand(Tk)
+    return by_every, by_some
+
+
+def values_for_kernel(
+    v: Tensor,
+    *,
+    mask: Tensor | None,
+    bias: Tensor | None,
+    causal: bool,
+    window: int | None,
+    Tq: int,
+) -> tuple[Tensor, bool]:
+    """``(v, exact)``: the values a kernel may read, and whether the kernel then follows the
+    rule. Values at keys no row may see are zeroed (in a copy, made only when one of them is
+    NaN or inf); ``exact`` is False when a NaN or inf sits at a key some rows see and others
+    do not (only :func:`weights_times_values` keeps it out of the rows that do not).
+
+    The usual call costs one sum: with only ``causal``/``window``, of the values at keys
+    some row may not see (none for one query row under ``causal``); with a mask or a bias,
+    of all values when they are few, else of those at the keys the mask hides somewhere.
+    """
+    Tk = v.shape[-2]
+    if not _checked(v) or Tq == 0 or Tk == 0:
+        return v, True
+    every, some = _key_ranges(Tq, Tk, causal, window)
+    if mask is None and bias is None:
+        outside = [
+            sl for sl in (slice(0, every.start), slice(every.stop, Tk)) if sl.start < sl.stop
+        ]
+        if all(_finite(v[..., sl, :]) for sl in outside):
+            return v, True
+    elif v.numel() <= _SMALL:
+        if _finite(v):
+            return v, True
+    else:
+        by_every, _ = _seen_keys(mask, bias, every, some, Tk, v.device)
+        if _finite(v.index_select(-2, (~by_every).nonzero().squeeze(-1))):
+            return v, True
+    # a NaN or inf among the values a kernel may multiply by a zero weight
+    by_every, by_some = _seen_keys(mask, bias, every, some, Tk, v.device)
+    bad = ~torch.isfinite(v).reshape(-1, Tk, v.shape[-1]).all(-1).all(0)  # (Tk,)
+    if bool((bad & ~by_every & by_some).any()):
+        return v, False
+    return v.masked_fill(~by_some.unsqueeze(-1), 0.0), True
+
+
+def weights_times_values(
+    weights: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None
+) -> Tensor:
+    """``weights @ v`` where keys a row may not see (``mask`` False, or a ``-inf`` bias) take
+    no part, even with a NaN or inf value there; at keys it may see, IEEE's ``w · x``.
+
+    ``weights`` ``(..., Tq, Tk)``, ``v`` ``(..., Tk, d_v)``, ``mask`` and ``bias``
+    broadcastable to ``weights`` or None. The usual case (finite values) is one matmul.
+    """
+    if (mask is None and bias is None) or not _checked(v) or bool(torch.isfinite(v).all()):
+        return weights @ v
+    out = weights @ v.masked_fill(~torch.isfinite(v), 0.0)  # the finite part
+    seen = torch.ones_like(weights, dtype=torch.bool)
+    if mask is not None:
+        seen = seen & mask
+    if bias is not None:
+        seen = seen & ~bias.isneginf()
+
+    # which non-finite values each output element meets, as counts of (row may see, kind)
+    def meets(rows: Tensor, kind: Tensor) -> Tensor:
+        return (rows.to(out.dtype) @ kind.to(out.dtype)) > 0
+
+    positive = seen & (weights > 0)
+    nan = meets(seen, v.isnan()) | meets(seen & (weights == 0), v.isinf())  # 0·inf
+    pinf, ninf = meets(positive, v.isposinf()), meets(positive, v.isneginf())
+    out = out.masked_fill(pinf, float("inf")).masked_fill(ninf, float("-inf"))
+    return out.masked_fill(nan | (pinf & ninf), float("nan"))
