@@ -143,7 +143,7 @@ def main() -> None:
         for beam in (1, 5):
             base = None
             for name, run in runs.items():
-                if name == "fp32 plain":  # the same tokens as fp32 (tests/test_generate.py)
+                if name == "fp32 plain":  # the same tokens as fp32 (tests/generate/test_generate.py)
                     continue
                 t0 = time.perf_counter()
                 bleu, chrf = bleu_chrf(run(src, beam), refs)

@@ -180,7 +180,7 @@ def main() -> int:
     card += [
         "",
         f"Regression guard: greedy BLEU on the first 200 sentences of test_2016_flickr = "
-        f"**{sub_bleu:.2f}** (`tests/test_shipped.py`).",
+        f"**{sub_bleu:.2f}** (`tests/models/test_shipped.py`).",
         "",
         *limits_section(src, tgt, tr.tokenizer.vocab_size),
         "## How it was made",

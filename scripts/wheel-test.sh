@@ -27,7 +27,7 @@ SITE=$("$V" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 # the tests, away from the source tree (nothing of src/ on the path), with no compiler: PATH
 # holds the fresh venv's bin/ alone
 cp -r tests "$WORK/tests"
-cp pyproject.toml "$WORK/"  # the pytest settings (markers)
+cp pyproject.toml "$WORK/"  # the pytest settings (markers; pythonpath: the helpers in tests/)
 cd "$WORK"
 (
 export PATH=$WORK/venv/bin CC=/nonexistent/cc CXX=/nonexistent/c++
@@ -44,7 +44,8 @@ print("wheel-test:", status)
 assert shutil.which("c++") is None and shutil.which("gcc") is None
 assert "site-packages" in qkv.__file__ and "(prebuilt)" in status, status
 PY
-python -m pytest -q -p no:cacheprovider tests/test_levels.py tests/test_flash_native.py \
-    tests/test_decode_kernel.py tests/test_kv_int8.py tests/test_int8.py \
-    tests/test_step_kernels.py tests/test_flash_variants.py
+python -m pytest -q -p no:cacheprovider tests/kernels/test_levels.py \
+    tests/kernels/test_flash_native.py tests/kernels/test_decode.py tests/kernels/test_kv_int8.py \
+    tests/kernels/test_int8.py tests/kernels/test_step_kernels.py \
+    tests/kernels/test_flash_variants.py
 )

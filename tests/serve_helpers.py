@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import socket
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
 import torch
 
+import deadline
 from qkv.apps.serve.models import Registry, default_registry
 from qkv.data import Tokenizer
 from qkv.models import Seq2SeqTransformer, TransformerConfig, save_pretrained
@@ -85,10 +87,10 @@ def running_server(app) -> Iterator[int]:
     th = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
     th.start()
     try:
-        stop = time.monotonic() + 20
-        while not srv.started:
-            assert th.is_alive() and time.monotonic() < stop, "uvicorn did not start"
-            time.sleep(0.02)
+        deadline.wait_until(
+            lambda: srv.started or not th.is_alive(), 20, "uvicorn to start", poll=0.02
+        )
+        assert srv.started, "uvicorn stopped before it started (see its log above)"
         yield port
     finally:
         srv.should_exit = True
@@ -97,8 +99,11 @@ def running_server(app) -> Iterator[int]:
 
 
 def page_ready(page) -> None:
-    """Wait until the explorer page has finished its current request (``data-ready``)."""
-    page.wait_for_timeout(50)
+    """Wait until the explorer page has finished its current request (``data-ready``).
+
+    No fixed pause first: every control that asks the server calls ``refresh()`` in its
+    event handler, which sets ``data-ready='0'`` before it awaits anything, and Playwright's
+    actions return after the handlers ran; so a request started by the last action is seen."""
     page.wait_for_selector("body[data-ready='1']")
 
 
@@ -110,3 +115,50 @@ def post_json(server: str, **body) -> dict:
     out = json.loads(conn.getresponse().read())
     conn.close()
     return out
+
+
+# --- a real browser: Debian's chromium through Playwright -----------------------------------
+
+CHROMIUM = "/usr/bin/chromium"
+
+
+def playwright_or_skip():
+    """Playwright's sync API, or skip (fail on CI, where scripts/setup-system.sh installs
+    chromium) when chromium or Playwright is missing."""
+    if not os.path.exists(CHROMIUM):
+        if os.environ.get("CI") == "true":
+            raise RuntimeError(f"{CHROMIUM} missing in CI: run scripts/setup-system.sh")
+        pytest.skip(f"{CHROMIUM} not installed (scripts/setup-system.sh installs it)")
+    return pytest.importorskip("playwright.sync_api")
+
+
+@contextmanager
+def chromium() -> Iterator:
+    """A headless chromium (no network of its own: no sync, no component updates)."""
+    sync_api = playwright_or_skip()
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(
+            executable_path=CHROMIUM,
+            args=["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                  "--disable-component-update", "--disable-sync"],
+        )  # fmt: skip
+        try:
+            yield b
+        finally:
+            b.close()
+
+
+def open_page(browser, url: str, *, height: int = 800, downloads: bool = False):
+    """``(page, errors, dialogs, outside)``: ``url`` opened at 1280 × ``height`` and ready
+    (``data-ready``), with the console errors, dialogs and requests to other origins it
+    makes collected as they come."""
+    page = browser.new_page(viewport={"width": 1280, "height": height}, accept_downloads=downloads)
+    errors, dialogs, outside = [], [], []
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
+    origin = url.split("/?")[0]
+    page.on("request", lambda r: outside.append(r.url) if not r.url.startswith(origin) else None)
+    page.goto(url)
+    page.wait_for_selector("body[data-ready='1']")
+    return page, errors, dialogs, outside

@@ -8,14 +8,31 @@ from qkv import KVCache, MultiHeadAttention, masks
 from qkv.positional import ALiBi, RotaryEmbedding
 
 
-def test_paper_shapes():
-    B, T, d_model, h = 32, 20, 512, 8
-    mha = MultiHeadAttention(d_model, h)
+def test_paper_formula_at_the_paper_sizes():
+    """d_model = 512, h = 8, d_k = 64: MultiHead(X) = Concat(head_1..head_h) W^O with
+    head_i = softmax(X W_i^Q (X W_i^K)ᵀ / √d_k) X W_i^V, written out here per head in fp64
+    from the module's weights (head i owns rows 64·i .. 64·i + 63 of each projection)."""
+    torch.manual_seed(0)
+    B, T, d_model, h = 4, 20, 512, 8
+    mha = MultiHeadAttention(d_model, h).eval()
     x = torch.randn(B, T, d_model)
-    q = mha.split_heads(mha.w_q(x), h)
-    assert q.shape == (B, h, T, 64)
+    assert mha.split_heads(mha.w_q(x), h).shape == (B, h, T, 64)
     y, w = mha(x, need_weights=True)
+
+    def proj(lin, rows=slice(None)):
+        return x.double() @ lin.weight[rows].double().T + lin.bias[rows].double()
+
+    heads, maps = [], []
+    for i in range(h):
+        rows = slice(64 * i, 64 * (i + 1))
+        qi, ki, vi = (proj(lin, rows) for lin in (mha.w_q, mha.w_k, mha.w_v))  # (B, T, 64)
+        a = torch.softmax(qi @ ki.transpose(1, 2) / 8.0, -1)  # √64 = 8
+        heads.append(a @ vi)
+        maps.append(a)
+    want = torch.cat(heads, -1) @ mha.w_o.weight.double().T + mha.w_o.bias.double()
     assert w.shape == (B, h, T, T) and y.shape == (B, T, d_model)
+    torch.testing.assert_close(w.double(), torch.stack(maps, 1), atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(y.double(), want, atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("cross", [False, True])

@@ -1,4 +1,5 @@
-"""qkv.functional against PyTorch's own SDPA, the attention notes' worked numbers, and itself."""
+"""qkv.functional against PyTorch's own SDPA, the attention notes' worked numbers, and each step
+against an fp64 reference written out here."""
 
 import math
 
@@ -15,9 +16,8 @@ settings.register_profile("qkv", deadline=None, max_examples=60, derandomize=Tru
 settings.load_profile("qkv")
 
 
-def torch_reference(q, k, v, mask=None, bias=None, causal=False, window=None, scale=None):
-    """PyTorch's SDPA with our options spelled out as one float mask (math is PyTorch's)."""
-    Tq, Tk = q.shape[-2], k.shape[-2]
+def allowed_pairs(Tq, Tk, mask=None, causal=False, window=None):
+    """Where attention is allowed, spelled out here (bottom-right aligned, True = may attend)."""
     allowed = torch.ones(Tq, Tk, dtype=torch.bool)
     if causal:
         allowed &= torch.tril(torch.ones(Tq, Tk, dtype=torch.bool), diagonal=Tk - Tq)
@@ -27,6 +27,13 @@ def torch_reference(q, k, v, mask=None, bias=None, causal=False, window=None, sc
         allowed &= (j > i - window) & ((j <= i) if causal else (j < i + window))
     if mask is not None:
         allowed = allowed & mask
+    return allowed
+
+
+def torch_reference(q, k, v, mask=None, bias=None, causal=False, window=None, scale=None):
+    """PyTorch's SDPA with our options spelled out as one float mask (math is PyTorch's)."""
+    Tq, Tk = q.shape[-2], k.shape[-2]
+    allowed = allowed_pairs(Tq, Tk, mask, causal, window)
     add = torch.zeros(allowed.shape, dtype=q.dtype).masked_fill(~allowed, float("-inf"))
     if bias is not None:
         add = add + bias
@@ -74,14 +81,34 @@ def test_matches_torch_sdpa_values_and_gradients(case):
 
 
 @given(attention_case())
-def test_steps_are_consistent(case):
+def test_every_step_equals_an_fp64_reference(case):
+    """scores, scaled, masked, lse, weights and output, each against the same step computed
+    here in fp64 from the inputs (kv heads repeated, the mask spelled out, torch's softmax and
+    logsumexp), not from the other fields of the result."""
     s = attention_steps(**case)
-    torch.testing.assert_close(
-        s.weights.sum(-1)[s.lse.isfinite()], torch.ones_like(s.lse)[s.lse.isfinite()]
-    )
-    torch.testing.assert_close(s.lse, torch.logsumexp(s.masked, -1))
-    torch.testing.assert_close(s.output, s.weights @ s.v)
-    assert torch.all(s.weights[s.masked == float("-inf")] == 0)
+    q, k, v = (case[n].double() for n in "qkv")
+    rep = q.shape[-3] // k.shape[-3]
+    k, v = k.repeat_interleave(rep, -3), v.repeat_interleave(rep, -3)
+    scale = case["scale"] if case["scale"] is not None else 1 / math.sqrt(q.shape[-1])
+    scores = torch.einsum("bhqd,bhkd->bhqk", q, k)
+    scaled = scores * scale
+    if case["bias"] is not None:
+        scaled = scaled + case["bias"].double()
+    Tq, Tk = q.shape[-2], k.shape[-2]
+    allowed = allowed_pairs(Tq, Tk, case["mask"], case["causal"], case["window"])
+    allowed = allowed.expand(scaled.shape)
+    masked = scaled.masked_fill(~allowed, float("-inf"))
+    lse = torch.logsumexp(masked, -1)
+    weights = torch.softmax(masked, -1).nan_to_num(0.0)  # a row with no key: zeros
+    output = weights @ v
+    tol = {} if s.output.dtype == torch.float64 else dict(atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(s.scores.double(), scores, **tol)
+    torch.testing.assert_close(s.scaled.double().expand(scaled.shape), scaled, **tol)
+    assert torch.equal(s.masked.expand(masked.shape) == float("-inf"), ~allowed)
+    torch.testing.assert_close(s.masked.double().expand(masked.shape), masked, **tol)
+    torch.testing.assert_close(s.lse.double(), lse, **tol)
+    torch.testing.assert_close(s.weights.double(), weights, **tol)
+    torch.testing.assert_close(s.output.double(), output, **tol)
 
 
 def test_notes_dot_product_and_score_matrix():
@@ -103,10 +130,19 @@ def test_notes_unscaled_self_attention():
     torch.testing.assert_close(out[0], expected, atol=1e-3, rtol=0)
 
 
-def test_notes_score_counts():
+def test_notes_score_matrix_holds_every_query_key_dot_product():
+    """T tokens give T² scores (2 → 4, 5 → 25): entry (i, j) is q_i · k_j, summed here in
+    Python floats."""
+    g = torch.Generator().manual_seed(0)
     for T in (2, 5):
-        x = torch.randn(1, 1, T, 4)
-        assert attention_steps(x, x, x).scores.numel() == T * T  # 2 tokens → 4, 5 → 25
+        q, k = (torch.randn(1, 1, T, 4, generator=g, dtype=torch.float64) for _ in "qk")
+        want = [
+            [sum(a * b for a, b in zip(qi, kj)) for kj in k[0, 0].tolist()]
+            for qi in q[0, 0].tolist()
+        ]
+        scores = attention_steps(q, k, k).scores[0, 0]
+        assert scores.shape == (T, T)
+        torch.testing.assert_close(scores, torch.tensor(want, dtype=torch.float64))
 
 
 def test_causal_bottom_right_alignment():
@@ -176,7 +212,9 @@ def test_bf16_within_pytorch_own_error(causal):
 def test_weights_are_per_head_and_dropout_only_when_asked():
     q = k = v = torch.randn(1, 3, 4, 8)
     out, w = scaled_dot_product_attention(q, k, v, return_weights=True)
-    assert w.shape == (1, 3, 4, 4)
+    x = q.double()
+    want = torch.softmax(x @ x.transpose(-1, -2) / math.sqrt(8), -1)  # (1, 3, 4, 4): per head
+    torch.testing.assert_close(w.double(), want, atol=1e-6, rtol=1e-5)
     torch.manual_seed(0)
     dropped = scaled_dot_product_attention(q, k, v, dropout_p=0.5)
     assert not torch.allclose(dropped, out)

@@ -24,12 +24,15 @@ def test_padding_and_conversions():
         masks.padding([4], 3)
 
 
-def test_combine():
-    a = masks.causal(3)
-    b = masks.padding([2], 3)
-    c = masks.combine(a, None, b)
-    assert c.shape == (1, 1, 3, 3) and not c[0, 0, 2, 2] and c[0, 0, 1, 1]
+def test_combine_is_the_and_of_its_masks():
+    """causal(3) and padding([2, 3]) combined: pair (i, j) allowed iff j <= i and j < length,
+    written out pair by pair."""
+    c = masks.combine(masks.causal(3), None, masks.padding([2, 3], 3))
+    want = [[[[j <= i and j < n for j in range(3)] for i in range(3)]] for n in (2, 3)]
+    assert c.tolist() == want  # (2, 1, 3, 3)
     assert masks.combine(None) is None
+    with pytest.raises(TypeError, match="bool masks"):
+        masks.combine(masks.causal(3), torch.ones(3, 3))
 
 
 def test_alibi_slopes_match_paper():

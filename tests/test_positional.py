@@ -29,9 +29,12 @@ def test_token_embedding_scaled_and_checked():
         emb(torch.tensor([[1.0]]))
 
 
-def test_learned_positions_limit():
+def test_learned_positions_add_their_rows_up_to_the_limit():
     pe = LearnedPositionalEmbedding(4, 8)
-    assert pe(torch.zeros(2, 4, 8)).shape == (2, 4, 8)
+    table = pe.embedding.weight.detach()  # (max_len, d_model): row p is position p
+    x = torch.randn(2, 4, 8)
+    torch.testing.assert_close(pe(x), x + table)
+    torch.testing.assert_close(pe(x[:, :2], offset=2), x[:, :2] + table[2:4])
     with pytest.raises(ValueError, match="max_len=4"):
         pe(torch.zeros(1, 2, 8), offset=3)
 

@@ -93,6 +93,27 @@ def _seen_keys(
     return by_every, by_some
 
 
+_last_hidden: tuple = ((), None)  # (what it was computed from, the indices): see below
+
+
+def _hidden_keys(
+    mask: Tensor | None, bias: Tensor | None, every: range, some: range, Tk: int, device
+) -> Tensor:
+    """The indices of the keys some row may not see, remembered for the last mask and bias
+    (a decoder's layers pass the same mask at each step: one look at it per step). The
+    tensors themselves are held, compared by identity and version: a tensor alive cannot be
+    another one at the same address, and an in-place change bumps its version."""
+    global _last_hidden
+    versions = tuple(None if t is None else t._version for t in (mask, bias))
+    (held, idx) = _last_hidden  # one read: another thread may replace it meanwhile
+    if held and held[0] is mask and held[1] is bias and held[2:] == (versions, every, some):
+        return idx
+    by_every, _ = _seen_keys(mask, bias, every, some, Tk, device)
+    idx = (~by_every).nonzero().squeeze(-1)
+    _last_hidden = ((mask, bias, versions, every, some), idx)
+    return idx
+
+
 def values_for_kernel(
     v: Tensor,
     *,
@@ -112,8 +133,8 @@ def values_for_kernel(
     of all values when they are few, else of those at the keys the mask hides somewhere.
     """
     Tk = v.shape[-2]
-    if not _checked(v) or Tq == 0 or Tk == 0:
-        return v, True
+    if not _checked(v) or Tq == 0 or Tk == 0 or v.dtype == torch.int8:
+        return v, True  # (an int8 cache's rows hold no NaN: qkv.cache quantizes finite values)
     every, some = _key_ranges(Tq, Tk, causal, window)
     if mask is None and bias is None:
         outside = [
@@ -124,10 +145,8 @@ def values_for_kernel(
     elif v.numel() <= _SMALL:
         if _finite(v):
             return v, True
-    else:
-        by_every, _ = _seen_keys(mask, bias, every, some, Tk, v.device)
-        if _finite(v.index_select(-2, (~by_every).nonzero().squeeze(-1))):
-            return v, True
+    elif _finite(v.index_select(-2, _hidden_keys(mask, bias, every, some, Tk, v.device))):
+        return v, True
     # a NaN or inf among the values a kernel may multiply by a zero weight
     by_every, by_some = _seen_keys(mask, bias, every, some, Tk, v.device)
     bad = ~torch.isfinite(v).reshape(-1, Tk, v.shape[-1]).all(-1).all(0)  # (Tk,)

@@ -16,8 +16,7 @@ from torch import Tensor, nn
 
 from qkv import functional as F
 from qkv import masks
-from qkv.cache import KVCache, dequantize_rows
-from qkv.kernels.decode import MAX_TQ, decode_attention, decode_rejects
+from qkv.cache import KVCache
 from qkv.positional import ALiBi, RotaryEmbedding
 
 __all__ = ["MultiHeadAttention"]
@@ -188,12 +187,9 @@ class MultiHeadAttention(nn.Module):
         if isinstance(self.position, ALiBi):  # per-head slopes: no (Tq, Tk) bias on flash
             slopes = masks.alibi_slopes(self.n_heads).to(x.device)  # (h,)
         want_weights = need_weights or self.recorder is not None
-        if k.dtype == torch.int8 and self._reads_int8(q, mask, attn_bias, slopes, want_weights):
-            out = decode_attention(q, k, v, mask=mask, causal=causal, window=window)
-            return self._finish(out, None, need_weights)
-        if k.dtype == torch.int8:  # an int8 cache's packed rows, widened for another path
-            k, v = dequantize_rows(k, q.dtype), dequantize_rows(v, q.dtype)
-        elif k.dtype != q.dtype:  # a cache stored in another dtype (a bf16 cache, fp32 model)
+        # an int8 cache's packed rows go to the dispatcher as they are: the decode kernel
+        # reads them as stored, any other path gets them widened (qkv.dispatch)
+        if k.dtype not in (q.dtype, torch.int8):  # a cache in another dtype (bf16, fp32 model)
             k, v = k.to(q.dtype), v.to(q.dtype)
         out = F.scaled_dot_product_attention(
             q, k, v, mask=mask, bias=attn_bias, causal=causal, window=window,
@@ -215,16 +211,6 @@ class MultiHeadAttention(nn.Module):
             out = out * self._head_scale(out)  # (B, h, Tq, d_k), masked heads give zeros
         y = self.w_o(self.merge_heads(out))  # (B, Tq, d_model)
         return (y, weights) if need_weights else y
-
-    def _reads_int8(self, q: Tensor, mask, attn_bias, slopes, want_weights: bool) -> bool:
-        """Whether the decode kernel reads an int8 cache's rows as stored for this call: a
-        few queries, a bool mask at most, nothing it lacks; else they are widened first."""
-        grad = torch.is_grad_enabled() and q.requires_grad
-        return (q.shape[-2] <= MAX_TQ and attn_bias is None and slopes is None
-                and not want_weights and not (self.training and self.dropout > 0)
-                and (mask is None or isinstance(mask, Tensor) and mask.dtype == torch.bool)
-                and self.backend in ("auto", "decode")
-                and decode_rejects(q.device, q.dtype, grad=grad) is None)  # fmt: skip
 
     def _head_scale(self, out: Tensor) -> Tensor:
         hm = self.head_mask

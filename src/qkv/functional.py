@@ -43,13 +43,14 @@ from qkv import dispatch, masks
 from qkv._nonfinite import scores_may_be_nonfinite, values_for_kernel, weights_times_values
 from qkv._validate import check_bias, check_mask, check_options, check_qkv
 from qkv.block_mask import BlockMask
+from qkv.cache import dequantize_rows
+from qkv.dispatch import explain_dispatch
 from qkv.kernels.decode import run_decode
 from qkv.kernels.flash import (
     _densify,
     check_block_mask,
     check_per_head,
     flash_attention,
-    fused_kernel_rejects,
 )
 from qkv.kernels.weights import weights_from_lse
 
@@ -242,11 +243,16 @@ def scaled_dot_product_attention(
             "weights_heads selects heads of the returned weights: pass return_weights=True"
         )
     if isinstance(mask, BlockMask) or alibi_slopes is not None or rel_bias is not None:
+        k, v = _widened(q, k, v)  # (the fused kernel reads no int8 rows)
         shape = check_qkv(q, k, v)
         if isinstance(mask, BlockMask):
             check_block_mask(mask, shape, q.device)
         check_per_head(alibi_slopes, rel_bias, shape, q.device)
-        why = _why_not_fused(q, shape, backend, scale, dropout_p, return_weights, weights_heads)
+        decision = dispatch.extras_decision(
+            q.device, q.dtype, backend, empty=shape.empty, scale=scale, dropout_p=dropout_p,
+            return_weights=return_weights, weights_heads=weights_heads,
+        )  # fmt: skip
+        why = decision if isinstance(decision, str) else None
         if why is None:
             if isinstance(mask, BlockMask):  # its hidden keys are anywhere: look at every value
                 exact = q.device.type == "cuda" or bool(torch.isfinite(v).all())
@@ -257,7 +263,7 @@ def scaled_dot_product_attention(
             if not exact:
                 why = _NONFINITE_VALUES
         if why is None:
-            dispatch.logger.debug("sdpa backend=flash (fused): %s", _FUSED_EXTRAS)
+            dispatch.logger.debug("sdpa backend=flash (fused): %s", dispatch.FUSED_EXTRAS)
             check_options(
                 window=window, scale=scale, softcap=softcap, dropout_p=dropout_p, dtype=q.dtype
             )
@@ -282,13 +288,17 @@ def scaled_dot_product_attention(
     # describe + choose + the chosen backend's argument checks, remembered per call signature
     call = (mask, bias, causal, window, scale, softcap, dropout_p, return_weights, weights_heads)
     case, decision, fast = dispatch._decide(q, k, v, backend, call)
+    if case.kv_int8 and decision.backend != "decode":  # only the decode kernel reads int8 rows
+        k, v = _widened(q, k, v)
+        case, decision, fast = dispatch._decide(q, k, v, backend, call)
     if decision.backend != "math":  # NaN and inf: one rule on every backend (qkv._nonfinite)
         v, exact = values_for_kernel(
             v, mask=mask, bias=bias, causal=causal, window=window, Tq=case.shape.Tq
         )
         if not exact or (decision.backend == "torch" and scores_may_be_nonfinite(q, k, bias)):
             reasons = {decision.backend: _NONFINITE_VALUES}
-            decision, fast = dispatch.Decision("math", backend, reasons), None
+            decision = dispatch.Decision("math", backend, reasons, why=_NONFINITE_VALUES)
+            fast = None
     if dispatch.logger.isEnabledFor(logging.DEBUG):
         dispatch.log_decision(decision, case)
     if fast is not None:  # torch SDPA's arguments or flash's plan, worked out once
@@ -318,61 +328,13 @@ def scaled_dot_product_attention(
     return out, weights_from_lse(q, k, lse, heads=weights_heads, **options)
 
 
+def _widened(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """An int8 cache's packed rows (:mod:`qkv.cache`) as values in q's dtype; else as given."""
+    if k.dtype == torch.int8 and v.dtype == torch.int8:
+        return dequantize_rows(k, q.dtype), dequantize_rows(v, q.dtype)
+    return k, v
+
+
 _NONFINITE_VALUES = (
     "a NaN or inf in the inputs that only the reference keeps to the rule (qkv._nonfinite)"
 )
-_FUSED_EXTRAS = (
-    "block mask / ALiBi slopes / rel_bias: fused flash runs them without a dense (Tq, Tk) tensor"
-)
-
-
-def _why_not_fused(
-    q: Tensor, shape, backend: str, scale: float | None, dropout_p: float,
-    return_weights: bool, weights_heads,
-) -> str | None:  # fmt: skip
-    """Why a call with a block mask, ALiBi slopes or a relative table does not run on flash's
-    fused kernel (then they are expanded to a dense mask/bias); ``None``: it does."""
-    if backend not in ("auto", "flash"):
-        return f"backend={backend!r} requested"
-    if dropout_p > 0:
-        return f"dropout_p={dropout_p} > 0: flash has no dropout"
-    if return_weights and weights_heads is None:
-        return "all heads' weights requested"
-    if shape.empty:
-        return "empty input"
-    return fused_kernel_rejects(q.device, q.dtype, scale=scale)
-
-
-def explain_dispatch(
-    q: Tensor, k: Tensor, v: Tensor, *, backend: str = "auto",
-    alibi_slopes: Tensor | None = None, rel_bias: Tensor | None = None, **kwargs,
-) -> dispatch.Decision:  # fmt: skip
-    """Which backend ``scaled_dot_product_attention(q, k, v, **kwargs)`` runs, and why.
-
-    :func:`qkv.dispatch.explain_dispatch`, also for block masks, ``alibi_slopes`` and
-    ``rel_bias``. ``print()`` the result for one line per rejected backend.
-
-    >>> q = k = v = torch.randn(1, 2, 64, 16)
-    >>> explain_dispatch(q, k, v, alibi_slopes=torch.ones(2)).kernel
-    'fused C++ kernel'
-    """
-    mask = kwargs.get("mask")
-    if not (isinstance(mask, BlockMask) or alibi_slopes is not None or rel_bias is not None):
-        return dispatch.explain_dispatch(q, k, v, backend=backend, **kwargs)
-    shape = check_qkv(q, k, v)
-    why = _why_not_fused(
-        q, shape, backend, kwargs.get("scale"), kwargs.get("dropout_p", 0.0),
-        kwargs.get("return_weights", False), kwargs.get("weights_heads"),
-    )  # fmt: skip
-    if why is None:
-        reasons = {
-            "torch": _FUSED_EXTRAS,
-            "math": "the reference: slowest, holds (Tq, Tk) per head",
-        }
-        return dispatch.Decision("flash", backend, reasons, "fused C++ kernel")
-    block_mask = mask if isinstance(mask, BlockMask) else None
-    kwargs["mask"], kwargs["bias"] = _densify(
-        q, block_mask, None if block_mask else mask, kwargs.get("bias"), alibi_slopes, rel_bias,
-        shape,
-    )  # fmt: skip
-    return dispatch.explain_dispatch(q, k, v, backend=backend, **kwargs)

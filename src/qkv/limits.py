@@ -12,6 +12,10 @@ bounded by the limit, never by the input:
 Longer input is cut with a visible note (:func:`fit_text`), or, for translation, split into
 sentences and pieces that each fit (:func:`split_to_fit`), never cut silently.
 
+The explorer's maps (``qkv serve``'s answers, ``qkv view``'s page and the notebook view)
+hold at most :data:`MAX_CELLS` weights and :data:`TOKEN_LIMIT` tokens (:func:`encoder_limit`:
+fewer for a model with many heads), every float with :data:`DECIMALS` decimals.
+
 >>> fit_text("one two three four", 2)
 ('one two', 4)
 >>> split_to_fit("A dog runs. The cat sleeps on the mat.", 4)
@@ -20,17 +24,39 @@ sentences and pieces that each fit (:func:`split_to_fit`), never cut silently.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 
-__all__ = ["MAX_SENTENCES", "MAX_TOKENS", "fit_text", "split_sentences", "split_to_fit"]
+__all__ = [
+    "DECIMALS",
+    "MAX_CELLS",
+    "MAX_SENTENCES",
+    "MAX_TOKENS",
+    "TOKEN_LIMIT",
+    "encoder_limit",
+    "fit_text",
+    "split_sentences",
+    "split_to_fit",
+]
 
 MAX_TOKENS = {"explain": 32, "view": 128, "heads": 128, "embed": 256}
 MAX_SENTENCES = 64
 CHARS_PER_TOKEN = 16  # no tokenizer here makes a token of more than this many characters
 
+# The explorer's maps (qkv.apps.serve.limits lists them with the server's other limits)
+TOKEN_LIMIT = 128  # tokens in the maps (special tokens included); longer → cut, with a notice
+MAX_CELLS = 320_000  # attention weights in one answer (all layers × heads × Tq × Tk)
+DECIMALS = 3  # decimals of every float in an answer
+
 _WORD = re.compile(r"\S+")
 _SENTENCE_END = re.compile(r"(?<=[.!?…。！？।॥။])\s+|(?<=[。！？])(?=\S)")
+
+
+def encoder_limit(n_heads_total: int) -> int:
+    """Token limit of a self-attention model with ``n_heads_total`` heads (all layers): its
+    maps hold at most :data:`MAX_CELLS` weights (MiniLM's 72 heads: 66 tokens)."""
+    return max(8, min(TOKEN_LIMIT, math.isqrt(MAX_CELLS // max(1, n_heads_total))))
 
 
 def _words(text: str) -> int:

@@ -67,8 +67,8 @@ def step_by_step(text: str, console: Console) -> None:
 
 def translation(name: str, text: str, out: Path, console: Console) -> dict[str, Path]:
     """Part 2: the shipped translator on ``text``: output, alignment, pictures."""
+    from qkv.capture.maps import merge_steps
     from qkv.inspect.html import write_html
-    from qkv.inspect.maps import merge_steps
     from qkv.inspect.plot import plot_alignment, plot_grid
     from qkv.inspect.translation import record_translation
     from qkv.models.shipped import shipped

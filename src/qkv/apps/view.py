@@ -22,13 +22,13 @@ from rich.table import Table
 
 from qkv.apps.cli_args import CliError, int_range, note, output_file, positive_int, text
 from qkv.atomic import atomic_write_text
+from qkv.capture.stats import ProbeRow, head_stats, normalize_token, pronoun_probe
 from qkv.inspect.ablate import ablate, ablation_scan, parse_heads
 from qkv.inspect.loaders import load
-from qkv.inspect.stats import ProbeRow, head_stats, normalize_token, pronoun_probe
 from qkv.limits import MAX_TOKENS, fit_text
 
 if TYPE_CHECKING:
-    from qkv.inspect.export import HeadMap
+    from qkv.capture.export import HeadMap
 
 console = Console()
 
@@ -49,7 +49,8 @@ def _fit(loaded, text: str, command: str, what: str) -> str:
 
 def run_view(args: argparse.Namespace) -> int:
     """The explorer page of ``qkv serve`` as one offline file, with the server's limits."""
-    from qkv.apps.serve.page import maps_from_response, view_page
+    from qkv.apps.serve.page import view_page
+    from qkv.capture.page import maps_from_response
     from qkv.inspect.plot import plot_alignment, plot_grid
 
     if args.translate is None and args.sentence is None:
@@ -93,7 +94,7 @@ def _export_map(args: argparse.Namespace, response: dict) -> HeadMap | None:
     """``--svg/--json/--csv``: the map of one layer and head (default: the page's first
     selection), its numbers exactly as the page holds them (cut to the server's limits, so
     bounded); ``None`` when no export is asked for. Checked before anything is written."""
-    from qkv.inspect.export import head_map
+    from qkv.capture.export import head_map
 
     if not any(getattr(args, fmt) for fmt in EXPORTS):
         return None
@@ -110,7 +111,7 @@ def _export_map(args: argparse.Namespace, response: dict) -> HeadMap | None:
 
 
 def _write_exports(args: argparse.Namespace, hm: HeadMap) -> None:
-    from qkv.inspect.export import to_csv, to_json, to_svg
+    from qkv.capture.export import to_csv, to_json, to_svg
 
     write = {"svg": to_svg, "json": to_json, "csv": to_csv}
     for fmt in EXPORTS:

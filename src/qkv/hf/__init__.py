@@ -9,20 +9,18 @@
 
 Modules: :mod:`qkv.hf.attention` (the adapter and what falls back), :mod:`qkv.hf.masks` (the
 boolean mask function), :mod:`qkv.hf.capture` (per-head weights), :mod:`qkv.hf.ablate`
-(switching heads off), :mod:`qkv.hf.load` (a local model directory, offline). Guide:
+(switching heads off), :mod:`qkv.hf.load` (a local model directory, offline),
+:mod:`qkv.hf.steps` (one call, step by step), :mod:`qkv.hf.registry` (registering the name,
+:func:`running_qkv`). The maps they build are :class:`qkv.capture.AttentionMaps`. Guide:
 ``docs/hf.md``.
 """
 
-from __future__ import annotations
-
-from collections.abc import Iterator
-from contextlib import contextmanager
-
-from qkv.hf.ablate import heads_off
+from qkv.hf.ablate import head_count, heads_off
 from qkv.hf.attention import qkv_attention_forward
 from qkv.hf.capture import HFCapture, HFRecord, attention_modules, capture_attention
 from qkv.hf.load import LoadedModel, load_model
 from qkv.hf.masks import qkv_mask
+from qkv.hf.registry import NAME, register, running_qkv
 
 __all__ = [
     "NAME",
@@ -31,6 +29,7 @@ __all__ = [
     "LoadedModel",
     "attention_modules",
     "capture_attention",
+    "head_count",
     "heads_off",
     "load_model",
     "qkv_attention_forward",
@@ -39,37 +38,4 @@ __all__ = [
     "running_qkv",
 ]
 
-NAME = "qkv"
-
-
-def register(name: str = NAME) -> None:
-    """Register qkv's attention and mask functions with transformers under ``name``.
-
-    Afterwards ``from_pretrained(..., attn_implementation=name)``, ``from_config(...)`` and
-    ``model.set_attn_implementation(name)`` use qkv. Idempotent; done on ``import qkv.hf``.
-    """
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
-    AttentionInterface.register(name, qkv_attention_forward)
-    AttentionMaskInterface.register(name, qkv_mask)
-
-
-register()
-
-
-@contextmanager
-def running_qkv(model) -> Iterator[None]:
-    """Within the block, ``model`` runs with ``attn_implementation="qkv"`` (switched and
-    restored when it was loaded with another one); what capture, switching heads off and
-    the step replay need, since only qkv's adapter sees their context."""
-    register()
-    previous = getattr(getattr(model, "config", None), "_attn_implementation", None)
-    switch = previous is not None and previous != NAME
-    if switch:
-        model.set_attn_implementation(NAME)
-    try:
-        yield
-    finally:
-        if switch:
-            model.set_attn_implementation(previous)
+register()  # import qkv.hf registers "qkv" with transformers

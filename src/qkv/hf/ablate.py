@@ -20,6 +20,10 @@ from contextvars import ContextVar
 import torch
 from torch import Tensor, nn
 
+from qkv.capture.record import select_modules
+from qkv.hf.capture import attention_modules
+from qkv.hf.registry import running_qkv
+
 __all__ = ["head_count", "heads_off", "zero_heads"]
 
 _OFF: ContextVar[dict[int, set[int]] | None] = ContextVar("qkv_hf_heads_off", default=None)
@@ -55,13 +59,10 @@ def heads_off(model: nn.Module, heads: Mapping[int | str, Iterable[int]]) -> Ite
     ``heads`` maps a layer (index into :func:`qkv.hf.attention_modules`, module name or glob
     pattern) to query-head indices. Nested blocks add up; everything is restored on exit.
     """
-    from qkv.hf import running_qkv
-    from qkv.hf.capture import _select, attention_modules
-
     found = attention_modules(model)
     spec: dict[int, set[int]] = {k: set(v) for k, v in (_OFF.get() or {}).items()}
     for layer, hs in heads.items():
-        for name, m in _select(found, [layer]):
+        for name, m in select_modules(found, [layer]):
             hs = [int(h) for h in hs]
             n = head_count(m)
             bad = [h for h in hs if not 0 <= h < n]

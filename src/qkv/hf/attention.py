@@ -41,7 +41,9 @@ mask) means the same; qkv's ``causal=True`` is aligned bottom-right, which is th
 What falls back (one ``warnings.warn`` per reason per process, then transformers' own path):
 paged caches (continuous batching), a mask that is neither bool nor float or does not
 broadcast as ``(B|1, h|1, Tq, Tk)``, and q/k/v of different dtypes or head counts that do
-not group.
+not group. Such a call is still seen: :func:`qkv.hf.steps.fallback_replay` states it as qkv
+arguments, which :func:`qkv.hf.steps.record_call` records for the step-by-step replay and
+:func:`qkv.hf.capture_attention` uses for the weights when sdpa (which returns none) ran it.
 """
 
 from __future__ import annotations
@@ -104,14 +106,22 @@ def fallback_reason(
     return None
 
 
+def _eager_function(module: nn.Module) -> Callable | None:
+    """The model's own ``eager_attention_forward``, or None (then sdpa runs the call)."""
+    modeling = sys.modules.get(type(module).__module__)
+    return getattr(modeling, "eager_attention_forward", None)
+
+
 def _fallback(
     how: str, module: nn.Module, query: Tensor, key: Tensor, value: Tensor, mask, **kwargs
 ) -> tuple[Tensor, Tensor | None]:
     """Run transformers' ``eager`` (the model's own function) or ``sdpa`` attention."""
     if how == "eager":
-        modeling = sys.modules.get(type(module).__module__)
-        fn: Callable | None = getattr(modeling, "eager_attention_forward", None)
+        fn = _eager_function(module)
         if fn is not None:
+            causal = kwargs.get("is_causal", getattr(module, "is_causal", True))
+            if mask is None and causal and query.shape[2] > 1:  # eager masks only with a mask:
+                mask = _steps.causal_mask(query.shape[2], key.shape[2], query.device)  # sdpa's
             if isinstance(mask, Tensor) and mask.dtype == torch.bool:  # eager adds the mask
                 mask = torch.zeros_like(mask, dtype=query.dtype).masked_fill(
                     ~mask, torch.finfo(query.dtype).min
@@ -181,14 +191,29 @@ def _attention(
             extra["softcap"] = softcap
         if is_causal is not None:
             extra["is_causal"] = is_causal
-        if heads is not None and how != "eager":
-            raise RuntimeError(f"cannot capture attention weights here: {reason}")
+        ran = "eager" if how == "eager" and _eager_function(module) is not None else "sdpa"
+        replay = None
+        if _steps.recording(module) or (heads is not None and ran != "eager"):
+            replay = _steps.fallback_replay(ran, module, query, key, value, attention_mask,
+                                            scaling=scaling, is_causal=is_causal,
+                                            position_bias=position_bias, softcap=softcap)  # fmt: skip
+            _steps.note_fallback(module, f"{reason} (transformers' {ran} computed it)", replay)
         out, weights = _fallback(how, module, query, key, value, attention_mask, dropout=dropout,
                                  scaling=scaling, **extra, **kwargs)  # fmt: skip
-        if heads is not None:  # eager returns every head's weights
+        if heads is not None:
             causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
-            recorder.record(module, weights.detach().index_select(1, _index(heads, weights)),
-                            heads, causal=causal)  # fmt: skip
+            if ran == "eager":  # eager returns every head's weights
+                picked = weights.detach().index_select(1, _index(heads, weights))
+            elif isinstance(replay, str):
+                raise RuntimeError(f"cannot capture attention weights here: {reason}; {replay}")
+            else:  # sdpa returns none: qkv's reference math on what sdpa was given
+                q, k, v, options = replay
+                picked = attention_steps(q, k, v, **options).weights
+                empty = empty_rows(options["mask"], k.shape[2])
+                if empty is not None:
+                    picked = fill_empty_weights(empty, picked)
+                picked = picked.detach().index_select(1, _index(heads, picked))
+            recorder.record(module, picked, heads, causal=causal)
         return out, weights
 
     Tq, Tk = query.shape[2], key.shape[2]
@@ -211,12 +236,14 @@ def _attention(
                    dropout_p=float(dropout))  # fmt: skip
     full = bool(kwargs.get("output_attentions", False))
     sinks = kwargs.get("s_aux")
+    # for qkv.hf.steps.record_call: the call as qkv runs it
+    _steps.note(module, query, key, value,
+                options if sinks is None else {**options, "sinks": sinks.detach()})  # fmt: skip
     if sinks is not None:  # eager's sink takes all of an empty row's weight: zeros, as here
         out, weights, picked = _with_sinks(query, key, value, sinks, full, heads, options)
         if heads is not None:
             recorder.record(module, picked, heads, causal=bool(is_causal))
         return out.transpose(1, 2).contiguous(), weights
-    _steps.note(module, query, key, value, options)  # for qkv.hf.steps.record_call
     # rows that see no key: qkv gives zeros, eager the mean of the values (qkv.hf.masks)
     empty = empty_rows(mask, key.shape[2])
     weights = None

@@ -7,7 +7,8 @@ one head's ``Tq×Tk``, never all of them. They equal the model's ``output_attent
 under ``attn_implementation="eager"`` (rows of padded queries, which see no key, are zeros).
 
 A call that qkv hands back to transformers' eager attention (see :mod:`qkv.hf.attention`)
-is recorded from the weights eager computes. The model runs with ``attn_implementation="qkv"``
+is recorded from the weights eager computes; one handed to sdpa, which returns no weights,
+from qkv's reference math on the same arguments (:func:`qkv.hf.steps.fallback_replay`). The model runs with ``attn_implementation="qkv"``
 for the duration of the block (switched and restored when it was loaded with another one).
 Each call of each chosen module is one :class:`HFRecord`, in call order: a ``generate`` gives
 one record per module per step.
@@ -27,10 +28,18 @@ from dataclasses import dataclass
 
 from torch import Tensor, nn
 
-from qkv.inspect.capture import select_modules
-from qkv.inspect.maps import AttentionMaps, merge_steps
+from qkv.capture.maps import AttentionMaps, layer_labels, merge_steps
+from qkv.capture.record import select_modules
+from qkv.hf.registry import running_qkv
 
-__all__ = ["HFCapture", "HFRecord", "active", "attention_modules", "capture_attention"]
+__all__ = [
+    "HFCapture",
+    "HFRecord",
+    "active",
+    "attention_modules",
+    "capture_attention",
+    "module_kind",
+]
 
 _ACTIVE: ContextVar[HFCapture | None] = ContextVar("qkv_hf_capture", default=None)
 _CALLS_INTERFACE: dict[type, bool] = {}
@@ -53,14 +62,18 @@ def _is_attention(cls: type) -> bool:
     return _CALLS_INTERFACE[cls]
 
 
-def attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """``(name, module)`` of the modules that call the attention function, in model order."""
+def attention_modules(
+    model: nn.Module, layers: Sequence[int | str] | None = None
+) -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` of the modules that call the attention function, in model order,
+    optionally selected: ``layers`` items are indices into that list, exact names or glob
+    patterns (as :func:`qkv.capture.attention_modules` takes them for qkv's own models)."""
     found = [(n, m) for n, m in model.named_modules() if _is_attention(type(m))]
     if not found:
         raise ValueError(
             f"{type(model).__name__} has no module calling transformers' AttentionInterface"
         )
-    return found
+    return select_modules(found, layers)
 
 
 def module_kind(name: str, module: nn.Module) -> str:
@@ -128,11 +141,11 @@ class HFCapture:
         source_tokens: Sequence[str] | None = None,
         batch_index: int = 0,
     ) -> AttentionMaps:
-        """Whole-sequence :class:`~qkv.inspect.AttentionMaps` of one batch row (float32, CPU).
+        """Whole-sequence :class:`~qkv.capture.AttentionMaps` of one batch row (float32, CPU).
 
         ``tokens`` label the queries and the causal/self keys; ``source_tokens`` (seq2seq)
         label the encoder's rows and columns and the cross-attention keys. Decoding steps are
-        merged (:func:`~qkv.inspect.maps.merge_steps`).
+        merged (:func:`~qkv.capture.maps.merge_steps`).
         """
         if not self.records:
             raise RuntimeError("no attention call was captured in the chosen layers")
@@ -142,28 +155,15 @@ class HFCapture:
             if not 0 <= batch_index < recs[0].weights.shape[0]:
                 raise IndexError(f"batch_index {batch_index} out of range for batch size "
                                  f"{recs[0].weights.shape[0]}")  # fmt: skip
-            q_tok, k_tok = [], []
-            for r in recs:
-                Tq, Tk = r.weights.shape[-2:]
-                enc = source_tokens is not None and r.kind == "self"
-                q_src = source_tokens if enc else tokens
-                k_src = source_tokens if (enc or r.kind == "cross") else tokens
-                q_tok.append(_label(q_src, r.q_offset, Tq))
-                k_tok.append(_label(k_src, 0, Tk))
+            labels = [layer_labels(r.kind, r.q_offset, *r.weights.shape[-2:], tokens,
+                                   source_tokens) for r in recs]  # fmt: skip
+            q_tok, k_tok = [q for q, _ in labels], [k for _, k in labels]
             steps.append(AttentionMaps(
                 [r.weights[batch_index].float().cpu() for r in recs], [r.name for r in recs],
                 [r.kind for r in recs], [r.heads for r in recs], q_tok, k_tok,
                 [r.q_offset for r in recs], s,
             ))  # fmt: skip
         return steps[0] if len(steps) == 1 else merge_steps(steps)
-
-
-def _label(tokens: Sequence[str] | None, start: int, n: int) -> list[str]:
-    toks = list(tokens or [])
-    return [toks[i] if i < len(toks) else str(i) for i in range(start, start + n)]
-
-
-_select = select_modules  # indices, exact names or globs, as for qkv's own models
 
 
 @contextmanager
@@ -185,9 +185,7 @@ def capture_attention(
     Yields the :class:`HFCapture`; read ``.records`` / ``.weights()`` / ``.maps()`` after the
     model ran. Weights carry no gradient.
     """
-    from qkv.hf import running_qkv
-
-    chosen = _select(attention_modules(model), layers)
+    chosen = attention_modules(model, layers)
     cap = HFCapture(chosen, heads)
     with running_qkv(model):
         token = _ACTIVE.set(cap)

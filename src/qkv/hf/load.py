@@ -13,7 +13,7 @@ kind                recognised by                                   loaded with
 
 Nothing is downloaded (``local_files_only=True``). The tokenizer is loaded when the directory
 has one. :meth:`LoadedModel.attention` runs the model once and returns its per-layer, per-head
-attention maps (:class:`~qkv.inspect.AttentionMaps`), through :mod:`qkv.hf.capture`;
+attention maps (:class:`~qkv.capture.AttentionMaps`), through :mod:`qkv.hf.capture`;
 :meth:`LoadedModel.generate` generates (greedy) and returns the maps of every step, merged.
 """
 
@@ -28,8 +28,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from qkv.capture.maps import AttentionMaps
 from qkv.hf.capture import capture_attention
-from qkv.inspect.maps import AttentionMaps
 
 __all__ = ["KINDS", "LoadedModel", "load_model", "model_kind"]
 
@@ -141,7 +141,7 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32) -> Loade
     """
     import transformers as tf
 
-    from qkv.hf import register
+    from qkv.hf.registry import register
 
     path = Path(path)
     if not (path / "config.json").is_file():

@@ -5,9 +5,12 @@
 >>> head_stats(maps)[0].prev  # previous-token score  # doctest: +SKIP
 
 Pictures (``qkv.inspect.plot``, matplotlib) and the HTML viewer (``qkv.inspect.html``) are
-imported on first use.
+imported on first use. The maps, their recording, statistics and files live one layer down,
+in :mod:`qkv.capture` (shared with :mod:`qkv.hf`); they are re-exported here.
 """
 
+# through the old submodules (which re-export qkv.capture's names): importing them here first
+# keeps ``qkv.inspect.capture`` the function, not the submodule of the same name
 from qkv.inspect.ablate import AblationResult, ablate, ablation_scan, heads_off
 from qkv.inspect.capture import attention_modules, capture, capture_steps, recording
 from qkv.inspect.maps import AttentionMaps, merge_steps

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from qkv.inspect.capture import attention_modules
+from qkv.capture.record import attention_modules
 
 __all__ = ["AblationResult", "ablate", "ablation_scan", "heads_off", "parse_heads"]
 
@@ -112,11 +112,10 @@ def _is_hf(model: nn.Module) -> bool:
 def _layers(model: nn.Module, layers: Sequence[int | str] | None) -> list[tuple[str, int]]:
     """``(name, heads)`` of the chosen attention modules (qkv's own, or a transformers model's)."""
     if _is_hf(model):
-        from qkv.hf.ablate import head_count
-        from qkv.hf.capture import _select
-        from qkv.hf.capture import attention_modules as hf_modules
+        from qkv.hf import attention_modules as hf_modules
+        from qkv.hf import head_count
 
-        return [(n, head_count(m)) for n, m in _select(hf_modules(model), layers)]
+        return [(n, head_count(m)) for n, m in hf_modules(model, layers)]
     return [(n, m.n_heads) for n, m in attention_modules(model, layers)]
 
 

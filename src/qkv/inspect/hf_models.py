@@ -12,13 +12,14 @@ kind                what the text shows
 encoder             bidirectional self-attention of every layer
 decoder             causal self-attention over the text (no generation)
 encoder-decoder     the encoder's self-attention over the text; ``translate(text)`` decodes
-                    greedily and adds the decoder's causal self- and cross-attention
+                    (greedy, or transformers' beam search: :func:`translate_hf`) and adds
+                    the decoder's causal self- and cross-attention
 ==================  ==========================================================================
 
 Decoder rows are labelled with the decoder *inputs* (start token, y₁, …); cross-attention
 rows with the token each step *produced*, as for qkv's own translators
 (:mod:`qkv.inspect.translation`). Heads are switched off by :func:`qkv.hf.heads_off`; the
-step-by-step view needs qkv's own attention modules and is not offered for these models.
+step-by-step view replays one call with :mod:`qkv.hf.steps`.
 
 >>> loaded = load_hf_dir(Path("checkpoints/opus-mt-en-fr"))     # doctest: +SKIP
 >>> loaded.hf.kind                                              # doctest: +SKIP
@@ -36,8 +37,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from qkv.capture.maps import AttentionMaps
 from qkv.inspect.loaded import Loaded
-from qkv.inspect.maps import AttentionMaps
 from qkv.loading import read_json
 
 __all__ = ["head_counts", "is_hf_dir", "load_hf_dir", "translate_hf"]
@@ -89,27 +90,50 @@ def _first_id(tokenizer: Any) -> int:
 
 
 def translate_hf(
-    loaded: Loaded, text: str, *, max_new_tokens: int = MAX_NEW_TOKENS
+    loaded: Loaded, text: str, *, max_new_tokens: int = MAX_NEW_TOKENS, beam: int = 1
 ) -> dict[str, Any]:
-    """Greedy ``generate`` of a seq2seq model with every step's attention captured.
+    """Translate ``text`` with a seq2seq model's own ``generate``, with the attention maps of
+    the output.
+
+    ``beam == 1``: greedy decoding, every step's attention captured as it runs. ``beam > 1``:
+    transformers' beam search (``num_beams=beam``, ``num_return_sequences=beam``, the
+    model's generation config otherwise); the maps are those of the best hypothesis, replayed
+    with teacher forcing (one forward over it: the rows decoding wrote, since beam search
+    reorders its batch rows at every step).
 
     Returns ``{"maps": AttentionMaps (steps merged), "source_tokens", "inputs" (decoder
-    inputs), "produced" (tokens written), "text", "input_ids" (the decoder inputs' ids)}``.
+    inputs), "produced" (tokens written), "text", "input_ids" (the decoder inputs' ids),
+    "beams": [(ids, score), ...] (the hypotheses beam search returned, best first, each
+    from the start token to its end; empty for greedy), "length_penalty"}``: a hypothesis's
+    score is transformers' ``sequences_scores``, its log-probability ÷ length^length_penalty.
     """
     from qkv.hf import capture_attention
 
     hf = loaded.hf
     if hf.kind != "encoder-decoder":
         raise ValueError(f"translation needs an encoder-decoder model, this one is {hf.kind!r}")
+    if not isinstance(beam, int) or beam < 1:
+        raise ValueError(f"beam must be an int >= 1, got {beam!r}")
     source_tokens, (ids, mask) = loaded.encode(text)
-    with torch.no_grad(), capture_attention(hf.model) as cap:
-        seq = hf.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                                do_sample=False, num_beams=1)  # fmt: skip
-    out = [int(t) for t in seq[0].tolist()]  # start token, y1, ..., (eos)
     tok = hf.tokenizer
     eos = getattr(tok, "eos_token_id", None)
-    if eos in out[1:]:
-        out = out[: out.index(eos, 1) + 1]
+    beams: list[tuple[list[int], float]] = []
+    if beam == 1:
+        with torch.no_grad(), capture_attention(hf.model) as cap:
+            seq = hf.model.generate(input_ids=ids, attention_mask=mask,
+                                    max_new_tokens=max_new_tokens, do_sample=False,
+                                    num_beams=1)  # fmt: skip
+        out = _cut_at_eos([int(t) for t in seq[0].tolist()], eos)  # start, y1, ..., (eos)
+    else:
+        with torch.no_grad():
+            gen = hf.model.generate(input_ids=ids, attention_mask=mask,
+                                    max_new_tokens=max_new_tokens, do_sample=False,
+                                    num_beams=beam, num_return_sequences=beam,
+                                    output_scores=True, return_dict_in_generate=True)  # fmt: skip
+        beams = list(zip(_hypotheses(gen, eos), gen.sequences_scores.tolist(), strict=True))
+        out = beams[0][0]
+        with torch.no_grad(), capture_attention(hf.model) as cap:  # teacher-forced replay
+            hf.model(input_ids=ids, attention_mask=mask, decoder_input_ids=torch.tensor([out[:-1]]))
     labels = tok.convert_ids_to_tokens(out)
     inputs, produced = labels[:-1], labels[1:]
     maps = cap.maps(tokens=inputs, source_tokens=source_tokens)
@@ -119,8 +143,27 @@ def translate_hf(
             maps.q_tokens[i] = [produced[j] if j < len(produced) else str(j)
                                 for j in range(off, off + n)]  # fmt: skip
     text_out = tok.decode(out[1:], skip_special_tokens=True)
+    penalty = getattr(hf.model.generation_config, "length_penalty", None)
     return {"maps": maps, "source_tokens": source_tokens, "inputs": inputs,
-            "produced": produced, "text": text_out, "input_ids": out[:-1]}  # fmt: skip
+            "produced": produced, "text": text_out, "input_ids": out[:-1], "beams": beams,
+            "length_penalty": 1.0 if penalty is None else float(penalty)}  # fmt: skip
+
+
+def _cut_at_eos(ids: list[int], eos: int | None) -> list[int]:
+    """``ids`` up to and with the first end token after the start token."""
+    return ids[: ids.index(eos, 1) + 1] if eos in ids[1:] else ids
+
+
+def _hypotheses(gen: Any, eos: int | None) -> list[list[int]]:
+    """Each returned hypothesis of a beam-search ``generate`` without its padding: the
+    decoder prompt and the tokens it generated (``beam_indices``: -1 past its end)."""
+    seq = gen.sequences.tolist()
+    bi = getattr(gen, "beam_indices", None)
+    if bi is None:
+        return [_cut_at_eos(s, eos) for s in seq]
+    prompt = gen.sequences.shape[1] - bi.shape[1]
+    lengths = (bi >= 0).sum(dim=1).tolist()
+    return [s[: prompt + n] for s, n in zip(seq, lengths, strict=True)]
 
 
 def load_hf_dir(path: Path) -> Loaded | None:

@@ -13,8 +13,13 @@ Views:
 * **model view**: a thumbnail per layer × head; click one to open it in the head view.
 * **alignment view**: the ``(Tq, Tk)`` matrix of the layer (cross-attention: target × source),
   cells ``rect.cell`` with ``data-q data-k data-w`` and ``fill-opacity`` = weight.
-* side panel: :func:`~qkv.inspect.stats.head_stats` of the layer's heads.
+* side panel: :func:`~qkv.capture.stats.head_stats` of the layer's heads.
 * a step selector when decoding steps are given (attention at each step over the KV cache).
+* **Download** (SVG, PNG, JSON, CSV) of what the view shows: the explorer's own
+  ``export.js`` (``qkv serve``'s package data, inlined), so the files are the explorer's. The
+  head view's picture has the heads ticked; the alignment view's is the matrix it draws, the
+  mean of the heads ticked (``"head": "0+2"`` in the JSON and CSV when there are several).
+  Heads have the explorer's colours on screen and in the files.
 
 >>> write_html(maps, "attention.html", steps=capture_steps(...))  # doctest: +SKIP
 """
@@ -28,8 +33,9 @@ import re
 from pathlib import Path
 
 from qkv.atomic import atomic_write_text
-from qkv.inspect.maps import AttentionMaps, merge_steps
-from qkv.inspect.stats import head_stats
+from qkv.capture.maps import AttentionMaps, merge_steps
+from qkv.capture.page import static_text
+from qkv.capture.stats import head_stats
 
 __all__ = ["render_html", "write_html"]
 
@@ -64,8 +70,13 @@ def render_html(
         + [f"decoding step {s.step}" for s in (steps or [])][: len(views) - 1],
         "stats": [s.to_dict() for s in head_stats(whole)],
     }
-    fill = {"__TITLE__": html.escape(title), "__DATA__": _json_for_script(data)}
-    return re.sub("__TITLE__|__DATA__", lambda m: fill[m.group()], _TEMPLATE)  # one pass
+    export_js = static_text("export.js")  # the explorer's downloads, as they are
+    if re.search(r"</script", export_js, re.I):
+        raise ValueError("export.js must not contain </script")
+    fill = {"__TITLE__": html.escape(title), "__DATA__": _json_for_script(data),
+            "__EXPORT_CSS__": static_text("export.css"), "__EXPORT_JS__": export_js}  # fmt: skip
+    return re.sub("__TITLE__|__DATA__|__EXPORT_CSS__|__EXPORT_JS__", lambda m: fill[m.group()],
+                  _TEMPLATE)  # one pass: nothing filled in is read again  # fmt: skip
 
 
 def write_html(
@@ -92,8 +103,10 @@ text.tok{font-size:13px;cursor:pointer} text.tok.hl{font-weight:bold}
 #model-view{display:grid;gap:6px} canvas.thumb{border:1px solid #ccc;cursor:pointer;width:72px;height:72px;image-rendering:pixelated}
 table{border-collapse:collapse} td,th{padding:2px 5px;border-bottom:1px solid #ddd;text-align:right}
 .hidden{display:none !important}
+__EXPORT_CSS__
 </style></head><body>
 <main>
+<div id="downloads"></div>
 <h3 id="title"></h3>
 <div class="bar">
  <button class="tab on" id="tab-head" data-view="head">head view</button>
@@ -112,6 +125,7 @@ table{border-collapse:collapse} td,th{padding:2px 5px;border-bottom:1px solid #d
 <p>entropy in nats; dist = mean |query − key| positions; prev/next/self/first = mean weight on
 the previous, next, same and first token; punct = on punctuation and special tokens.</p></aside>
 <script type="application/json" id="qkv-data">__DATA__</script>
+<script>__EXPORT_JS__</script>
 <script>
 "use strict";
 const D = JSON.parse(document.getElementById("qkv-data").textContent);
@@ -125,7 +139,8 @@ function el(tag, attrs, text) {
   return e;
 }
 const L = () => D.views[S.step].layers[S.layer];
-const colour = (h, n) => `hsl(${Math.round(360 * h / Math.max(n, 1))},75%,42%)`;
+const COLORS = window.qkvExport.HEAD_COLORS;  // export.js's: the files' colours
+const colour = (hi) => COLORS[hi % COLORS.length];
 function fillSelect(sel, names, value) {
   sel.replaceChildren(...names.map((n, i) => { const o = document.createElement("option");
     o.value = i; o.textContent = n; return o; }));
@@ -165,7 +180,7 @@ function headBoxes() {
     c.dataset.head = h; c.className = "head-toggle";
     c.onchange = () => { c.checked ? S.heads.add(h) : S.heads.delete(h); draw(); };
     const sw = document.createElement("span"); sw.textContent = "■ h" + h;
-    sw.style.color = colour(l.heads.indexOf(h), l.heads.length);
+    sw.style.color = colour(l.heads.indexOf(h));
     lab.append(c, sw); return lab; }));
 }
 function drawHead() {
@@ -179,7 +194,7 @@ function drawHead() {
     l.weights[hi].forEach((row, q) => row.forEach((w, k) => {
       if (w <= 0) return;
       svg.append(el("line", {class: "attn", x1: x0 + 6, y1: y(q) - 4, x2: x1 - 6, y2: y(k) - 4,
-        stroke: colour(hi, l.heads.length), "stroke-width": 2, "stroke-opacity": w,
+        stroke: colour(hi), "stroke-width": 2, "stroke-opacity": w,
         "data-layer": S.layer, "data-head": h, "data-q": q, "data-k": k, "data-w": w,
         visibility: "visible"}));
     }));
@@ -260,9 +275,28 @@ function drawStats() {
       const td = document.createElement("td"); td.textContent = v; tr.append(td); }
     return tr; }));
 }
+// the explorer's download buttons (export.js) for what this view draws: its S-like state
+function downloads() {
+  const ls = D.views[S.step].layers, l = L(), on = l.heads.filter((h) => S.heads.has(h));
+  let layer = l, head = on.length ? on[0] : l.heads[0];
+  if (S.view === "align" && on.length > 1) {  // the mean of the heads ticked, as drawn
+    head = on.join("+");
+    const w = l.weights.filter((_, hi) => S.heads.has(l.heads[hi]));
+    const mean = w[0].map((row, q) => row.map((_, k) =>
+      Math.round(1e4 * w.reduce((s, m) => s + m[q][k], 0) / w.length) / 1e4));
+    layer = Object.assign({}, l, {heads: [head], weights: [mean]});
+  }
+  const data = {model: "", text: D.title, tokens: ls[0].k_tokens,
+                layers: ls.map((x) => (x === l ? layer : x))};
+  const state = {data, view: S.view, layer: l.name, head, heads: new Set(on),
+                 pinned: null, off: new Set(), step: 0};
+  const box = $("downloads"); box.replaceChildren();
+  window.qkvExport.attach(box, {S: state});
+}
 function draw() {
   headBoxes(); drawStats();
   if (S.view === "head") drawHead(); else if (S.view === "model") drawModel(); else drawAlign();
+  downloads();
 }
 setup();
 document.body.dataset.ready = "1";

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from torch import Tensor, nn
 
-from qkv.inspect.maps import AttentionMaps
+from qkv.capture.maps import AttentionMaps
 
 __all__ = ["Loaded"]
 
@@ -43,7 +43,7 @@ class Loaded:
         """Per-head maps of ``model(*inputs)``, every layer (the model's own capture)."""
         if self.attention is not None:
             return self.attention(*inputs, tokens=tokens)
-        from qkv.inspect.capture import capture
+        from qkv.capture.record import capture
 
         return capture(self.model, *inputs, tokens=tokens)
 

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from qkv.inspect.capture import recording
+from qkv.capture.maps import AttentionMaps
+from qkv.capture.record import recording
 from qkv.inspect.loaded import Loaded
-from qkv.inspect.maps import AttentionMaps
 from qkv.inspect.tiny import TinyEncoder, TinySeq2Seq, simple_tokenize, token_id
 
 __all__ = ["LOADERS", "Loaded", "load", "register", "register_dir"]

@@ -22,8 +22,8 @@ from matplotlib import rc_context
 from matplotlib.figure import Figure
 
 from qkv.atomic import atomic_path
+from qkv.capture.maps import AttentionMaps
 from qkv.inspect.fonts import font_families
-from qkv.inspect.maps import AttentionMaps
 
 __all__ = ["MAX_LABELS", "label_step", "plot_alignment", "plot_grid", "plot_head", "save"]
 

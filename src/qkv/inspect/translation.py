@@ -38,9 +38,9 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from qkv.inspect.capture import recording
+from qkv.capture.maps import AttentionMaps
+from qkv.capture.record import recording
 from qkv.inspect.loaded import Loaded
-from qkv.inspect.maps import AttentionMaps
 from qkv.loading import read_json
 
 __all__ = [

@@ -107,6 +107,18 @@ def to_internal(q: Tensor, k: Tensor, v: Tensor, shape: AttentionShape) -> tuple
     return q4, k3, v3
 
 
+def unit_key_stride(t: Tensor, *, broadcast_ok: bool = False) -> Tensor:
+    """``t`` with stride 1 along its last (key) dim, copied only where it is strided there;
+    ``broadcast_ok`` keeps a stride of 0 (a bias broadcast over the keys). A single key's
+    column may carry any stride, which ``contiguous()`` leaves as it is (it ignores size-1
+    dims): ``unsqueeze`` gives it stride 1."""
+    if t.shape[-1] == 1:
+        return t if t.stride(-1) == 1 else t[..., 0].unsqueeze(-1)
+    if t.stride(-1) == 1 or (broadcast_ok and t.stride(-1) == 0):
+        return t
+    return t.contiguous()
+
+
 def to_5d(t: Tensor | None, shape: AttentionShape) -> Tensor | None:
     """A mask/bias ``(Tq, Tk)`` or ``(..., h|1, Tq|1, Tk|1)`` → ``(Nb|1, h_kv|1, G|1, Tq|1, Tk|1)``."""
     if t is None:

@@ -37,7 +37,7 @@ bf16: matmuls run in the input dtype (fp32 accumulation inside the matmul), the 
 statistics, ``acc`` and the gradients accumulate in fp32; the scores ``q kᵀ`` and the block
 softmax are rounded to the input dtype (a pure-PyTorch CPU matmul cannot return fp32 from
 bf16 inputs), so the bf16 forward error is up to ~3× PyTorch's fused kernel's (gradients:
-about equal; both bounded in tests/test_flash.py).
+about equal; both bounded in tests/kernels/test_flash.py).
 
 Shapes: as :func:`qkv.functional.scaled_dot_product_attention`; the mask is bool, **True = may
 attend**. Internal layout: see :mod:`qkv.kernels._blocks`.
@@ -55,7 +55,15 @@ from torch import Tensor
 
 from qkv._validate import AttentionShape, check_bias, check_mask, check_options, check_qkv
 from qkv.block_mask import BlockMask
-from qkv.kernels._blocks import Structure, block, from_5d_grad, reduce_to, to_5d, to_internal
+from qkv.kernels._blocks import (
+    Structure,
+    block,
+    from_5d_grad,
+    reduce_to,
+    to_5d,
+    to_internal,
+    unit_key_stride,
+)
 from qkv.kernels._native import native_ops, native_status
 
 __all__ = ["flash_attention", "fused_kernel_rejects", "BLOCK_Q", "BLOCK_K"]
@@ -412,8 +420,7 @@ def _mask_view(mask: Tensor | None, shape: AttentionShape) -> Tensor | None:
     """The mask as the fused kernel reads it: a broadcast view ``(Nb, h_kv, G, Tq, Tk)``."""
     if mask is None:
         return None
-    if mask.stride(-1) != 1:
-        mask = mask.contiguous()  # the kernel reads each row's key bytes in one run
+    mask = unit_key_stride(mask)  # the kernel reads each row's key bytes in one run
     m5 = to_5d(mask, shape)  # (Nb|1, h_kv|1, G|1, Tq|1, Tk)
     nb = math.prod(shape.batch)
     return m5.expand(nb, shape.h_kv, shape.group, shape.Tq, shape.Tk)
@@ -431,8 +438,7 @@ def _bias_view(bias: Tensor | None, shape: AttentionShape) -> Tensor | None:
     b = bias.detach()
     if b.dtype not in (torch.float32, torch.bfloat16):
         b = b.float()
-    if b.shape[-1] > 1 and b.stride(-1) != 1:
-        b = b.contiguous()
+    b = unit_key_stride(b, broadcast_ok=True)
     b5 = to_5d(b, shape)  # (Nb|1, h_kv|1, G|1, Tq|1, Tk|1)
     return b5.expand(math.prod(shape.batch), shape.h_kv, shape.group, shape.Tq, shape.Tk)
 

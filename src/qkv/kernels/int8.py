@@ -328,7 +328,7 @@ def fuse_packed(*weights: PackedWeight) -> PackedWeight:
 class SmallBatchInt8Linear:
     """``act(x Wᵀ + b)`` for ``x (M, in)`` fp32 with an int8 weight, called with as little
     per-call work as possible: the int8 counterpart of
-    :class:`qkv.models.incremental.SmallBatchLinear` (same constructor and call).
+    :class:`qkv.models.prepared_weights.SmallBatchLinear` (same constructor and call).
 
     ``weight``: a float ``(out, in)`` weight (quantized here) or a :class:`PackedWeight`;
     ``activation``: ``"none"``, ``"relu"`` (fused in the kernel) or ``"gelu"``. The input is

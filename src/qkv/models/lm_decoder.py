@@ -20,12 +20,9 @@ import torch
 from torch import Tensor, nn
 
 from qkv.cache import KVCache
-from qkv.models.incremental import (
-    DecodeState,
-    PreparedSteps,
-    _EncoderLayer,
-    _unprepared,
-)
+from qkv.models.decode_state import DecodeState
+from qkv.models.prepared_steps import PreparedSteps, _unprepared
+from qkv.models.prepared_weights import _EncoderLayer
 from qkv.positional import LearnedPositionalEmbedding, SinusoidalPositionalEncoding
 
 __all__ = ["LMDecoder"]

@@ -6,6 +6,11 @@ the module's real inputs), head statistics, the pronoun probe, the translation w
 per-step maps, and — when heads are switched off — the baseline to compare with. The
 caller holds the model's lock (:class:`qkv.apps.serve.models.Entry`).
 
+This module answers for qkv's own models; a transformers model's request is handed, once,
+to :func:`qkv.apps.serve.compute_hf.hf_attention`. What both answers share (the token
+limit cut, the layer/head checks, the maps' fields, the step matrices) is in
+:mod:`qkv.apps.serve.answer`.
+
 Shapes: a layer's ``weights`` are ``[h][Tq][Tk]``; for a translation ``Tq`` runs over the
 decoding steps (row ``s`` of a decoder layer is step ``s``), so the page slices rows for
 its step slider.
@@ -13,18 +18,23 @@ its step slider.
 
 from __future__ import annotations
 
-import math
-import re
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 
 import torch
 from torch import Tensor, nn
 
+from qkv.apps.serve.answer import (
+    ablation_heads,
+    ablation_spec,
+    choose_layer,
+    cut_to_limit,
+    maps_fields,
+    probe_json,
+    step_matrices,
+)
 from qkv.apps.serve.limits import (
-    DECIMALS,
     MAX_TEXT_CHARS,
-    STEP_DIMS,
     AttentionRequest,
     BadRequest,
     encoder_limit,
@@ -33,54 +43,17 @@ from qkv.apps.serve.limits import (
 )
 from qkv.apps.serve.models import Entry
 from qkv.attention import MultiHeadAttention
+from qkv.capture.maps import merge_steps
+from qkv.capture.page import maps_json, number
+from qkv.capture.record import attention_modules, capture, recording
 from qkv.functional import attention_steps
-from qkv.inspect import AttentionMaps, capture, head_stats, heads_off, merge_steps, pronoun_probe
-from qkv.inspect.capture import attention_modules, recording
+from qkv.inspect.ablate import heads_off
 from qkv.inspect.translation import label_cross_queries
 from qkv.positional import ALiBi, RotaryEmbedding
 
 __all__ = ["attention", "cut_to_limit", "maps_json", "step_detail"]
 
 Call = tuple[tuple, dict, Tensor]  # a module call: args, kwargs, output
-
-
-def _round(t: Tensor, decimals: int = DECIMALS) -> list:
-    """Nested lists with ``decimals`` decimals; non-finite values become ``None``."""
-    t = t.detach().double().round(decimals=decimals)
-    if bool(torch.isfinite(t).all()):
-        return t.tolist()
-    return [_round(r, decimals) for r in t] if t.dim() > 1 else [
-        float(x) if math.isfinite(x) else None for x in t.tolist()
-    ]  # fmt: skip
-
-
-def _num(x: float | None, decimals: int = DECIMALS) -> float | None:
-    return None if x is None or not math.isfinite(x) else round(float(x), decimals)
-
-
-def cut_to_limit(
-    encode: Callable[[str], tuple[list[str], tuple]], text: str, limit: int
-) -> tuple[str, list[str], tuple, bool]:
-    """The longest prefix of ``text`` (whole words, else characters) that ``encode``s to at
-    most ``limit`` tokens: ``(text, tokens, inputs, cut)``. About log₂(words) encodes."""
-    tokens, inputs = encode(text)
-    if len(tokens) <= limit:
-        return text, tokens, inputs, False
-    units = re.findall(r"\S+\s*", text)
-    if len(units) < 2:
-        units = list(text)
-    lo, hi = 1, len(units) - 1  # find the largest n with encode(units[:n]) within the limit
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if len(encode("".join(units[:mid]))[0]) <= limit:
-            lo = mid
-        else:
-            hi = mid - 1
-    if len(units) > 1 and re.match(r"\S+\s*$", units[0]) and len(encode(units[0])[0]) > limit:
-        return cut_to_limit(encode, units[0][: max(1, len(units[0]) // 2)], limit)
-    short = "".join(units[:lo]).rstrip()
-    tokens, inputs = encode(short)
-    return short, tokens, inputs, True
 
 
 @contextmanager
@@ -97,34 +70,6 @@ def grab_call(model: nn.Module, layer: str) -> Iterator[list[Call]]:
         yield calls
     finally:
         handle.remove()
-
-
-def _matrix(key: str, t: Tensor, rows: list[str], cols: list[str] | None = None) -> dict:
-    """A 2-D tensor as ``{"key", "shape", "rows", "cols", "values"}``; at most STEP_DIMS
-    columns of a feature matrix are sent (``shape`` keeps the full size)."""
-    full = list(t.shape)
-    if cols is None:  # feature dimensions
-        t = t[:, :STEP_DIMS]
-        cols = [str(i) for i in range(t.shape[1])]
-    return {"key": key, "shape": full, "rows": rows, "cols": cols, "values": _round(t)}
-
-
-# the step-by-step view's matrices in order, with what labels their rows (and columns):
-# "q"/"k" rows are the query/key tokens; a square one has key columns, the rest features
-_STEPS = (("x", "q", False), ("context", "k", False), ("q", "q", False), ("k", "k", False),
-          ("v", "k", False), ("scores", "q", True), ("scaled", "q", True), ("mask", "q", True),
-          ("masked", "q", True), ("weights", "q", True), ("output", "q", False),
-          ("concat", "q", False), ("wo", "q", False))  # fmt: skip
-
-
-def step_matrices(t: dict[str, Tensor | None], q_tokens: list[str],
-                  k_tokens: list[str]) -> list[dict]:  # fmt: skip
-    """The ``matrices`` of a step answer from 2-D tensors by key (see ``_STEPS``); a key that
-    is missing or None is left out (no cross context, no output projection)."""
-    tokens = {"q": q_tokens, "k": k_tokens}
-    return [_matrix(key, t[key].double() if key == "mask" else t[key], tokens[rows],
-                    k_tokens if square else None)
-            for key, rows, square in _STEPS if t.get(key) is not None]  # fmt: skip
 
 
 def step_detail(
@@ -168,82 +113,18 @@ def step_detail(
     )  # fmt: skip
     return {
         "kind": kind, "head": head, "n_heads": module.n_heads, "d_k": module.d_k,
-        "d_model": module.d_model, "scale": _num(s.scale, 6), "matrices": mats,
+        "d_model": module.d_model, "scale": number(s.scale, 6), "matrices": mats,
         "check": float((y - real).abs().max()) if real.shape == y.shape else None,
         "head_off": bool(module.head_mask is not None and float(module.head_mask[head]) == 0.0),
     }  # fmt: skip
 
 
-def maps_json(maps: AttentionMaps) -> list[dict]:
-    """The ``layers`` field: name, kind, heads, tokens and ``weights [h][Tq][Tk]``."""
-    return [
-        {
-            "name": maps.layers[i],
-            "kind": maps.kinds[i],
-            "heads": maps.heads[i],
-            "q_tokens": maps.q_tokens[i],
-            "k_tokens": maps.k_tokens[i],
-            "weights": _round(maps.weights[i]),
-        }  # fmt: skip
-        for i in range(len(maps))
-    ]
-
-
-def _stats(maps: AttentionMaps) -> list[dict]:
-    return [{k: (_num(v) if isinstance(v, float) else v) for k, v in s.to_dict().items()}
-            for s in head_stats(maps)]  # fmt: skip
-
-
-def _probe(maps: AttentionMaps, req: AttentionRequest) -> dict | None:
-    """Top heads of the pronoun probe and a verdict that says so when no head decides."""
-    if req.probe_token is None:
-        return None
-    try:
-        rows = pronoun_probe(maps, req.probe_token, req.probe_candidates)
-    except ValueError as err:
-        return {"error": str(err), "rows": []}
-    deciding = [r for r in rows if r.margin >= 0.1 and r.scores[r.best] >= 0.2]
-    votes: dict[str, int] = {}
-    for r in deciding:
-        votes[r.best] = votes.get(r.best, 0) + 1
-    return {
-        "token": req.probe_token, "candidates": req.probe_candidates,
-        "rows": [{"layer": r.layer, "head": r.head, "best": r.best, "margin": _num(r.margin),
-                  "scores": {c: _num(v) for c, v in r.scores.items()}} for r in rows[:12]],
-        "deciding": len(deciding), "votes": votes, "n_heads": len(rows),
-    }  # fmt: skip
-
-
-def _ablation_spec(model: nn.Module, pairs: list[tuple[str, int]]) -> dict[str, list[int]]:
-    mods = dict(attention_modules(model))
-    spec: dict[str, list[int]] = {}
-    for layer, head in pairs:
-        if layer not in mods:
-            raise BadRequest(f"ablate: no layer named {layer!r}; have {list(mods)}")
-        if not 0 <= head < mods[layer].n_heads:
-            raise BadRequest(f"ablate: head {head} out of range for {layer!r} "
-                             f"({mods[layer].n_heads} heads)")  # fmt: skip
-        spec.setdefault(layer, []).append(head)
-    return spec
-
-
-def _pick_layer(names: list[str], req: AttentionRequest) -> str:
-    if req.layer is None:  # default: the last cross-attention layer when translating
-        cross = [n for n in names if "cross" in n]
-        return cross[-1] if req.translate and cross else names[0]
-    if req.layer not in names:
-        raise BadRequest(f"layer must be one of {names}, got {req.layer!r}")
-    return req.layer
-
-
 def _selection(model, req: AttentionRequest):
     """The request's layer (name, module) and its head switches, checked against the model."""
     modules = attention_modules(model)
-    layer = _pick_layer([n for n, _ in modules], req)
-    module = dict(modules)[layer]
-    if not 0 <= req.head < module.n_heads:
-        raise BadRequest(f"head must be in [0, {module.n_heads - 1}], got {req.head}")
-    return layer, module, _ablation_spec(model, req.ablate)
+    counts = {n: m.n_heads for n, m in modules}
+    layer = choose_layer(req, counts)
+    return layer, dict(modules)[layer], ablation_spec(req, counts)
 
 
 def _encoder(entry: Entry, req: AttentionRequest, text: str) -> dict:
@@ -258,16 +139,15 @@ def _encoder(entry: Entry, req: AttentionRequest, text: str) -> dict:
                 hidden = loaded.hidden(*inputs)  # (1, T, d)
             step = step_detail(module, calls[0], req.head, tokens, tokens)
         maps = rec.steps(tokens)[0]
-        out = {"limit": limit, "text": text, "tokens": tokens, "truncated": cut, "layers": maps_json(maps),
-               "stats": _stats(maps), "probe": _probe(maps, req),
+        out = {"limit": limit, "text": text, "tokens": tokens, "truncated": cut,
+               **maps_fields(maps, req),
                "step": {"layer": layer, **step}}  # fmt: skip
         if spec:
             base_maps = capture(model, *inputs, tokens=tokens)
             base = loaded.hidden(*inputs)
             change = float((hidden - base).norm() / base.norm().clamp_min(1e-12))
-            out["ablation"] = {"heads": [[k, h] for k, hs in spec.items() for h in hs],
-                               "hidden_change": _num(change, 4),
-                               "baseline": {"probe": _probe(base_maps, req)}}  # fmt: skip
+            out["ablation"] = {"heads": ablation_heads(spec), "hidden_change": number(change, 4),
+                               "baseline": {"probe": probe_json(base_maps, req)}}  # fmt: skip
     return out
 
 
@@ -290,7 +170,7 @@ def _decode(entry: Entry, text: str, beam: int) -> dict:
         return {"src": ids, "tgt_in": tgt_in, "steps": steps, "text": tok.decode(hyp),
                 "source_tokens": piece_labels(tok, ids), "inputs": piece_labels(tok, tgt_in),
                 "produced": piece_labels(tok, hyp),
-                "beams": [{"text": tok.decode(b), "score": _num(sc, 4), "chosen": b == hyp}
+                "beams": [{"text": tok.decode(b), "score": number(sc, 4), "chosen": b == hyp}
                           for b, sc in beams]}  # fmt: skip
     from qkv.inspect.tiny import simple_tokenize, token_id  # the random tiny seq2seq
 
@@ -338,8 +218,8 @@ def _translation(entry: Entry, req: AttentionRequest, text: str) -> dict:
         k_tok = d["source_tokens"] if (enc or kind == "cross") else d["inputs"]
         step = step_detail(module, calls[0], req.head, q_tok, k_tok)
     out = {
-        "limit": limit, "text": text, "tokens": d["source_tokens"], "truncated": cut, "layers": maps_json(merged),
-        "stats": _stats(merged), "probe": _probe(merged, req),
+        "limit": limit, "text": text, "tokens": d["source_tokens"], "truncated": cut,
+        **maps_fields(merged, req),
         "step": {"layer": layer, **step},
         "translation": {"source_tokens": d["source_tokens"], "target_tokens": d["produced"],
                         "decoder_inputs": d["inputs"], "text": d["text"], "beam": beam,
@@ -352,9 +232,9 @@ def _translation(entry: Entry, req: AttentionRequest, text: str) -> dict:
     if spec:
         with torch.no_grad():
             base = _decode(entry, text, beam)
-        out["ablation"] = {"heads": [[k, h] for k, hs in spec.items() for h in hs],
+        out["ablation"] = {"heads": ablation_heads(spec),
                            "baseline": {"translation": base["text"],
-                                        "probe": _probe(merge_steps(base["steps"]), req)}}  # fmt: skip
+                                        "probe": probe_json(merge_steps(base["steps"]), req)}}  # fmt: skip
     return out
 
 

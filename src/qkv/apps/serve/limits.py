@@ -16,6 +16,10 @@ STEP_DIMS           64       feature columns shown per step-by-step matrix (x, Q
 DECIMALS            3        decimals of every float in a response
 ==================  =======  ==============================================================
 
+``TOKEN_LIMIT``, ``MAX_CELLS``, ``DECIMALS`` and :func:`encoder_limit` are the library's
+(:mod:`qkv.limits`): the notebook view and ``qkv view``'s page (:mod:`qkv.capture.page`)
+bound their maps the same way.
+
 >>> parse_request({"text": "The boy trains the puppy.", "model": "random"}).translate
 False
 >>> parse_request({"text": "  "})
@@ -33,9 +37,11 @@ qkv.apps.serve.limits.BadRequest: JSON nested too deep: at most 64 levels of arr
 from __future__ import annotations
 
 import json
-import math
 import re
 from dataclasses import dataclass, field
+
+# the maps' limits are the library's: the notebook view and qkv view's page share them
+from qkv.limits import DECIMALS, MAX_CELLS, TOKEN_LIMIT, encoder_limit
 
 __all__ = [
     "DECIMALS",
@@ -63,20 +69,12 @@ MAX_BODY_BYTES = 256 * 1024
 MAX_JSON_DEPTH = 64
 READ_TIMEOUT_S = 10.0
 MAX_TEXT_CHARS = 20_000
-TOKEN_LIMIT = 128
 TRANSLATE_LIMIT = 48
 TARGET_LIMIT = 80
-MAX_CELLS = 320_000
 MAX_BEAM = 8
 STEP_DIMS = 64
-DECIMALS = 3
 MAX_ABLATE = 512
 MAX_CANDIDATES = 8
-
-
-def encoder_limit(n_heads_total: int) -> int:
-    """Token limit of a self-attention model with ``n_heads_total`` heads (all layers)."""
-    return max(8, min(TOKEN_LIMIT, math.isqrt(MAX_CELLS // max(1, n_heads_total))))
 
 
 def target_limit(n_source: int) -> int:

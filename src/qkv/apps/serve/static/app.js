@@ -15,7 +15,8 @@
   const S = { data: null, strings: null, lang: "en", view: "step", layer: null, head: 0,
     heads: new Set(), pinned: null, step: 0, off: new Set(), offline: false, busy: false,
     pending: false, timer: null, probeToken: "it", probeCands: "animal, street", models: [],
-    error: null, notice: null, status: null };
+    error: null, notice: null, status: null, urlSel: null };
+  let cmp = null; // compare.js: A beside B (made in start(), once app.js's helpers exist)
 
   // ---------- heat maps on canvas ----------
   function fmt(v) { return v === null || v === undefined ? "−∞" : (Math.abs(v) >= 100 ? v.toFixed(1) : v.toFixed(3)); }
@@ -172,19 +173,30 @@
     // st.note is the one server note (compute_hf.STEP_NOTE), in the table as step.hfNote
     const intro = el("p", "intro", t("step.intro", { layer: st.layer, kind: kindName(st.kind), head: st.head, n: st.n_heads, d_model: st.d_model, d_k: st.d_k, scale, value: st.scale }) + (st.head_off ? t("step.headOff") : "") + (st.note ? ` (${t("step.hfNote")})` : ""));
     root.append(intro);
-    const cards = el("div", "cards");
-    const w = Math.max(280, Math.floor((viewWidth() - 24) / Math.max(1, Math.floor(viewWidth() / 300))) - 18);
+    // compare (compare.js): A, B and B − A of this head first, then every step of A beside B's
+    const stB = cmp.on() ? cmp.stepB() : null;
+    if (cmp.on()) root.append(cmp.card());
+    const cards = el("div", stB ? "cards pairs" : "cards");
+    const w = stB ? Math.max(200, Math.floor((viewWidth() - 36) / 2) - 18)
+      : Math.max(280, Math.floor((viewWidth() - 24) / Math.max(1, Math.floor(viewWidth() / 300))) - 18);
     for (const m of st.matrices) {
-      const c = el("div", "card"); c.dataset.key = m.key;
-      const h = el("h3", "", title(m.key));
-      const cut = m.shape[1] > m.cols.length ? t("step.firstCols", { n: m.cols.length }) : "";
-      h.append(el("span", "shape", `  ${m.shape[0]}×${m.shape[1]}${cut}`));
-      const p = el("p", "expl", t("step." + m.key)); p.lang = S.lang;
-      const feat = ["x", "context", "q", "k", "v", "output", "concat", "wo"].includes(m.key);
-      c.append(h, p, heatmap(m.values, m.rows, m.cols, { maxWidth: w, prob: m.key === "weights" || m.key === "mask", features: feat, ints: m.key === "mask" }));
-      cards.appendChild(c);
+      cards.appendChild(stepCard(m, w, stB ? "a" : ""));
+      if (stB) { const mb = stB.matrices.find((x) => x.key === m.key); cards.appendChild(mb ? stepCard(mb, w, "b") : el("div")); }
     }
     root.append(cards);
+  }
+  // one matrix of the step-by-step walk; side "a"/"b" when two answers are compared
+  function stepCard(m, w, side) {
+    const c = el("div", "card"); c.dataset.key = m.key;
+    if (side) c.dataset.side = side;
+    const h = el("h3", "", title(m.key));
+    if (side) h.prepend(el("span", "side-tag " + side, side.toUpperCase()));
+    const cut = m.shape[1] > m.cols.length ? t("step.firstCols", { n: m.cols.length }) : "";
+    h.append(el("span", "shape", `  ${m.shape[0]}×${m.shape[1]}${cut}`));
+    const p = el("p", "expl", t("step." + m.key)); p.lang = S.lang;
+    const feat = ["x", "context", "q", "k", "v", "output", "concat", "wo"].includes(m.key);
+    c.append(h, p, heatmap(m.values, m.rows, m.cols, { maxWidth: w, prob: m.key === "weights" || m.key === "mask", features: feat, ints: m.key === "mask" }));
+    return c;
   }
 
   function renderHead(root) {
@@ -210,15 +222,23 @@
     });
     chips.append(all, top, el("span", "hint", "  " + t("head.hint")));
     root.append(chips);
+    // compare (compare.js): A's lines beside B's, then A, B and B − A of the selected head
+    if (cmp.on()) root.append(cmp.pair((d) => headPanel(cmp.layerIn(d, L.name), 150)), cmp.card());
+    else root.append(headPanel(L, 240));
+  }
+  // the lines of one layer's heads that are on (S.heads), W pixels between the two columns
+  function headPanel(L, W) {
+    if (!L) return el("div");
     const R = L.q_tokens.length, C = L.k_tokens.length;
     const hv = el("div", "headview");
     const left = data("div", "toks left"), right = data("div", "toks right"), blocks = el("div", "blocks");
-    const cv = el("canvas"); const RH = 24, W = 240, H = Math.max(R, C) * RH;
+    const cv = el("canvas"); const RH = 24, H = Math.max(R, C) * RH;
+    const pinned = S.pinned !== null && S.pinned < R ? S.pinned : null; // (B may be shorter)
     cv.width = W; cv.height = H; cv.style.width = W + "px"; cv.style.height = H + "px";
     L.q_tokens.forEach((tk, i) => {
-      const d = el("div", S.pinned === i ? "pinned" : "", tk); d.dataset.i = i; d.title = tk;
+      const d = el("div", pinned === i ? "pinned" : "", tk); d.dataset.i = i; d.title = tk;
       d.addEventListener("mouseenter", () => draw(i));
-      d.addEventListener("mouseleave", () => draw(S.pinned));
+      d.addEventListener("mouseleave", () => draw(pinned));
       d.addEventListener("click", () => { S.pinned = S.pinned === i ? null : i; renderView(); });
       left.append(d);
     });
@@ -251,32 +271,46 @@
       });
     }
     hv.append(left, cv, right, blocks);
-    root.append(hv);
-    draw(S.pinned);
+    draw(pinned);
+    return hv;
   }
 
   function renderModel(root) {
     const ls = layers(); if (!ls.length) return;
     const H = Math.max(...ls.map((l) => l.heads.length));
-    const avail = viewWidth() - 170, availH = Math.max(300, $("#views").clientHeight - 60);
-    const size = Math.max(26, Math.min(110, Math.floor(avail / H) - 4, Math.floor(availH / ls.length) - 4));
     root.append(el("p", "intro", t("grid.intro", { layers: ls.length, heads: H })));
+    // compare (compare.js): A's grid beside B's, B − A of every head under them
+    if (cmp.on()) cmp.model(root, modelGrid);
+    else root.append(modelGrid(ls, { off: S.off, avail: viewWidth() - 170, labW: 160 }));
+  }
+  // every layer × head of ls as a thumbnail (click: open it step by step). opt: off (the
+  // heads shown dimmed), avail (pixels for the thumbnails), labW (the labels' column), cls (the
+  // thumbnails' class), paint(w, i0, i1, j0, j1) → [r, g, b] of the pixel over rows i0..i1-1,
+  // columns j0..j1-1 (default: the √ of their largest weight, white → blue)
+  function modelGrid(ls, opt) {
+    const H = Math.max(...ls.map((l) => l.heads.length)), cls = opt.cls || "thumb";
+    const availH = Math.max(300, $("#views").clientHeight - 60);
+    const size = Math.max(26, Math.min(110, Math.floor(opt.avail / H) - 4, Math.floor(availH / ls.length) - 4));
     const grid = el("div", "grid");
-    grid.style.gridTemplateColumns = `160px repeat(${H}, ${size + 2}px)`; // labels: "解码器 2 交叉注意力"
+    grid.style.gridTemplateColumns = `${opt.labW}px repeat(${H}, ${size + 2}px)`; // labels: "解码器 2 交叉注意力"
     grid.append(el("div"));
     for (let h = 0; h < H; h++) grid.append(el("div", "colh", t("grid.head", { head: h })));
     ls.forEach((L, li) => {
       const lab = el("div", "lab", short(L.name)); lab.title = t("layer.option", { name: L.name, kind: kindName(L.kind) }); grid.append(lab);
       L.heads.forEach((h, hi) => {
-        const cv = el("canvas", "thumb" + (L.name === S.layer && h === S.head ? " sel" : "") + (S.off.has(L.name + "|" + h) ? " off" : ""));
+        const w = L.weights[hi];
+        if (!w) { const e = el("div", "nothumb", "≠"); e.title = L.missing || ""; e.style.height = size + "px"; grid.append(e); return; }
+        const cv = el("canvas", cls + (L.name === S.layer && h === S.head ? " sel" : "") + (opt.off && opt.off.has(L.name + "|" + h) ? " off" : ""));
         cv.width = size; cv.height = size; cv.dataset.layer = li; cv.dataset.head = h; cv.title = t("grid.thumbTitle", { layer: L.name, head: h });
-        const w = L.weights[hi], R = w.length, C = R ? w[0].length : 0;
+        const R = w.length, C = R ? w[0].length : 0;
         const g = cv.getContext("2d"); const img = g.createImageData(size, size);
         for (let y = 0; y < size; y++) for (let x = 0; x < size; x++) { // downsampled: max of the cells under a pixel
           const i0 = Math.floor(y * R / size), i1 = Math.max(i0 + 1, Math.floor((y + 1) * R / size));
           const j0 = Math.floor(x * C / size), j1 = Math.max(j0 + 1, Math.floor((x + 1) * C / size));
+          const k = 4 * (y * size + x);
+          if (opt.paint) { const c = opt.paint(w, i0, i1, j0, j1); img.data[k] = c[0]; img.data[k + 1] = c[1]; img.data[k + 2] = c[2]; img.data[k + 3] = 255; continue; }
           let v = 0; for (let i = i0; i < i1; i++) for (let j = j0; j < j1; j++) v = Math.max(v, w[i][j]);
-          const k = 4 * (y * size + x); v = Math.sqrt(Math.min(1, v)); // √: faint weights stay visible
+          v = Math.sqrt(Math.min(1, v)); // √: faint weights stay visible
           img.data[k] = 255 - 218 * v; img.data[k + 1] = 255 - 168 * v; img.data[k + 2] = 255 - 56 * v; img.data[k + 3] = 255;
         }
         g.putImageData(img, 0, 0);
@@ -285,7 +319,7 @@
       });
       for (let h = L.heads.length; h < H; h++) grid.append(el("div"));
     });
-    root.append(grid);
+    return grid;
   }
 
   // the beam's final hypotheses, best first, scored as beam search ranks them
@@ -351,6 +385,7 @@
       b.append(bars); row.append(b);
     }
     root.append(row);
+    if (cmp.on()) cmp.trans(root, cl, S.step); // compare.js: B's translation and this head's maps
   }
 
   function renderWork(root) {
@@ -389,6 +424,7 @@
       }
       p.append(tb);
     }
+    if (cmp.on()) cmp.probe(p); // compare.js: B's verdict
     root.append(p);
     const s = el("div", "card");
     s.append(el("h3", "", t("work.switchTitle")));
@@ -400,7 +436,7 @@
       for (const h of L.heads) {
         const l = el("label"); const cb = el("input"); cb.type = "checkbox"; cb.className = "switch";
         cb.checked = !S.off.has(L.name + "|" + h); cb.dataset.layer = L.name; cb.dataset.head = h;
-        cb.addEventListener("change", () => { const k = L.name + "|" + h; cb.checked ? S.off.delete(k) : S.off.add(k); });
+        cb.addEventListener("change", () => { const k = L.name + "|" + h; cb.checked ? S.off.delete(k) : S.off.add(k); cmp.bar(); });
         l.append(cb, document.createTextNode(h)); sw.append(l);
       }
     }
@@ -409,20 +445,21 @@
     apply.addEventListener("click", refresh);
     const reset = el("button", "", t("work.allOn")); reset.addEventListener("click", () => { S.off.clear(); refresh(); });
     s.append(apply, document.createTextNode(" "), reset);
-    if (d.ablation) {
+    const ab = cmp.ablated() || d; // comparing with heads off: B is the answer with heads off
+    if (ab.ablation) {
       const c = el("div", "changed"); c.id = "changes";
-      c.append(el("div", "", t("work.changed", { n: d.ablation.heads.length })));
-      if (d.translation) {
-        c.append(elt("div", "before", "work.before", { text: d.ablation.baseline.translation }));
-        c.append(elt("div", "", "work.after", { text: d.translation.text }));
+      c.append(el("div", "", t("work.changed", { n: ab.ablation.heads.length })));
+      if (ab.translation) {
+        c.append(elt("div", "before", "work.before", { text: ab.ablation.baseline.translation }));
+        c.append(elt("div", "", "work.after", { text: ab.translation.text }));
       }
-      if (d.ablation.hidden_change !== undefined) c.append(el("div", "", t("work.moved", { pct: (100 * d.ablation.hidden_change).toFixed(1) })));
-      const bp = d.ablation.baseline.probe;
-      if (bp && !bp.error && d.probe && !d.probe.error) {
+      if (ab.ablation.hidden_change !== undefined) c.append(el("div", "", t("work.moved", { pct: (100 * ab.ablation.hidden_change).toFixed(1) })));
+      const bp = ab.ablation.baseline.probe;
+      if (bp && !bp.error && ab.probe && !ab.probe.error) {
         const key = (r) => `${r.layer}|${r.head}`; const before = new Map(bp.rows.map((r) => [key(r), r]));
-        const top = d.probe.rows.slice(0, 3).map((r) => { const b = before.get(key(r)); return t("work.deltaRow", { layer: r.layer, head: r.head, scores: pr.candidates.map((x) => `${x} ${b ? fmt(b.scores[x]) : "?"} → ${fmt(r.scores[x])}`).join(", ") }); });
+        const top = ab.probe.rows.slice(0, 3).map((r) => { const b = before.get(key(r)); return t("work.deltaRow", { layer: r.layer, head: r.head, scores: pr.candidates.map((x) => `${x} ${b ? fmt(b.scores[x]) : "?"} → ${fmt(r.scores[x])}`).join(", ") }); });
         c.append(elt("div", "", "work.probeDelta", { rows: top.join(" · ") }));
-        c.append(el("div", "before", t("work.deciding", { before: bp.deciding, after: d.probe.deciding })));
+        c.append(el("div", "before", t("work.deciding", { before: bp.deciding, after: ab.probe.deciding })));
       }
       s.append(c);
     }
@@ -432,6 +469,7 @@
   const RENDER = { step: renderStep, head: renderHead, model: renderModel, trans: renderTrans, work: renderWork };
   function renderView() {
     for (const v of Object.keys(RENDER)) $("#view-" + v).hidden = v !== S.view;
+    if (!S.offline) cmp.writeURL(); // the page's state in its address (compare.js)
     const root = $("#view-" + S.view); root.replaceChildren();
     if (!S.data) { if (S.error) root.append(elt("p", "err", ...S.error)); return; }
     try { RENDER[S.view](root); } catch (err) { root.append(elt("p", "err", "view.renderError", { err })); console.error(err); }
@@ -466,8 +504,10 @@
   function payload() {
     const body = { text: $("#text").value, model: $("#model").value, translate: $("#translate").checked,
       beam: +$("#beam").value, head: S.head, ablate: [...S.off].map((k) => { const i = k.lastIndexOf("|"); return [k.slice(0, i), +k.slice(i + 1)]; }) };
-    if (S.layer && S.data && S.data.model === body.model && !!S.data.translation === body.translate && layers().some((l) => l.name === S.layer)) body.layer = S.layer;
-    else { body.head = 0; body.ablate = []; }
+    const link = !S.data && S.urlSel; // the layer and head a link asked for, with its heads off
+    if (link) { if (link.layer) body.layer = link.layer; body.head = link.head; }
+    else if (S.layer && S.data && S.data.model === body.model && !!S.data.translation === body.translate && layers().some((l) => l.name === S.layer)) body.layer = S.layer;
+    else { body.head = 0; body.ablate = []; S.off.clear(); } // another model: its heads are all on
     const cands = S.probeCands.split(",").map((x) => x.trim()).filter(Boolean);
     if (S.probeToken && cands.length) body.probe = { token: S.probeToken, candidates: cands.slice(0, 8) };
     return body;
@@ -476,14 +516,18 @@
     if (S.offline) return;
     if (S.busy) { S.pending = true; return; }
     S.busy = true; document.body.dataset.ready = "0"; showStatus("status.computing");
-    const body = payload();
-    if (!body.layer) S.off.clear();
+    // comparing (compare.js): a second request for B, the same endpoint with its own text or heads off
+    const [body, bodyB] = cmp.requests(payload());
+    const post = async (b) => {
+      const r = await fetch("/api/attention", { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(b) });
+      return { ok: r.ok, status: r.status, d: await r.json() };
+    };
     try {
-      const r = await fetch("/api/attention", { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body) });
-      const d = await r.json();
-      if (!r.ok) fail(["error.server", { err: d.error || t("error.status", { status: r.status }) }]);
-      else { accept(d); showStatus("status.done", { n: d.tokens.length, ms: d.elapsed_ms }); }
-    } catch (err) { fail(["error.request", { err }]); }
+      const [a, b] = await Promise.all([post(body), bodyB && post(bodyB).catch((err) => ({ err }))]);
+      if (!a.ok && a.status === 400 && S.urlSel && !S.data) { S.urlSel = null; S.off.clear(); S.pending = true; } // a link's layer or heads that this model lacks: ask without them
+      else if (!a.ok) { cmp.accept(null); fail(["error.server", { err: a.d.error || t("error.status", { status: a.status }) }]); }
+      else { cmp.accept(b); accept(a.d); showStatus(...(cmp.status(a.d) || ["status.done", { n: a.d.tokens.length, ms: a.d.elapsed_ms }])); }
+    } catch (err) { cmp.accept(null); fail(["error.request", { err }]); }
     S.busy = false;
     if (S.pending) { S.pending = false; return refresh(); }
     document.body.dataset.ready = "1";
@@ -503,7 +547,7 @@
   }
   function accept(d) {
     if (S.timer) { clearInterval(S.timer); S.timer = null; }
-    S.data = d; S.error = null;
+    S.data = d; S.error = null; S.urlSel = null;
     const names = d.layers.map((l) => l.name);
     if (!names.includes(S.layer)) { S.layer = d.step ? d.step.layer : names[0]; S.head = d.step ? d.step.head : 0; S.heads = new Set([S.head]); }
     if (d.step) { S.layer = d.step.layer; S.head = d.step.head; }
@@ -513,6 +557,7 @@
     if (d.truncated) notes.push([d.notice_key || "notice.cut", { n: d.tokens.length, limit: d.limit }]);
     else if (d.notice) notes.push(d.notice);
     for (const w of (d.translation && d.translation.warnings) || []) notes.push(["warn." + w.code, w]);
+    notes.push(...cmp.notes()); // compare: B cut, B failed, A and B of different lengths
     showNotice(notes, !!d.random);
     $("#tabs .tab[data-view='trans']").disabled = false;
     renderSide(); renderView();
@@ -521,6 +566,7 @@
   // ---------- start ----------
   async function start() {
     const dataEl = document.getElementById("qkv-data");
+    cmp = window.qkvCompare.create({ S, $, el, t, elt, data, heatmap, short, viewWidth, fmt, refresh });
     document.querySelectorAll(".tab").forEach((b) => b.addEventListener("click", () => {
       S.view = b.dataset.view; setTabs(); renderView();
       if (S.view === "step" && S.data && !S.offline && !S.data.step_unavailable && (!S.data.step || S.data.step.layer !== S.layer || S.data.step.head !== S.head)) refresh();
@@ -547,13 +593,15 @@
     if (q.get("text")) $("#text").value = q.get("text");
     if (q.get("translate") === "1") $("#translate").checked = true;
     if (q.get("view") && RENDER[q.get("view")]) S.view = q.get("view");
-    if (q.get("lang") && strings[q.get("lang")]) S.lang = q.get("lang");
+    if (q.get("lang") && strings.languages[q.get("lang")]) S.lang = q.get("lang");
+    cmp.readURL(q); // beam, layer, head, heads off, compare, text2
     $("#lang").value = S.lang; applyLang();
     $("#run").addEventListener("click", refresh);
     $("#text").addEventListener("keydown", (e) => { if (e.key === "Enter") refresh(); });
     ms.addEventListener("change", () => { const m = S.models.find((x) => x.name === ms.value); $("#translate").checked = !!(m && m.translator && m.name !== "random"); refresh(); });
     $("#translate").addEventListener("change", refresh);
     $("#beam").addEventListener("change", () => { if ($("#translate").checked) refresh(); });
+    cmp.wire();
     await refresh();
   }
   function fillLang() {

@@ -328,6 +328,21 @@
         out.shown.decoder_self = { layer: dl.name, head: dh, query: dl.q_tokens[step], keys: dl.k_tokens.slice(0, w.length), weights: w };
         out.panels.push(barsPanel(`${dl.name}, head ${dh}: ${clip(dl.q_tokens[step], 16)}`, dl.k_tokens.slice(0, w.length), w));
       }
+    } else if (view === "diff" && ctx.diff) { // compare.js: A, B and B − A of one layer and head
+      const df = ctx.diff;
+      L = df.a; head = df.head;
+      out.shown = { compare: { a: { text: df.textA, heads_off: df.offA },
+        b: { text: df.textB, heads_off: df.offB, tokens: df.tokensB, q_tokens: df.b.q_tokens, k_tokens: df.b.k_tokens,
+          weights: df.b.weights[Math.max(0, df.b.heads.indexOf(head))] },
+        diff: { rows: df.rows, cols: df.cols, values: df.values,
+          note: "B − A, position by position (3 decimals); a label A/B where the two tokens differ" } } };
+      out.matrix = { rows: df.rows, cols: df.cols, values: df.values }; // the CSV: B − A
+      const size = { maxWidth: 400, maxCell: 30 }; // the three in a row
+      out.panels = [heat(df.a, head, { title: `A: ${df.a.name}, head ${head}`, ...size }), heat(df.b, head, { title: `B: ${df.b.name}, head ${head}`, ...size }),
+        heatPanel({ key: "diff", values: df.values, rows: df.rows, cols: df.cols, title: `B − A: ${L.name}, head ${head}`, ...size }),
+        Object.assign(textPanel(["B − A: blue = B lower than A, white = the same, red = B higher", `A: ${clip(df.textA, 120)}`,
+          `B: ${clip(df.textB, 120)}`], 11, "#667"), { newRow: true })];
+      out.maxW = 1500;
     } else if (view === "work" && d.probe && !d.probe.error && d.probe.rows.length) {
       const pr = d.probe;
       out.shown = { probe: pr, ablation: d.ablation || null, heads_off: [...S.off] };
@@ -363,17 +378,21 @@
     const out = { qkv_export: 1, view: desc.view, model: d.model, random: !!d.random, text: d.text, tokens: d.tokens,
       truncated: !!d.truncated, notice: d.notice || null, layer: L.name, kind: L.kind, head: desc.head,
       q_tokens: L.q_tokens, k_tokens: L.k_tokens, weights: L.weights[desc.hi], // exactly as the API returned them
-      shown: desc.shown, picture: { colour_scale: "weights: white (0) → blue (1); other matrices: blue (−max) → white (0) → red (max); grey = −∞", rows: "queries", columns: "keys" } };
+      shown: desc.shown, picture: { colour_scale: "weights: white (0) → blue (1); other matrices (and B − A): blue (−max) → white (0) → red (max); grey = −∞", rows: "queries", columns: "keys" } };
     return { desc, text: JSON.stringify(out) + "\n" };
   }
+  // a text cell (a token label) starting with = + - @ tab or CR would be run as a formula by a
+  // spreadsheet (OWASP: CSV injection): a leading ' makes it text; numbers are never changed
   function csvField(v) {
-    const s = v === null || v === undefined ? "" : String(v);
+    let s = v === null || v === undefined ? "" : String(v);
+    if (typeof v === "string" && /^[=+\-@\t\r]/.test(s)) s = "'" + s;
     return /[",\r\n]/.test(s) || s !== s.trim() ? '"' + s.replace(/"/g, '""') + '"' : s;
   }
   function toCSV(ctx) { // as qkv.inspect.export.to_csv: key tokens across, a query per row
-    const desc = describe(ctx), L = desc.L, w = L.weights[desc.hi];
-    const lines = [["query \\ key", ...L.k_tokens].map(csvField).join(",")];
-    L.q_tokens.forEach((q, i) => lines.push([q, ...w[i]].map(csvField).join(",")));
+    const desc = describe(ctx), L = desc.L;
+    const m = desc.matrix || { rows: L.q_tokens, cols: L.k_tokens, values: L.weights[desc.hi] };
+    const lines = [["query \\ key", ...m.cols].map(csvField).join(",")];
+    m.rows.forEach((q, i) => lines.push([q, ...m.values[i]].map(csvField).join(",")));
     return { desc, text: lines.join("\r\n") + "\r\n" };
   }
 
