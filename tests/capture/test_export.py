@@ -1,4 +1,4 @@
-"""One head's map as SVG/JSON/CSV (``qkv.inspect.export``, ``AttentionMaps.to_*``, ``qkv view
+"""One head's map as SVG/JSON/CSV (``qkv.capture.export``, ``AttentionMaps.to_*``, ``qkv view
 --svg/--json/--csv``): the numbers kept, tokens escaped, sizes bounded; token labels on the
 matplotlib pictures; readable piece labels (no ``##.``) on the tour's alignment picture."""
 
@@ -13,8 +13,7 @@ import pytest
 import torch
 
 from qkv.apps.cli import main
-from qkv.inspect import AttentionMaps
-from qkv.inspect.export import (
+from qkv.capture.export import (
     MAX_EXPORT_TOKENS,
     PICTURE_MAX_SIDE,
     ExportTooLarge,
@@ -24,6 +23,7 @@ from qkv.inspect.export import (
     to_svg,
     xml_text,
 )
+from qkv.inspect import AttentionMaps
 from qkv.inspect.plot import MAX_LABELS, plot_alignment, plot_grid, plot_head
 
 SVG = "{http://www.w3.org/2000/svg}"
@@ -187,7 +187,7 @@ def test_grid_of_a_translation_labels_each_layer():
 
 def test_tour_alignment_shows_punctuation_not_continuation_marks():
     pytest.importorskip("tokenizers")
-    from qkv.inspect.maps import merge_steps
+    from qkv.capture.maps import merge_steps
     from qkv.inspect.translation import piece_labels, record_translation
     from qkv.translate import load
 

@@ -9,12 +9,10 @@ imported on first use. The maps, their recording, statistics and files live one 
 in :mod:`qkv.capture` (shared with :mod:`qkv.hf`); they are re-exported here.
 """
 
-# through the old submodules (which re-export qkv.capture's names): importing them here first
-# keeps ``qkv.inspect.capture`` the function, not the submodule of the same name
+from qkv.capture.maps import AttentionMaps, merge_steps
+from qkv.capture.record import attention_modules, capture, capture_steps, recording
+from qkv.capture.stats import HeadStats, ProbeRow, head_scores, head_stats, pronoun_probe
 from qkv.inspect.ablate import AblationResult, ablate, ablation_scan, heads_off
-from qkv.inspect.capture import attention_modules, capture, capture_steps, recording
-from qkv.inspect.maps import AttentionMaps, merge_steps
-from qkv.inspect.stats import HeadStats, ProbeRow, head_scores, head_stats, pronoun_probe
 
 __all__ = [
     "AblationResult",

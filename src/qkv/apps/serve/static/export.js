@@ -388,7 +388,7 @@
     if (typeof v === "string" && /^[=+\-@\t\r]/.test(s)) s = "'" + s;
     return /[",\r\n]/.test(s) || s !== s.trim() ? '"' + s.replace(/"/g, '""') + '"' : s;
   }
-  function toCSV(ctx) { // as qkv.inspect.export.to_csv: key tokens across, a query per row
+  function toCSV(ctx) { // as qkv.capture.export.to_csv: key tokens across, a query per row
     const desc = describe(ctx), L = desc.L;
     const m = desc.matrix || { rows: L.q_tokens, cols: L.k_tokens, values: L.weights[desc.hi] };
     const lines = [["query \\ key", ...m.cols].map(csvField).join(",")];
