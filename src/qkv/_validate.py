@@ -189,3 +189,35 @@ def check_heads(heads, h: int, name: str = "weights_heads") -> tuple[int, ...] |
     ):
         raise ValueError(f"{name} must be a list of query-head indices in [0, {h}), got {heads!r}")
     return tuple(items)
+
+
+def check_block_mask(bm, shape: AttentionShape, device: torch.device) -> None:
+    """A :class:`qkv.masks.BlockMask` must cover exactly these scores: ``(B|1, H|1, Tq, Tk)``."""
+    b, h = bm.index.shape[:2]
+    batch = math.prod(shape.batch)
+    if (bm.Tq, bm.Tk) != (shape.Tq, shape.Tk) or h not in (1, shape.h) or b not in (1, batch):
+        raise ValueError(
+            f"mask: BlockMask for B={bm.B}, H={bm.H}, Tq={bm.Tq}, Tk={bm.Tk} does not fit "
+            f"scores {shape.scores} (B: 1 or {batch}, H: 1 or {shape.h}, Tq={shape.Tq}, "
+            f"Tk={shape.Tk})"
+        )
+    if bm.index.device != device:
+        raise ValueError(f"mask: BlockMask must be on {device}, got {bm.index.device}")
+
+
+def check_per_head(
+    alibi_slopes: Tensor | None, rel_bias: Tensor | None, shape: AttentionShape,
+    device: torch.device,
+) -> None:  # fmt: skip
+    """ALiBi slopes ``(h,)`` and a relative table ``(h, Tq + Tk - 1)``: floating, on device."""
+    want = {"alibi_slopes": (shape.h,), "rel_bias": (shape.h, shape.Tq + shape.Tk - 1)}
+    for name, t in (("alibi_slopes", alibi_slopes), ("rel_bias", rel_bias)):
+        if t is None:
+            continue
+        if not isinstance(t, Tensor) or not t.dtype.is_floating_point:
+            got = getattr(t, "dtype", type(t).__name__)
+            raise TypeError(f"{name} must be a floating-point tensor, got {got}")
+        if tuple(t.shape) != want[name]:
+            raise ValueError(f"{name} must have shape {want[name]}, got {tuple(t.shape)}")
+        if t.device != device:
+            raise ValueError(f"{name} must be on {device}, got {t.device}")

@@ -41,15 +41,20 @@ from torch import Tensor
 
 from qkv import dispatch, masks
 from qkv._nonfinite import scores_may_be_nonfinite, values_for_kernel, weights_times_values
-from qkv._validate import check_bias, check_mask, check_options, check_qkv
+from qkv._validate import (
+    check_bias,
+    check_block_mask,
+    check_mask,
+    check_options,
+    check_per_head,
+    check_qkv,
+)
 from qkv.block_mask import BlockMask
 from qkv.cache import dequantize_rows
 from qkv.dispatch import explain_dispatch
 from qkv.kernels.decode import run_decode
 from qkv.kernels.flash import (
     _densify,
-    check_block_mask,
-    check_per_head,
     flash_attention,
 )
 from qkv.kernels.weights import weights_from_lse

@@ -30,6 +30,7 @@ from qkv.block_mask import (
     prefix_lm_mask,
     sliding_window_mask,
 )
+from qkv.kernels.flash import alibi_dense
 
 __all__ = [
     "BlockMask",
@@ -175,10 +176,9 @@ def alibi_bias(
     Combine with ``causal=True`` for the paper's decoder setting (only ``j <= p(i)`` counts).
     """
     Tk = Tq if Tk is None else Tk
-    q_pos, k_pos = _positions(Tq, Tk, device)
-    distance = (q_pos - k_pos).abs().to(dtype)  # (Tq, Tk)
-    slopes = alibi_slopes(n_heads).to(device=device, dtype=dtype)
-    return (-slopes[:, None, None] * distance).unsqueeze(0)  # (1, h, Tq, Tk)
+    _positions(Tq, Tk, device)  # (checks Tq, Tk)
+    # the dense form the kernels build for paths without ALiBi (one builder for both)
+    return alibi_dense(alibi_slopes(n_heads).to(device=device, dtype=dtype), Tq, Tk)
 
 
 def t5_bucket(

@@ -70,7 +70,7 @@ def test_fused_fp32_equals_math_values_lse_gradients(case):
     """Random shapes, GQA, causal, windows, scales, block sizes and bool masks (all kinds)."""
     q, k, v, kw, blocks = case
     if "mask" in kw and kw["mask"].shape[-1] > 1:  # the fused kernel runs (not the fallback)
-        assert flash_mod._native_ok(q, k, v, kw["mask"], None, None, 1.0)
+        assert flash_mod._native_ok(q, k, v, kw["mask"], 1.0)
     inputs = [t.requires_grad_() for t in (q, k, v)]
     out, lse = flash_attention(q, k, v, **kw, **blocks, return_lse=True)
     ref, ref_inputs = _ref(q, k, v, **kw)

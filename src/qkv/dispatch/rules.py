@@ -245,10 +245,7 @@ def _rule(case: Case, fused_why: str | None, decode_why: str | None) -> tuple[st
 
 def _fused_reason(case: Case) -> str | None:
     """Why flash's fused C++ kernel cannot run this case (``None``: it can)."""
-    return fused_kernel_rejects(
-        case.device, case.dtype, has_mask=case.has_mask, has_bias=case.has_bias,
-        softcap=case.softcap,
-    )  # fmt: skip
+    return fused_kernel_rejects(case.device, case.dtype)
 
 
 def _decode_reason(case: Case) -> str | None:

@@ -53,7 +53,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from qkv._validate import AttentionShape, check_bias, check_mask, check_options, check_qkv
+from qkv._validate import (
+    AttentionShape,
+    check_bias,
+    check_block_mask,
+    check_mask,
+    check_options,
+    check_per_head,
+    check_qkv,
+)
 from qkv.block_mask import BlockMask
 from qkv.kernels._blocks import (
     Structure,
@@ -356,15 +364,13 @@ def _backward(
 
 
 def fused_kernel_rejects(
-    device: torch.device | str, dtype: torch.dtype, *, has_mask: bool = False,
-    has_bias: bool = False, softcap: float | None = None, scale: float | None = None,
-) -> str | None:  # fmt: skip
+    device: torch.device | str, dtype: torch.dtype, *, scale: float | None = None
+) -> str | None:
     """Why the fused C++ kernel cannot run a call (``None``: it runs; see :mod:`._native`).
 
     It covers fp32/bf16 on the CPU (fp16 converted to fp32) with every option (masks, block
-    masks, biases, ALiBi, relative tables, soft-capping); fp64 runs on the PyTorch-ops kernel
-    of this module. ``has_mask``/``has_bias``/``softcap`` are accepted for callers that
-    describe a call; none of them rejects it.
+    masks, biases, ALiBi, relative tables, soft-capping), so only the device, the dtype and
+    the scale decide; fp64 runs on the PyTorch-ops kernel of this module.
     """
     if torch.device(device).type != "cpu":
         return f"device {torch.device(device).type}: the fused kernel is CPU-only"
@@ -377,12 +383,9 @@ def fused_kernel_rejects(
     return None
 
 
-def _native_ok(q: Tensor, k: Tensor, v: Tensor, mask, bias, softcap, scale: float) -> bool:
+def _native_ok(q: Tensor, k: Tensor, v: Tensor, mask, scale: float) -> bool:
     empty = 0 in (q.numel(), k.numel(), v.numel())
-    reason = fused_kernel_rejects(
-        q.device, q.dtype, has_mask=mask is not None, has_bias=bias is not None,
-        softcap=softcap, scale=scale,
-    )  # fmt: skip
+    reason = fused_kernel_rejects(q.device, q.dtype, scale=scale)
     # a mask broadcast over the keys (last dim 1 < Tk) is left to the PyTorch-ops kernel
     mask_ok = (
         mask is None
@@ -589,7 +592,7 @@ def flash_attention(
     scale = 1.0 / math.sqrt(shape.d_k) if scale is None else float(scale)
     extra = (block_mask, alibi_slopes, rel_bias)
     if any(t is not None for t in extra) and (
-        shape.empty or shape.d_v == 0 or not _native_ok(q, k, v, block_mask, bias, softcap, scale)
+        shape.empty or shape.d_v == 0 or not _native_ok(q, k, v, block_mask, scale)
     ):  # the PyTorch-ops kernel (or the empty answer): all of them as a dense bias/mask
         mask, bias = _densify(q, block_mask, mask, bias, alibi_slopes, rel_bias, shape)
         return flash_attention(
@@ -626,7 +629,7 @@ def _make_plan(q, k, v, shape, mask, bias, causal, window, scale: float, softcap
     """The plan of a call that reached the kernels (checked, non-empty, not fp16). It reads
     only the arguments' metadata and options, so it holds for every call of the same
     signature (the dispatcher keeps it: :func:`prepared_call`)."""
-    native = _native_ok(q, k, v, mask, bias, softcap, scale)
+    native = _native_ok(q, k, v, mask, scale)
     if block_mask is not None:  # the kernel's blocks are the mask's
         block_q, block_k = block_mask.block_size
     if native:
@@ -668,38 +671,6 @@ def prepared_call(
         return apply(q, k, v, bias, mask, None, None, plan)[0]
 
     return run
-
-
-def check_block_mask(bm: BlockMask, shape: AttentionShape, device: torch.device) -> None:
-    """A block mask must cover exactly these scores: ``(B|1, H|1, Tq, Tk)``."""
-    b, h = bm.index.shape[:2]
-    batch = math.prod(shape.batch)
-    if (bm.Tq, bm.Tk) != (shape.Tq, shape.Tk) or h not in (1, shape.h) or b not in (1, batch):
-        raise ValueError(
-            f"mask: BlockMask for B={bm.B}, H={bm.H}, Tq={bm.Tq}, Tk={bm.Tk} does not fit "
-            f"scores {shape.scores} (B: 1 or {batch}, H: 1 or {shape.h}, Tq={shape.Tq}, "
-            f"Tk={shape.Tk})"
-        )
-    if bm.index.device != device:
-        raise ValueError(f"mask: BlockMask must be on {device}, got {bm.index.device}")
-
-
-def check_per_head(
-    alibi_slopes: Tensor | None, rel_bias: Tensor | None, shape: AttentionShape,
-    device: torch.device,
-) -> None:  # fmt: skip
-    """ALiBi slopes ``(h,)`` and a relative table ``(h, Tq + Tk - 1)``: floating, on device."""
-    want = {"alibi_slopes": (shape.h,), "rel_bias": (shape.h, shape.Tq + shape.Tk - 1)}
-    for name, t in (("alibi_slopes", alibi_slopes), ("rel_bias", rel_bias)):
-        if t is None:
-            continue
-        if not isinstance(t, Tensor) or not t.dtype.is_floating_point:
-            got = getattr(t, "dtype", type(t).__name__)
-            raise TypeError(f"{name} must be a floating-point tensor, got {got}")
-        if tuple(t.shape) != want[name]:
-            raise ValueError(f"{name} must have shape {want[name]}, got {tuple(t.shape)}")
-        if t.device != device:
-            raise ValueError(f"{name} must be on {device}, got {t.device}")
 
 
 def alibi_dense(slopes: Tensor, Tq: int, Tk: int) -> Tensor:
