@@ -123,12 +123,14 @@ CHROMIUM = "/usr/bin/chromium"
 
 
 def playwright_or_skip():
-    """Playwright's sync API, or skip (fail on CI, where scripts/setup-system.sh installs
-    chromium) when chromium or Playwright is missing."""
+    """Playwright's sync API, or skip the test (or the module, called at its top) when
+    chromium or Playwright is missing; on CI, where scripts/setup-system.sh installs chromium,
+    its absence is an error."""
     if not os.path.exists(CHROMIUM):
         if os.environ.get("CI") == "true":
             raise RuntimeError(f"{CHROMIUM} missing in CI: run scripts/setup-system.sh")
-        pytest.skip(f"{CHROMIUM} not installed (scripts/setup-system.sh installs it)")
+        pytest.skip(f"{CHROMIUM} not installed (scripts/setup-system.sh installs it)",
+                    allow_module_level=True)  # fmt: skip
     return pytest.importorskip("playwright.sync_api")
 
 

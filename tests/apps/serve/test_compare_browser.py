@@ -8,14 +8,14 @@ from __future__ import annotations
 import csv
 import io
 import json
-import os
 import xml.etree.ElementTree as ET
 from pathlib import Path
 from urllib.parse import parse_qs, urlencode, urlsplit
 
 import pytest
 
-CHROMIUM = "/usr/bin/chromium"
+from serve_helpers import playwright_or_skip
+
 ROOT = Path(__file__).resolve().parents[3]  # the repository (this is tests/apps/serve/)
 ARTIFACTS = ROOT / "tests" / "artifacts"
 SVG_NS = "{http://www.w3.org/2000/svg}"
@@ -25,12 +25,7 @@ SHORT = "The trophy didn't fit."
 L0, L1 = "encoder.layers.0.self_attn", "encoder.layers.1.self_attn"
 XSS = "<script>alert(1)</script> <img src=x onerror=alert(1)>"
 
-if not os.path.exists(CHROMIUM):
-    if os.environ.get("CI") == "true":
-        raise RuntimeError(f"{CHROMIUM} missing in CI: run scripts/setup-system.sh")
-    pytest.skip(f"{CHROMIUM} not installed (scripts/setup-system.sh installs it)",
-                allow_module_level=True)  # fmt: skip
-sync_api = pytest.importorskip("playwright.sync_api")
+sync_api = playwright_or_skip()
 pytest.importorskip("uvicorn")
 
 from test_serve_browser import _UI_TEXT, _english_left  # noqa: E402

@@ -9,7 +9,6 @@ from __future__ import annotations
 import csv
 import io
 import json
-import os
 import struct
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -17,7 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-CHROMIUM = "/usr/bin/chromium"
+from serve_helpers import playwright_or_skip
+
 ROOT = Path(__file__).resolve().parents[3]  # the repository (this is tests/apps/serve/)
 ARTIFACTS = ROOT / "tests" / "artifacts"
 SVG_NS = "{http://www.w3.org/2000/svg}"
@@ -25,12 +25,7 @@ TEXT = "The boy trains the puppy."
 PRONOUN = "The animal didn't cross the street because it was tired."
 HOSTILE = 'The <b>boy</b> & "his" puppy\'s </svg> ]]> dog.'
 
-if not os.path.exists(CHROMIUM):
-    if os.environ.get("CI") == "true":
-        raise RuntimeError(f"{CHROMIUM} missing in CI: run scripts/setup-system.sh")
-    pytest.skip(f"{CHROMIUM} not installed (scripts/setup-system.sh installs it)",
-                allow_module_level=True)  # fmt: skip
-sync_api = pytest.importorskip("playwright.sync_api")
+sync_api = playwright_or_skip()
 pytest.importorskip("uvicorn")
 
 from serve_helpers import open_page, post_json  # noqa: E402
