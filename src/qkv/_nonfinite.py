@@ -60,9 +60,7 @@ def _finite(x: Tensor, y: Tensor | None = None) -> bool:
     module = native_module() if ok else None
     if module is not None:
         return math.isfinite(module.max_abs_product(x, _ONE if y is None else y))
-    return all(
-        math.isfinite(float(t.detach().sum())) for t in (x, y) if t is not None and t.numel()
-    )
+    return all(math.isfinite(float(t.detach().sum())) for t in ts if t.numel())
 
 
 def scores_may_be_nonfinite(q: Tensor, k: Tensor, bias: Tensor | None) -> bool:
@@ -147,9 +145,10 @@ def values_for_kernel(
     NaN or inf); ``exact`` is False when a NaN or inf sits at a key some rows see and others
     do not (only :func:`weights_times_values` keeps it out of the rows that do not).
 
-    The usual call costs one sum: with only ``causal``/``window``, of the values at keys
-    some row may not see (none for one query row under ``causal``); with a mask or a bias,
-    of all values when they are few, else of those at the keys the mask hides somewhere.
+    The usual call costs one pass of :func:`_finite`: over all values when they are few or
+    most keys are hidden from some row; else over the values at keys some row may not see
+    (none for one query row under ``causal``; with a mask or a bias, the keys it hides
+    somewhere, found once per mask).
     """
     Tk = v.shape[-2]
     if not _checked(v) or Tq == 0 or Tk == 0 or v.dtype == torch.int8:
@@ -188,7 +187,7 @@ def weights_times_values(
     ``weights`` ``(..., Tq, Tk)``, ``v`` ``(..., Tk, d_v)``, ``mask`` and ``bias``
     broadcastable to ``weights`` or None. The usual case (finite values) is one matmul.
     """
-    if (mask is None and bias is None) or not _checked(v) or bool(torch.isfinite(v).all()):
+    if (mask is None and bias is None) or not _checked(v) or _finite(v):
         return weights @ v
     out = weights @ v.masked_fill(~torch.isfinite(v), 0.0)  # the finite part
     seen = torch.ones_like(weights, dtype=torch.bool)
