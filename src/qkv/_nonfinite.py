@@ -28,6 +28,7 @@ IEEE behaviour applies.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -36,7 +37,7 @@ from qkv.kernels._native import native_module
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
-__all__ = ["scores_may_be_nonfinite", "values_for_kernel", "weights_times_values"]
+__all__ = ["quick_look", "scores_may_be_nonfinite", "values_for_kernel", "weights_times_values"]
 
 
 def _checked(x: Tensor) -> bool:
@@ -176,6 +177,50 @@ def values_for_kernel(
     if bool((bad & ~by_every & by_some).any()):
         return v, False
     return v.masked_fill(~by_some.unsqueeze(-1), 0.0), True
+
+
+Look = Callable[[Tensor, Tensor, Tensor, "Tensor | None"], bool]
+
+
+def _never(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None) -> bool:
+    return False
+
+
+def quick_look(case, backend: str) -> Look | None:
+    """How every call of one signature (``case``, :class:`qkv.dispatch.Case`, run by
+    ``backend``) checks its inputs against the rule first: ``look(q, k, v, bias)`` is True
+    when nothing NaN or inf sits where the backend would break the rule, so that it runs as
+    it is; False sends the call through :func:`values_for_kernel` (and, for torch SDPA,
+    :func:`scores_may_be_nonfinite`), which decide exactly. ``None``: nothing to look at.
+
+    What a look reads, worked out once per signature: q and k and a bias's NaN/+inf for
+    torch SDPA; the values where some row may not see some key (a mask, a bias, causal rows
+    with Tq > 1, a window) and they are few (:data:`_SMALL`; more go to
+    :func:`values_for_kernel`, which reads only the hidden keys). All of it in one call of the
+    kernels' ``finite`` (C++, ~1 µs for a small call).
+    """
+    s = case.shape
+    if case.device == "cuda" or backend == "math" or s.empty:
+        return None
+    qk = backend == "torch"
+    every, _ = _key_ranges(s.Tq, s.Tk, case.causal, case.window)
+    hidden = case.has_mask or case.has_bias or (every.start, every.stop) != (0, s.Tk)
+    look_v = hidden and not case.kv_int8  # (an int8 cache's rows are finite)
+    look_bias = qk and case.has_bias
+    if not (qk or look_v):
+        return None
+    module = native_module()
+    if module is None or (look_v and math.prod(s.batch) * s.h_kv * s.Tk * s.d_v > _SMALL):
+        return _never
+    finite = module.finite
+
+    def look(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None) -> bool:
+        return finite(
+            q if qk else None, k if qk else None, v if look_v else None,
+            bias if look_bias else None,
+        )  # fmt: skip
+
+    return look
 
 
 def weights_times_values(

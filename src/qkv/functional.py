@@ -292,22 +292,22 @@ def scaled_dot_product_attention(
                               rel_bias, shape)  # fmt: skip
     # describe + choose + the chosen backend's argument checks, remembered per call signature
     call = (mask, bias, causal, window, scale, softcap, dropout_p, return_weights, weights_heads)
-    case, decision, fast = dispatch._decide(q, k, v, backend, call)
+    case, decision = dispatch._decide(q, k, v, backend, call)
     if case.kv_int8 and decision.backend != "decode":  # only the decode kernel reads int8 rows
         k, v = _widened(q, k, v)
-        case, decision, fast = dispatch._decide(q, k, v, backend, call)
-    if decision.backend != "math":  # NaN and inf: one rule on every backend (qkv._nonfinite)
+        case, decision = dispatch._decide(q, k, v, backend, call)
+    # NaN and inf: one rule on every backend (qkv._nonfinite); the look is one C++ pass
+    if decision.look is not None and not decision.look(q, k, v, bias):
         v, exact = values_for_kernel(
             v, mask=mask, bias=bias, causal=causal, window=window, Tq=case.shape.Tq
         )
         if not exact or (decision.backend == "torch" and scores_may_be_nonfinite(q, k, bias)):
             reasons = {decision.backend: _NONFINITE_VALUES}
             decision = dispatch.Decision("math", backend, reasons, why=_NONFINITE_VALUES)
-            fast = None
     if dispatch.logger.isEnabledFor(logging.DEBUG):
         dispatch.log_decision(decision, case)
-    if fast is not None:  # torch SDPA's arguments or flash's plan, worked out once
-        return fast(q, k, v, mask, bias)
+    if decision.run is not None:  # torch SDPA's arguments or flash's plan, worked out once
+        return decision.run(q, k, v, mask, bias)
     if decision.backend == "torch":
         return dispatch.torch_sdpa(
             q, k, v, mask=mask, bias=bias, causal=causal, window=window, scale=scale,

@@ -1729,6 +1729,54 @@ double max_abs_product(const Tensor& q, const Tensor& k) {
   };
   return one(q) * one(k);
 }
+
+// Whether no element of x is NaN or inf (plus_inf_only: no NaN and no +inf; -inf is allowed,
+// as in a bias where it means "masked"). The bits test vectorises: |x| below infinity's
+// pattern; with plus_inf_only, x's own pattern is not +inf's either.
+template <typename U>
+static bool finite_bits(const U* x, int64_t n, U no_sign, U inf, bool plus_inf_only) {
+  U bad = 0;
+  if (plus_inf_only) {
+#pragma omp simd reduction(| : bad)
+    for (int64_t i = 0; i < n; ++i) {
+      const U a = x[i] & no_sign;
+      bad |= static_cast<U>((a > inf) | (x[i] == inf));
+    }
+  } else {
+#pragma omp simd reduction(| : bad)
+    for (int64_t i = 0; i < n; ++i) bad |= static_cast<U>((x[i] & no_sign) >= inf);
+  }
+  return bad == 0;
+}
+
+bool all_finite(const Tensor& t, bool plus_inf_only) {
+  if (t.numel() == 0) return true;
+  if (!t.is_contiguous() || !t.device().is_cpu()) {
+    const Tensor bad = plus_inf_only ? at::isnan(t).logical_or_(at::isposinf(t)) : ~at::isfinite(t);
+    return !bad.any().item<bool>();
+  }
+  const void* p = t.const_data_ptr();
+  const int64_t n = t.numel();
+  switch (t.scalar_type()) {
+    case at::kFloat:
+      return finite_bits(static_cast<const uint32_t*>(p), n, 0x7fffffffu, 0x7f800000u,
+                         plus_inf_only);
+    case at::kBFloat16:
+      return finite_bits(static_cast<const uint16_t*>(p), n, uint16_t(0x7fff), uint16_t(0x7f80),
+                         plus_inf_only);
+    case at::kHalf:
+      return finite_bits(static_cast<const uint16_t*>(p), n, uint16_t(0x7fff), uint16_t(0x7c00),
+                         plus_inf_only);
+    case at::kDouble:
+      return finite_bits(static_cast<const uint64_t*>(p), n, uint64_t(0x7fffffffffffffffull),
+                         uint64_t(0x7ff0000000000000ull), plus_inf_only);
+    default:  // integers and bools are finite; other floats through ATen
+      if (!at::isFloatingType(t.scalar_type())) return true;
+      const Tensor bad =
+          plus_inf_only ? at::isnan(t).logical_or_(at::isposinf(t)) : ~at::isfinite(t);
+      return !bad.any().item<bool>();
+  }
+}
 }  // namespace qkv
 
 // Which bf16 matmul path runs here (QKV_BF16_MATMUL, the level and the CPU decide; see

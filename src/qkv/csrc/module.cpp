@@ -12,6 +12,7 @@
 
 namespace qkv {
 double max_abs_product(const at::Tensor& q, const at::Tensor& k);
+bool all_finite(const at::Tensor& t, bool plus_inf_only);
 void register_step(py::module& m);  // step_cpu.cpp
 at::Tensor decode_output(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                          const std::optional<at::Tensor>& mask, double scale, bool causal,
@@ -45,6 +46,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return qkv::max_abs_product(q, k);
       },
       "max|q| * max|k| over CPU tensors (NaN if either holds a NaN)");
+  m.def(
+      "finite",
+      [](const std::optional<at::Tensor>& q, const std::optional<at::Tensor>& k,
+         const std::optional<at::Tensor>& v, const std::optional<at::Tensor>& bias) {
+        for (const auto* t : {&q, &k, &v})
+          if (t->has_value() && !qkv::all_finite(**t, false)) return false;
+        return !bias.has_value() || qkv::all_finite(*bias, true);
+      },
+      "whether q, k, v (each may be None) hold no NaN or inf and bias no NaN or +inf (-inf "
+      "masks): the NaN/inf rule's look at a call's inputs (qkv._nonfinite), one call");
   m.def(
       "signature",
       [](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

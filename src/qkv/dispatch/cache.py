@@ -8,12 +8,14 @@ runs it (torch SDPA's keyword arguments, flash's plan, the prepared decode call)
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as TF
 from torch import Tensor
 
+from qkv._nonfinite import quick_look
 from qkv._validate import check_bias, check_mask, check_options, check_qkv
 from qkv.dispatch.case import Case, _bias_bound, _logit_bound, describe
 from qkv.dispatch.rules import HUGE_LOGITS, Decision, choose
@@ -26,8 +28,8 @@ from qkv.kernels._native import native_module
 OPTIONS = ("mask", "bias", "causal", "window", "scale", "softcap", "dropout_p",
            "return_weights", "weights_heads")  # fmt: skip
 _DEFAULTS = (None, None, False, None, None, None, 0.0, False, None)
-# signature -> (case, decision, its fast path or None: see _fast_path)
-_DECISIONS: dict[tuple, tuple[Case, Decision, Callable | None]] = {}
+# signature -> (case, decision with its run and look)
+_DECISIONS: dict[tuple, tuple[Case, Decision]] = {}
 DECISION_CACHE_SIZE = 1024  # signatures remembered (the cache is emptied when full)
 
 
@@ -56,6 +58,11 @@ def decide(
     per call signature (shapes, dtypes, devices, options, gradient mode, whether the fused
     kernel is available; see the module docstring). ``options``: those of :func:`describe`.
 
+    The :class:`Decision` says how to run the call: ``decision.run(q, k, v, mask, bias)``
+    (``None`` where the call needs more: weights, a mask to build), after
+    ``decision.look(q, k, v, bias)`` (the NaN/inf rule's look, :mod:`qkv._nonfinite`; where
+    it is False only :func:`qkv.functional.scaled_dot_product_attention` keeps to the rule).
+
     Raises what those raise (nothing is remembered then). The cached :class:`Case` is the
     first call's (its ``logit_bound`` too); :func:`explain_dispatch` always recomputes.
     """
@@ -63,14 +70,11 @@ def decide(
     if unknown:
         raise TypeError(f"decide() got unexpected options {sorted(unknown)}; known: {OPTIONS}")
     call = tuple(options.get(n, d) for n, d in zip(OPTIONS, _DEFAULTS))
-    return _decide(q, k, v, backend, call)[:2]
+    return _decide(q, k, v, backend, call)
 
 
-def _decide(
-    q: Tensor, k: Tensor, v: Tensor, backend: str, call: tuple
-) -> tuple[Case, Decision, Callable | None]:
-    """:func:`decide` with the options as a tuple in :data:`OPTIONS` order; also returns the
-    call's fast path (:func:`_fast_path`), or ``None``."""
+def _decide(q: Tensor, k: Tensor, v: Tensor, backend: str, call: tuple) -> tuple[Case, Decision]:
+    """:func:`decide` with the options as a tuple in :data:`OPTIONS` order."""
     mask, bias, causal, window, scale, softcap, dropout_p, return_weights, heads = call
     if not (isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)):
         check_qkv(q, k, v)  # raises the clear error
@@ -104,7 +108,8 @@ def _decide(
     if decision.backend != "math":  # math checks its mask and bias itself
         check_mask(mask, case.shape, q.device)
         check_bias(bias, case.shape, q.device)
-    entry = (case, decision, _fast_path(q, k, v, case, decision, mask, bias))
+    run = _fast_path(q, k, v, case, decision, mask, bias)
+    entry = (case, dataclasses.replace(decision, run=run, look=quick_look(case, decision.backend)))
     if key is not None:
         if len(_DECISIONS) >= DECISION_CACHE_SIZE:
             _DECISIONS.clear()

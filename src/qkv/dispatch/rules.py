@@ -83,6 +83,7 @@ which backend a call would use and why each faster one was rejected.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -131,6 +132,12 @@ class Decision:
     reasons: dict[str, str] = field(default_factory=dict)
     kernel: str | None = None  # for "flash": which of its two kernels runs, and why
     why: str = ""  # why this backend: the rule that picked it
+    # how to run it, worked out once per call signature by qkv.dispatch.decide (None from
+    # choose alone): run(q, k, v, mask, bias) -> output, for calls that return no weights
+    run: Callable[..., Tensor] | None = field(default=None, compare=False, repr=False)
+    # the NaN/inf rule's look at the inputs first (qkv._nonfinite.quick_look): look(q, k, v,
+    # bias) False sends the call to the rule's exact checks before it runs; None: no look
+    look: Callable[..., bool] | None = field(default=None, compare=False, repr=False)
 
     def __str__(self) -> str:
         lines = [f"backend={self.backend!r} (requested {self.requested!r})"]
