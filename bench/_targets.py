@@ -10,7 +10,7 @@ import qkv
 from _measure import peak_memory_mib, time_call
 from qkv import masks
 from qkv.functional import scaled_dot_product_attention
-from qkv.kernels.varlen import packed_mask, varlen_attention
+from qkv.varlen import packed_mask, varlen_attention
 
 H, D = 8, 64
 

@@ -53,11 +53,11 @@ import torch
 from torch import Tensor
 
 from qkv import _pages
+from qkv.kernels.decode import SCALE_BYTES  # the int8 row layout the decode kernel reads
 
 __all__ = ["SCALE_BYTES", "BufferPool", "KVCache", "dequantize_rows", "quantize_rows"]
 
 _MIN_CAPACITY = 16
-SCALE_BYTES = 4  # the fp32 scale after each int8 row
 
 
 def quantize_rows(x: Tensor) -> Tensor:

@@ -57,7 +57,7 @@ from qkv.kernels.flash import (
     _densify,
     flash_attention,
 )
-from qkv.kernels.weights import weights_from_lse
+from qkv.weights import weights_from_lse
 
 __all__ = [
     "AttentionSteps",

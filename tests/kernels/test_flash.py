@@ -14,8 +14,8 @@ from qkv import masks
 from qkv.functional import attention_steps
 from qkv.kernels._blocks import Structure
 from qkv.kernels.flash import flash_attention
-from qkv.kernels.varlen import packed_mask, varlen_attention
-from qkv.kernels.weights import weights_from_lse
+from qkv.varlen import packed_mask, varlen_attention
+from qkv.weights import weights_from_lse
 from strategies import draw_mask_and_bias
 
 settings.register_profile("qkv", deadline=None, max_examples=60, derandomize=True)

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 import deadline
 from qkv.functional import attention_steps, explain_dispatch, scaled_dot_product_attention
 from qkv.kernels.flash import flash_attention
-from qkv.kernels.varlen import varlen_attention
+from qkv.varlen import varlen_attention
 from strategies import attention_inputs
 
 # QKV_FUZZ_EXAMPLES=2000 QKV_FUZZ_SEED=... for a longer, random (not derandomized) search

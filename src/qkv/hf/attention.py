@@ -61,7 +61,7 @@ from qkv.hf import steps as _steps
 from qkv.hf.ablate import zero_heads
 from qkv.hf.masks import eager_empty_rows, empty_rows, fill_empty_rows, fill_empty_weights
 from qkv.kernels.flash import flash_attention
-from qkv.kernels.weights import weights_from_lse
+from qkv.weights import weights_from_lse
 
 __all__ = ["qkv_attention_forward", "fallback_reason"]
 

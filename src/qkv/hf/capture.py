@@ -2,7 +2,7 @@
 
 Inside :func:`capture_attention`, every call of a chosen attention module runs qkv's fast path
 and returns its log-sum-exp; the weights of the chosen heads are then recomputed from it
-(``exp(s - lse)``, :func:`qkv.kernels.weights.weights_from_lse`), so asking for one head costs
+(``exp(s - lse)``, :func:`qkv.weights.weights_from_lse`), so asking for one head costs
 one head's ``Tq×Tk``, never all of them. They equal the model's ``output_attentions=True``
 under ``attn_implementation="eager"`` (rows of padded queries, which see no key, are zeros).
 

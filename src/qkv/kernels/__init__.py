@@ -1,8 +1,6 @@
 """Fast attention paths, each tested against the reference math of :mod:`qkv.functional`.
 
 - :mod:`qkv.kernels.flash`: tiled attention with the online softmax and block skipping.
-- :mod:`qkv.kernels.varlen`: packed variable-length sequences (``cu_seqlens``).
-- :mod:`qkv.kernels.weights`: attention weights of selected heads from a saved log-sum-exp.
 - :mod:`qkv.kernels.int8`: int8 linear layers for CPU inference (``quantize_linears``).
 - :mod:`qkv.kernels.packed`: linear layers whose few-row calls read panel-packed weights
   (``pack_linears``), for decoding at the read bandwidth.

@@ -39,7 +39,6 @@ import torch
 from torch import Tensor
 
 from qkv._validate import AttentionShape, check_mask, check_options, check_qkv
-from qkv.cache import SCALE_BYTES
 from qkv.kernels._native import decode_ops, native_module, native_status
 from qkv.kernels.flash import _mask_view
 
@@ -82,6 +81,11 @@ def decode_rejects(
     if decode_ops() is None:
         return f"fused kernels {native_status()}"
     return None
+
+
+# an int8 row as the kernel reads it (qkv.cache.quantize_rows writes it): d int8 values, then
+# their fp32 scale in 4 bytes
+SCALE_BYTES = 4
 
 
 def as_unpacked(t: Tensor, like: Tensor) -> Tensor:
