@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -73,83 +74,39 @@ def test_explain_terminal(capsys):
     assert "3×3 = 9 scores per head" in out and "equals MultiHeadAttention.forward: True" in out
 
 
-def test_view_and_heads_commands(tmp_path, capsys):
+def _page_data(page) -> dict:
+    """The response a `qkv view` page embeds (its explorer's data)."""
+    return json.loads(page.read_text().split('id="qkv-data">')[1].split("</script>")[0])
+
+
+def test_view_writes_the_page_and_png(tmp_path):
     page, png = tmp_path / "a.html", tmp_path / "a.png"
-    assert (
-        main(
-            [
-                "view",
-                "The boy trains the puppy.",
-                "--model",
-                "random",
-                "--out",
-                str(page),
-                "--png",
-                str(png),
-            ]
-        )
-        == 0
-    )
+    args = ["view", "The boy trains the puppy.", "--model", "random", "--out", str(page)]
+    assert main([*args, "--png", str(png)]) == 0
     assert png.stat().st_size > 1000
-    data = json.loads(page.read_text().split('id="qkv-data">')[1].split("</script>")[0])
-    assert data["response"]["layers"][0]["q_tokens"][1] == "The"  # the explorer's page
-    assert (
-        main(
-            [
-                "view",
-                "--translate",
-                "The boy trains the puppy.",
-                "--out",
-                str(tmp_path / "t.html"),
-                "--png",
-                str(tmp_path / "t.svg"),
-            ]
-        )
-        == 0
-    )
+    assert _page_data(page)["response"]["layers"][0]["q_tokens"][1] == "The"
+
+
+def test_view_translate_writes_the_alignment(tmp_path):
+    page = tmp_path / "t.html"
+    args = ["view", "--translate", "The boy trains the puppy.", "--out", str(page)]
+    assert main([*args, "--png", str(tmp_path / "t.svg")]) == 0
     assert (tmp_path / "t-alignment.svg").exists()
-    data = json.loads((tmp_path / "t.html").read_text().split('id="qkv-data">')[1]
-                      .split("</script>")[0])  # fmt: skip
-    resp = data["response"]
+    resp = _page_data(page)["response"]
     assert resp["translation"]["steps"] > 1 and "cross" in {x["kind"] for x in resp["layers"]}
-    capsys.readouterr()
+
+
+@pytest.mark.parametrize(
+    ("ablate", "expected"),
+    [(["--top", "3"], "one head off at a time"), (["1:0,2"], "off (Δ")],
+    ids=["each-head-off", "chosen-heads-off"],
+)
+def test_heads_probe_and_ablation(capsys, ablate, expected):
     sent = "The animal didn't cross the street because it was tired."
-    assert (
-        main(
-            [
-                "heads",
-                sent,
-                "--token",
-                "it",
-                "--candidates",
-                "animal",
-                "street",
-                "--ablate",
-                "--top",
-                "3",
-            ]
-        )
-        == 0
-    )
+    args = ["heads", sent, "--token", "it", "--candidates", "animal", "street", "--ablate"]
+    assert main([*args, *ablate]) == 0
     out = capsys.readouterr().out
-    assert "where does 'it' look?" in out and "one head off at a time" in out
-    assert (
-        main(
-            [
-                "heads",
-                sent,
-                "--token",
-                "it",
-                "--candidates",
-                "animal",
-                "street",
-                "--ablate",
-                "1:0,2",
-            ]
-        )
-        == 0
-    )
-    assert "off (Δ" in capsys.readouterr().out
+    assert "where does 'it' look?" in out and expected in out
 
 
 def test_loaders_registry(tmp_path):

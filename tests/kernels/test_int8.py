@@ -288,34 +288,42 @@ def test_quantize_linears_skip():
         quantize_linears(model, skip="decoder.outt")
 
 
-def test_bad_input_errors():
-    lin = nn.Linear(8, 4)
-    pw = quantize_weight(lin.weight)
-    with pytest.raises(ValueError, match=r"x must be a float tensor \(\.\.\., 8\), got \(2, 7\)"):
-        int8_linear(torch.randn(2, 7), pw)
-    with pytest.raises(ValueError, match="x must be a float tensor"):
-        int8_linear(torch.ones(2, 8, dtype=torch.long), pw)
-    with pytest.raises(RuntimeError, match="inference only"):
-        int8_linear(torch.randn(2, 8, requires_grad=True), pw)
-    with pytest.raises(ValueError, match="activation must be one of"):
-        int8_linear(torch.randn(2, 8), pw, activation="tanh")
-    with pytest.raises(ValueError, match=r"bias must be a float tensor \(4,\)"):
-        int8_linear(torch.randn(2, 8), pw, torch.zeros(5))
-    with pytest.raises(TypeError, match="weight must be a PackedWeight"):
-        int8_linear(torch.randn(2, 8), lin.weight)
-    with pytest.raises(ValueError, match="non-finite"):
-        quantize_weight(torch.tensor([[1.0, float("nan")]]))
-    with pytest.raises(TypeError, match="weight must be a 2-D float tensor"):
-        quantize_weight(torch.ones(3))
-    with pytest.raises(ValueError, match="in_features must be <= 65536"):
-        quantize_weight(torch.zeros(1, 65537))
-    with pytest.raises(TypeError, match="linear must be an nn.Linear"):
-        Int8Linear.from_linear(nn.Conv1d(1, 1, 1))
-    with pytest.raises(TypeError, match="model must be an nn.Module"):
-        quantize_linears(lin.weight)
-    with pytest.raises(RuntimeError, match="qkv int8: x must be"):
-        torch.ops.qkv_int8.linear(torch.randn(2, 7), pw.packed, pw.scale_padded, pw.wsum,
-                                  None, 4, 8, False)  # fmt: skip
+_LIN = nn.Linear(8, 4)
+_PW = quantize_weight(_LIN.weight.detach())
+BAD_INPUT = [  # (what, call, error, message)
+    ("x-width", lambda: int8_linear(torch.randn(2, 7), _PW), ValueError,
+     r"x must be a float tensor \(\.\.\., 8\), got \(2, 7\)"),
+    ("x-dtype", lambda: int8_linear(torch.ones(2, 8, dtype=torch.long), _PW), ValueError,
+     "x must be a float tensor"),
+    ("x-grad", lambda: int8_linear(torch.randn(2, 8, requires_grad=True), _PW), RuntimeError,
+     "inference only"),
+    ("activation", lambda: int8_linear(torch.randn(2, 8), _PW, activation="tanh"), ValueError,
+     "activation must be one of"),
+    ("bias", lambda: int8_linear(torch.randn(2, 8), _PW, torch.zeros(5)), ValueError,
+     r"bias must be a float tensor \(4,\)"),
+    ("weight-type", lambda: int8_linear(torch.randn(2, 8), _LIN.weight), TypeError,
+     "weight must be a PackedWeight"),
+    ("weight-nan", lambda: quantize_weight(torch.tensor([[1.0, float("nan")]])), ValueError,
+     "non-finite"),
+    ("weight-1d", lambda: quantize_weight(torch.ones(3)), TypeError,
+     "weight must be a 2-D float tensor"),
+    ("weight-wide", lambda: quantize_weight(torch.zeros(1, 65537)), ValueError,
+     "in_features must be <= 65536"),
+    ("linear-type", lambda: Int8Linear.from_linear(nn.Conv1d(1, 1, 1)), TypeError,
+     "linear must be an nn.Linear"),
+    ("model-type", lambda: quantize_linears(_LIN.weight), TypeError,
+     "model must be an nn.Module"),
+    ("op-x-width", lambda: torch.ops.qkv_int8.linear(
+        torch.randn(2, 7), _PW.packed, _PW.scale_padded, _PW.wsum, None, 4, 8, False),
+     RuntimeError, "qkv int8: x must be"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("call", "error", "message"), [c[1:] for c in BAD_INPUT],
+                         ids=[c[0] for c in BAD_INPUT])  # fmt: skip
+def test_bad_input_errors(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
 
 
 def test_torch_fallback_gives_the_same_integers():

@@ -64,6 +64,9 @@ namespace {
 
 using at::BFloat16;
 using at::Tensor;
+#if defined(QKV_AVX2) || defined(QKV_AVX512)
+using qkv_simd::pf_line;  // one line into L2
+#endif
 
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
@@ -215,9 +218,7 @@ static inline void row_ranges(const Problem<T>& P, int64_t n, const Scratch& sc)
 #ifdef QKV_AVX512
 using qkv_simd::exp2_v;  // 2^t for 16 lanes
 
-static inline __mmask16 lanes(int64_t n) {  // the first n (0..16) lanes
-  return n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1u);
-}
+using qkv_simd::lanes;  // the first n (0..16) lanes
 
 // 16 values of a row as fp32 (lanes off in k: 0)
 static inline __m512 load16(const float* p, __mmask16 k) { return _mm512_maskz_loadu_ps(k, p); }
@@ -260,7 +261,6 @@ static inline __m512 load16(const int8_t* p) {
 // q·k for 16 keys (rows kp, kp + ks, ...), q in fp32 (zero past d): one vector of scores
 // pf: the same rows of a later tile, prefetched into L2 line by line as these are read
 // (spread over the arithmetic rather than issued in a burst), or nullptr.
-static inline void pf_line(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
 
 template <typename T>
 static inline __m512 dots16(const float* q, const T* kp, int64_t ks, int64_t d, const T* pf) {
@@ -844,7 +844,6 @@ using qkv_simd::hsum8;
 using qkv_simd::hsum8x8;
 using qkv_simd::load8;
 
-static inline void pf_line(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
 
 // How far ahead (keys) K and V are prefetched into L2. Zen 3, 1 thread, q (1, 32, 1, 128)
 // over (1, 8, 16384, 128), GB/s of K+V fp32 / bf16 in one run: none 6.6 / 6.0; 16 keys
@@ -2011,423 +2010,6 @@ std::tuple<Tensor, Tensor> decode_fwd(const Tensor& q, const Tensor& k, const Te
   return {out, lse};
 }
 
-// -------------------------------------------------------------------------------------------
-// Beam search's step, fused: log-softmax of each hypothesis' logits, plus its score, and the
-// k best (hypothesis, token) candidates of each sentence, in one read of the logits and
-// without writing the (N, V) log-probabilities. logits (B·beams, V) fp32, scores (B·beams,)
-// fp32; block >= 0: that token's log-probability is -inf (after normalising, as setting it in
-// the log-softmax output). Returns values (B, k) best first and their flat indices
-// (B, k) = beam·V + token; ties keep the lower index first; a sentence with fewer than k
-// candidates above -inf gets -inf entries at the lowest unused indices.
-
-// log Σ exp(x) over one row (max first; -inf entries add nothing)
-static float row_lse(const float* x, int64_t V) {
-  float m = kNegInf;
-  int64_t j = 0;
-#ifdef QKV_AVX512
-  __m512 vm = _mm512_set1_ps(kNegInf);
-  for (; j + 16 <= V; j += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(x + j));
-  m = _mm512_reduce_max_ps(vm);
-#endif
-  for (; j < V; ++j) m = x[j] > m ? x[j] : m;
-  if (!(m > kNegInf) || std::isinf(m)) return m;  // no finite entry (or +inf): as is
-  double sum = 0.0;
-  j = 0;
-#ifdef QKV_AVX512
-  const __m512 vmax = _mm512_set1_ps(m), l2e = _mm512_set1_ps(kLog2e);
-  const __m512 ninf = _mm512_set1_ps(kNegInf);
-  __m512 acc = _mm512_setzero_ps();
-  for (; j + 16 <= V; j += 16) {
-    const __m512 v = _mm512_loadu_ps(x + j);
-    const __mmask16 fin = _mm512_cmp_ps_mask(v, ninf, _CMP_NEQ_OQ);
-    acc = _mm512_add_ps(acc, exp2_v<false>(_mm512_mul_ps(_mm512_sub_ps(v, vmax), l2e), fin));
-  }
-  sum = _mm512_reduce_add_ps(acc);
-#endif
-  for (; j < V; ++j) sum += std::exp(static_cast<double>(x[j]) - m);
-  return m + static_cast<float>(std::log(sum));
-}
-
-struct Cand {
-  float v;
-  int64_t i;
-};
-
-// insert (v, i) into best[0..k) (sorted, best first) if it beats the last entry
-static inline void offer(Cand* best, int64_t k, float v, int64_t i) {
-  if (!(v > best[k - 1].v)) return;
-  int64_t p = k - 1;
-  while (p > 0 && v > best[p - 1].v) {
-    best[p] = best[p - 1];
-    --p;
-  }
-  best[p] = {v, i};
-}
-
-std::tuple<Tensor, Tensor> beam_topk(const Tensor& logits, const Tensor& scores, int64_t beams,
-                                     int64_t k, int64_t block) {
-  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous(),
-              "qkv beam_topk: logits must be a contiguous float32 (N, V) tensor");
-  const int64_t N = logits.size(0), V = logits.size(1);
-  TORCH_CHECK(beams >= 1 && N % beams == 0, "qkv beam_topk: N must be a multiple of beams");
-  TORCH_CHECK(scores.dim() == 1 && scores.size(0) == N && scores.scalar_type() == at::kFloat &&
-                  scores.is_contiguous(),
-              "qkv beam_topk: scores must be a contiguous float32 (N,) tensor");
-  TORCH_CHECK(k >= 1 && k <= beams * V, "qkv beam_topk: need 1 <= k <= beams * V");
-  const int64_t B = N / beams;
-  Tensor top = at::empty({B, k}, logits.options());
-  Tensor idx = at::empty({B, k}, logits.options().dtype(at::kLong));
-  const float* X = logits.const_data_ptr<float>();
-  const float* S = scores.const_data_ptr<float>();
-  float* TV = top.data_ptr<float>();
-  int64_t* TI = idx.data_ptr<int64_t>();
-  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<Cand> best(k);
-    for (int64_t b = b0; b < b1; ++b) {
-      for (auto& c : best) c = {kNegInf, -1};
-      for (int64_t r = 0; r < beams; ++r) {
-        const int64_t row = b * beams + r;
-        const float* x = X + row * V;
-        const float lse = row_lse(x, V), sc = S[row];
-        const int64_t base = r * V;
-        int64_t j = 0;
-#ifdef QKV_AVX512
-        const __m512 vl = _mm512_set1_ps(lse), vs = _mm512_set1_ps(sc);
-        for (; j + 16 <= V; j += 16) {
-          // the same float operations as the scalar loop below: one decision per element
-          const __m512 v = _mm512_add_ps(_mm512_sub_ps(_mm512_loadu_ps(x + j), vl), vs);
-          __mmask16 hit = _mm512_cmp_ps_mask(v, _mm512_set1_ps(best[k - 1].v), _CMP_GT_OQ);
-          if (block >= j && block < j + 16) hit &= __mmask16(~(1u << (block - j)));
-          while (hit) {
-            const int lane = __builtin_ctz(hit);
-            hit &= hit - 1;
-            offer(best.data(), k, (x[j + lane] - lse) + sc, base + j + lane);
-          }
-        }
-#endif
-        for (; j < V; ++j)
-          if (j != block) offer(best.data(), k, (x[j] - lse) + sc, base + j);
-      }
-      // fewer than k candidates above -inf: -inf at the lowest indices not taken
-      int64_t next = 0;
-      for (int64_t p = 0; p < k; ++p) {
-        if (best[p].i >= 0) continue;
-        for (;; ++next) {
-          bool used = false;
-          for (int64_t q = 0; q < k; ++q) used = used || best[q].i == next;
-          if (!used) break;
-        }
-        best[p] = {kNegInf, next++};
-      }
-      for (int64_t p = 0; p < k; ++p) TV[b * k + p] = best[p].v, TI[b * k + p] = best[p].i;
-    }
-  });
-  return {top, idx};
-}
-
-// -------------------------------------------------------------------------------------------
-// Greedy search's choice: the index of each row's largest logit, token `block` (if >= 0)
-// counted as -inf, as torch.argmax gives it after `logits[:, block] = -inf`: the first index
-// of the maximum, the first NaN where a row has one. torch's argmax over (32, 8000) took
-// ~0.37 ms of a ~5 ms decode step (1 thread, Xeon); this reads each row twice from L1/L2.
-static void argmax_core(const float* X, int64_t N, int64_t V, int64_t block, int64_t* I) {
-  auto value = [&](const float* x, int64_t j) { return j == block ? kNegInf : x[j]; };
-  at::parallel_for(0, N, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const float* x = X + r * V;
-      float m = kNegInf;
-      bool nan = false;
-      int64_t j = 0;
-#ifdef QKV_AVX512
-      __m512 vm = _mm512_set1_ps(kNegInf);
-      __mmask16 un = 0;
-      for (; j + 16 <= V; j += 16) {
-        __m512 v = _mm512_loadu_ps(x + j);
-        if (block >= j && block < j + 16)
-          v = _mm512_mask_mov_ps(v, __mmask16(1u << (block - j)), _mm512_set1_ps(kNegInf));
-        un |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-        vm = _mm512_max_ps(vm, v);
-      }
-      nan = un != 0;
-      m = _mm512_reduce_max_ps(vm);
-#endif
-      for (int64_t t = j; t < V; ++t) {
-        const float v = value(x, t);
-        nan = nan || std::isnan(v);
-        m = v > m ? v : m;
-      }
-      int64_t best = 0;
-      if (nan) {
-        while (!std::isnan(value(x, best))) ++best;
-      } else {
-        int64_t t = 0;
-#ifdef QKV_AVX512
-        const __m512 vmax = _mm512_set1_ps(m);
-        for (; t + 16 <= V; t += 16) {
-          __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + t), vmax, _CMP_EQ_OQ);
-          if (block >= t && block < t + 16) {  // the blocked token counts as -inf
-            const __mmask16 bit = __mmask16(1u << (block - t));
-            hit = m == kNegInf ? __mmask16(hit | bit) : __mmask16(hit & ~bit);
-          }
-          if (hit) break;
-        }
-#endif
-        while (t < V && value(x, t) != m) ++t;
-        best = t < V ? t : 0;
-      }
-      I[r] = best;
-    }
-  });
-}
-
-static void check_logits(const Tensor& logits) {
-  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous(),
-              "qkv argmax_rows: logits must be a contiguous float32 (N, V) tensor");
-  TORCH_CHECK(logits.size(1) >= 1, "qkv argmax_rows: need V >= 1");
-}
-
-Tensor argmax_rows(const Tensor& logits, int64_t block) {
-  check_logits(logits);
-  Tensor idx = at::empty({logits.size(0)}, logits.options().dtype(at::kLong));
-  argmax_core(logits.const_data_ptr<float>(), logits.size(0), logits.size(1), block,
-              idx.data_ptr<int64_t>());
-  return idx;
-}
-
-// -------------------------------------------------------------------------------------------
-// y = act(x Wᵀ + b) for few rows x (M, in) (a decode step: one row per hypothesis), the weight
-// packed once into panels of 64 output columns, each panel's rows contiguous:
-// panels (P, in, 64), P = ceil(out / 64), zero past `out`. Every weight element is read once
-// per call, sequentially within each panel; up to 6 rows share each load (6 x 4 vector
-// accumulators). Sums run over `in` in order, in fp32 (one row: in four interleaved parts).
-constexpr int64_t kPanel = 64;
-constexpr int64_t kRows = 6;
-
-#ifdef QKV_AVX512
-// Columns 16q.. of a panel's bias (c0: the panel's first column, nc <= 64 of them real), or 0.
-static inline __m512 panel_bias(const float* b, int64_t c0, int64_t nc, int q) {
-  if (!b) return _mm512_setzero_ps();
-  return _mm512_maskz_loadu_ps(lanes(std::max<int64_t>(nc - 16 * q, 0)), b + c0 + 16 * q);
-}
-
-// The first nc (<= 64) columns of a panel's output row from its 4 accumulators, relu'd if asked.
-static inline void store_panel_row(const __m512* acc, int64_t nc, bool relu, float* y) {
-  for (int q = 0; q < 4; ++q) {
-    const __mmask16 cm = lanes(std::max<int64_t>(nc - 16 * q, 0));
-    if (!cm) break;
-    const __m512 v = relu ? _mm512_max_ps(acc[q], _mm512_setzero_ps()) : acc[q];
-    _mm512_mask_storeu_ps(y + 16 * q, cm, v);
-  }
-}
-
-// One row (a decode step of one sequence): pure streaming, so the read rate is all. The
-// panel's rows are read as four streams at once (its quarters, each with its own 4
-// accumulators, added at the end): one core keeps more lines in flight than with one
-// stream. Measured on Zen 4, 1 thread, 1.4 GB of panels (a 12-layer LM's linears): one
-// stream 23.5 GB/s, two 25, four 26 (a sum over the same bytes: 31), six or eight no better.
-static void panel_row1(const float* x, const float* w, int64_t in, const float* b, int64_t c0,
-                       int64_t nc, bool relu, float* y) {
-  constexpr int kS = 4;
-  __m512 a[kS][4];
-  for (int q = 0; q < 4; ++q) {
-    a[0][q] = panel_bias(b, c0, nc, q);
-    for (int s = 1; s < kS; ++s) a[s][q] = _mm512_setzero_ps();
-  }
-  const int64_t h = in / kS;
-  for (int64_t i = 0; i < h; ++i)
-    for (int s = 0; s < kS; ++s) {
-      const int64_t r = i + s * h;
-      const float* wr = w + r * kPanel;
-      const __m512 xr = _mm512_set1_ps(x[r]);
-      for (int q = 0; q < 4; ++q) a[s][q] = _mm512_fmadd_ps(xr, _mm512_loadu_ps(wr + 16 * q), a[s][q]);
-    }
-  for (int64_t r = kS * h; r < in; ++r) {  // the last in % 4 rows
-    const float* wr = w + r * kPanel;
-    const __m512 xr = _mm512_set1_ps(x[r]);
-    for (int q = 0; q < 4; ++q) a[0][q] = _mm512_fmadd_ps(xr, _mm512_loadu_ps(wr + 16 * q), a[0][q]);
-  }
-  __m512 sum[4];
-  for (int q = 0; q < 4; ++q)
-    sum[q] = _mm512_add_ps(_mm512_add_ps(a[0][q], a[1][q]), _mm512_add_ps(a[2][q], a[3][q]));
-  store_panel_row(sum, nc, relu, y + c0);
-}
-#endif
-
-#if defined(QKV_AVX2) && !defined(QKV_AVX512)
-// AVX2 (16 vector registers): MR rows x CW vectors of 8 columns of accumulators, columns
-// [cb, cb + 8·CW) of the panel in one pass over its rows (the panel stays in L1/L2 between
-// passes; one row takes all 64 columns in one pass). A partial last panel (nc < 64) loads
-// its bias and stores its outputs through a small buffer.
-template <int MR, int CW, bool kPf>
-static inline void panel_pass_avx2(const float* x, int64_t ldx, const float* w, int64_t in,
-                                   const float* b, int64_t c0, int64_t nc, int64_t cb,
-                                   bool relu, float* y, int64_t ldy, const float* pf) {
-  __m256 acc[MR][CW];
-  // every loop over m and j unrolled: acc must stay in registers (GCC kept it on the stack,
-  // 12 stores per row of the panel, when the store loop below was left rolled)
-#pragma GCC unroll 8
-  for (int j = 0; j < CW; ++j) {
-    const int64_t c = cb + 8 * j, n = std::clamp<int64_t>(nc - c, 0, 8);
-    alignas(32) float t[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    if (b) std::copy(b + c0 + c, b + c0 + c + n, t);
-#pragma GCC unroll 8
-    for (int m = 0; m < MR; ++m) acc[m][j] = _mm256_load_ps(t);
-  }
-  for (int64_t i = 0; i < in; ++i) {
-    const float* wr = w + i * kPanel + cb;
-    if constexpr (kPf)
-      for (int j = 0; j < CW; j += 2) pf_line(pf + i * kPanel + cb + 8 * j);
-    __m256 wv[CW];
-#pragma GCC unroll 8
-    for (int j = 0; j < CW; ++j) wv[j] = _mm256_loadu_ps(wr + 8 * j);
-#pragma GCC unroll 8
-    for (int m = 0; m < MR; ++m) {
-      const __m256 xm = _mm256_broadcast_ss(x + m * ldx + i);
-#pragma GCC unroll 8
-      for (int j = 0; j < CW; ++j) acc[m][j] = _mm256_fmadd_ps(xm, wv[j], acc[m][j]);
-    }
-  }
-#pragma GCC unroll 8
-  for (int m = 0; m < MR; ++m)
-#pragma GCC unroll 8
-    for (int j = 0; j < CW; ++j) {
-      const int64_t c = cb + 8 * j, n = std::clamp<int64_t>(nc - c, 0, 8);
-      const __m256 v = relu ? _mm256_max_ps(acc[m][j], _mm256_setzero_ps()) : acc[m][j];
-      float* yc = y + m * ldy + c0 + c;
-      if (n == 8) {
-        _mm256_storeu_ps(yc, v);
-      } else if (n > 0) {
-        alignas(32) float t[8];
-        _mm256_store_ps(t, v);
-        std::copy(t, t + n, yc);
-      }
-    }
-}
-#endif
-
-template <int MR, bool kPf = false>
-static void panel_rows(const float* x, int64_t ldx, const float* w, int64_t in, const float* b,
-                       int64_t c0, int64_t nc, bool relu, float* y, int64_t ldy,
-                       const float* pf = nullptr) {
-#if defined(QKV_AVX2) && !defined(QKV_AVX512)
-  // 8, 4 or 2 vectors per row: MR·CW accumulators + CW weights + 1 broadcast <= 16 registers
-  constexpr int CW = MR == 1 ? 8 : MR == 2 ? 4 : 2;
-  for (int64_t cb = 0; cb < nc; cb += 8 * CW)
-    panel_pass_avx2<MR, CW, kPf>(x, ldx, w, in, b, c0, nc, cb, relu, y, ldy, pf);
-#elif defined(QKV_AVX512)
-  __m512 acc[MR][4];
-  for (int q = 0; q < 4; ++q) {
-    const __m512 bq = panel_bias(b, c0, nc, q);
-    for (int m = 0; m < MR; ++m) acc[m][q] = bq;
-  }
-  for (int64_t i = 0; i < in; ++i) {
-    const float* wr = w + i * kPanel;
-    if constexpr (kPf)
-      for (int q = 0; q < 4; ++q) pf_line(pf + i * kPanel + 16 * q);
-    const __m512 w0 = _mm512_loadu_ps(wr), w1 = _mm512_loadu_ps(wr + 16);
-    const __m512 w2 = _mm512_loadu_ps(wr + 32), w3 = _mm512_loadu_ps(wr + 48);
-    for (int m = 0; m < MR; ++m) {
-      const __m512 xm = _mm512_set1_ps(x[m * ldx + i]);
-      acc[m][0] = _mm512_fmadd_ps(xm, w0, acc[m][0]);
-      acc[m][1] = _mm512_fmadd_ps(xm, w1, acc[m][1]);
-      acc[m][2] = _mm512_fmadd_ps(xm, w2, acc[m][2]);
-      acc[m][3] = _mm512_fmadd_ps(xm, w3, acc[m][3]);
-    }
-  }
-  for (int m = 0; m < MR; ++m) store_panel_row(acc[m], nc, relu, y + m * ldy + c0);
-#else
-  float acc[MR][kPanel];
-  for (int m = 0; m < MR; ++m)
-    for (int64_t c = 0; c < kPanel; ++c) acc[m][c] = b && c < nc ? b[c0 + c] : 0.f;
-  for (int64_t i = 0; i < in; ++i) {
-    const float* wr = w + i * kPanel;
-    for (int m = 0; m < MR; ++m) {
-      const float xm = x[m * ldx + i];
-#pragma omp simd
-      for (int64_t c = 0; c < kPanel; ++c) acc[m][c] += xm * wr[c];
-    }
-  }
-  for (int m = 0; m < MR; ++m)
-    for (int64_t c = 0; c < nc; ++c) {
-      const float v = acc[m][c];
-      y[m * ldy + c0 + c] = relu && v < 0.f ? 0.f : v;
-    }
-#endif
-}
-
-template <int MR>
-static inline void panel_call(const float* x, int64_t ldx, const float* w, int64_t in,
-                              const float* b, int64_t c0, int64_t nc, bool relu, float* y,
-                              int64_t ldy, const float* pf) {
-  if (pf) panel_rows<MR, true>(x, ldx, w, in, b, c0, nc, relu, y, ldy, pf);
-  else panel_rows<MR, false>(x, ldx, w, in, b, c0, nc, relu, y, ldy);
-}
-
-// y (M, out) with row stride ldy = act(x Wᵀ + b) for x (M, in) with row stride ldx, W in
-// panels (ceil(out/64), in, 64); the work of small_linear, also called by the fused decoder
-// step on its own buffers.
-static void panel_linear_rows(const float* X, int64_t ldx, int64_t M, int64_t in,
-                              const float* W, const float* b, int64_t out, bool relu, float* Y,
-                              int64_t ldy) {
-  const int64_t P = (out + kPanel - 1) / kPanel;
-  // at least 64k weights (256 KB) per task: a small layer stays on one thread
-  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, in * kPanel));
-  at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) {
-      const float* w = W + p * in * kPanel;
-      const int64_t c0 = p * kPanel, nc = std::min(kPanel, out - c0);
-      // Several rows: the next panel is prefetched into L2 while the first row group reads
-      // this one; the other groups then find their panel there. Weights that live in L3
-      // (the layers of a model together exceed L2) otherwise stall each first pass on its
-      // latency: M = 32 in a decode step, 1 thread, Xeon (AMX machine): 1.17x faster. One
-      // row streams each panel once, where the hardware prefetcher does as well (measured).
-      const float* next = p + 1 < p1 && M > 1 ? W + (p + 1) * in * kPanel : nullptr;
-      for (int64_t m0 = 0; m0 < M; m0 += kRows) {
-        const float* xr = X + m0 * ldx;
-        float* yr = Y + m0 * ldy;
-        const float* pf = m0 == 0 ? next : nullptr;
-        const int64_t mr = std::min(kRows, M - m0);
-#ifdef QKV_AVX512
-        if (mr == 1 && !pf) {
-          panel_row1(xr, w, in, b, c0, nc, relu, yr);
-          continue;
-        }
-#endif
-        switch (mr) {
-          case 1: panel_call<1>(xr, ldx, w, in, b, c0, nc, relu, yr, ldy, pf); break;
-          case 2: panel_call<2>(xr, ldx, w, in, b, c0, nc, relu, yr, ldy, pf); break;
-          case 3: panel_call<3>(xr, ldx, w, in, b, c0, nc, relu, yr, ldy, pf); break;
-          case 4: panel_call<4>(xr, ldx, w, in, b, c0, nc, relu, yr, ldy, pf); break;
-          case 5: panel_call<5>(xr, ldx, w, in, b, c0, nc, relu, yr, ldy, pf); break;
-          default: panel_call<6>(xr, ldx, w, in, b, c0, nc, relu, yr, ldy, pf); break;
-        }
-      }
-    }
-  });
-}
-
-Tensor small_linear(const Tensor& x, const Tensor& panels, const std::optional<Tensor>& bias,
-                    int64_t out, bool relu) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
-              "qkv small_linear: x must be float32 (M, in) with unit column stride");
-  const int64_t M = x.size(0), in = x.size(1), P = (out + kPanel - 1) / kPanel;
-  TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == at::kFloat && panels.is_contiguous() &&
-                  panels.size(0) == P && panels.size(1) == in && panels.size(2) == kPanel,
-              "qkv small_linear: panels must be contiguous float32 (ceil(out/64), in, 64)");
-  const float* b = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out && bias->scalar_type() == at::kFloat &&
-                    bias->is_contiguous(),
-                "qkv small_linear: bias must be a contiguous float32 (out,) tensor");
-    b = bias->const_data_ptr<float>();
-  }
-  Tensor y = at::empty({M, out}, x.options());
-  if (M == 0 || out == 0) return y;
-  panel_linear_rows(x.const_data_ptr<float>(), x.stride(0), M, in,
-                    panels.const_data_ptr<float>(), b, out, relu, y.data_ptr<float>(), out);
-  return y;
-}
-
 // Which instruction paths this build uses (for benchmarks and native_status).
 std::string decode_isa() {
 #ifdef QKV_I16_DOTS
@@ -2462,16 +2044,10 @@ TORCH_LIBRARY(qkv_decode, m) {
   m.def("fwd(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, bool causal, int window,"
         " int splits=0, Tensor? rows=None, Tensor? kv_batch=None) -> (Tensor, Tensor)");
   m.def("isa() -> str", &decode_isa);
-  m.def("beam_topk(Tensor logits, Tensor scores, int beams, int k, int block) -> (Tensor, Tensor)");
-  m.def("argmax_rows(Tensor logits, int block) -> Tensor");
-  m.def("small_linear(Tensor x, Tensor panels, Tensor? bias, int out, bool relu) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(qkv_decode, CPU, m) {
   m.impl("fwd", &decode_fwd);
-  m.impl("beam_topk", &beam_topk);
-  m.impl("argmax_rows", &argmax_rows);
-  m.impl("small_linear", &small_linear);
 }
 
 // The kernels above as plain functions, for the fused decoder step (step_cpu.cpp).
@@ -2493,22 +2069,4 @@ Tensor decode_output(const Tensor& q, const Tensor& k, const Tensor& v,
                                 std::nullopt, std::nullopt));
 }
 
-// argmax_rows written into out (N,) int64; returns how many rows chose token eos (if >= 0)
-int64_t greedy_pick(const Tensor& logits, int64_t block, int64_t eos, const Tensor& out) {
-  check_logits(logits);
-  const int64_t N = logits.size(0);
-  TORCH_CHECK(out.scalar_type() == at::kLong && out.dim() == 1 && out.size(0) == N &&
-                  out.is_contiguous() && out.device().is_cpu(),
-              "qkv greedy_pick: out must be a contiguous int64 (N,) CPU tensor");
-  int64_t* I = out.data_ptr<int64_t>();
-  argmax_core(logits.const_data_ptr<float>(), N, logits.size(1), block, I);
-  int64_t ended = 0;
-  for (int64_t r = 0; r < N; ++r) ended += eos >= 0 && I[r] == eos;
-  return ended;
-}
-
-void panel_linear_into(const float* x, int64_t ldx, int64_t M, int64_t in, const float* panels,
-                       const float* bias, int64_t out, bool relu, float* y, int64_t ldy) {
-  if (M > 0 && out > 0) panel_linear_rows(x, ldx, M, in, panels, bias, out, relu, y, ldy);
-}
 }  // namespace qkv

@@ -91,6 +91,11 @@ inline bool amx_allowed() {
   return ok;
 }
 
+#if defined(QKV_AVX2) || defined(QKV_AVX512)
+// one cache line into L2, ahead of its use (the kernels' software prefetch)
+inline void pf_line(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
+#endif
+
 #ifdef QKV_AVX2
 // ---- 8 fp32 lanes (AVX2 + FMA) ---------------------------------------------------------
 
@@ -165,6 +170,10 @@ inline __m256 exp2_v8(__m256 t) {
 #endif  // QKV_AVX2
 
 #ifdef QKV_AVX512
+inline __mmask16 lanes(int64_t n) {  // the first n (0..16) lanes of a 16-lane vector
+  return n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1u);
+}
+
 // 2^t for 16 lanes of finite t <= 0 (lanes off in k give 0): t = n + f with |f| <= 1/2,
 // 2^n by scalef (exact, down to 0 through the denormals); kLow: the degree-4 polynomial.
 template <bool kLow>

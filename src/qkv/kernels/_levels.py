@@ -25,7 +25,8 @@ __all__ = ["COMMON_FLAGS", "LEVELS", "Level", "best_level", "cpu_features", "lev
 # or `omp simd`. -fopenmp: their threads are PyTorch's own OpenMP runtime (libtorch links
 # libgomp). -g0: Python's own CFLAGS carry -g, which costs a third of the build time.
 COMMON_FLAGS = ("-O3", "-g0", "-fopenmp", "-fno-math-errno", "-fno-trapping-math")
-SOURCES = ("flash_cpu.cpp", "decode_cpu.cpp", "int8_cpu.cpp", "step_cpu.cpp", "module.cpp")
+SOURCES = ("flash_cpu.cpp", "decode_cpu.cpp", "search_cpu.cpp", "packed_cpu.cpp", "int8_cpu.cpp",
+           "step_cpu.cpp", "module.cpp")
 
 
 def source_digest(csrc: Path) -> str:
