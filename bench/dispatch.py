@@ -14,6 +14,11 @@ gradients also pay a check on the values (the scores' bound, to pick the referen
 for huge logits), shown separately: it is not a decision that can be cached. Where "auto"
 picks flash the overhead can be negative: ``flash_attention`` checks its arguments and
 makes its plan on every call, the dispatcher once per signature.
+
+The NaN/inf rule's look at the inputs (``Decision.look``, one C++ call; qkv._nonfinite) is part
+of every call's overhead and is also timed alone, beside the exact Python checks it spares a
+call whose inputs are finite (``values_for_kernel`` and, for torch SDPA,
+``scores_may_be_nonfinite``: what every call ran before the look existed).
 """
 
 from __future__ import annotations
@@ -30,7 +35,8 @@ import torch  # noqa: E402
 import torch.nn.functional as TF  # noqa: E402
 
 from _measure import cpu_name  # noqa: E402
-from qkv import masks  # noqa: E402
+from qkv import dispatch, masks  # noqa: E402
+from qkv._nonfinite import scores_may_be_nonfinite, values_for_kernel  # noqa: E402
 from qkv.dispatch import _logit_bound, explain_dispatch  # noqa: E402
 from qkv.functional import scaled_dot_product_attention  # noqa: E402
 from qkv.kernels.flash import flash_attention  # noqa: E402
@@ -88,9 +94,9 @@ def main() -> None:
     print(f"{cpu_name()}; torch {torch.__version__}, 1 thread, CPU time per call; shared machine")
     print(
         f"| case | picks | direct µs | auto µs | overhead µs (target ≤ {TARGET_US:g}) "
-        "| of which the logit guard µs |"
+        "| of which the logit guard µs | of which the NaN/inf look µs | exact checks spared µs |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for name, q, k, v, kw, grad in cases():
         decision = explain_dispatch(q, k, v, **kw)
         a = direct(decision.backend, q, k, v, kw)
@@ -108,11 +114,32 @@ def main() -> None:
         if grad:
             bound = functools.partial(_logit_bound, q, k, None)
             guard = f"{min(per_call(bound, args.calls) for _ in range(3)) * 1e6:.1f}"
+        look, spared = _rule_costs(q, k, v, kw, args.calls)
         print(
             f"| {name} | {decision.backend} | {ta * 1e6:.1f} | {tb * 1e6:.1f} | **{over:.1f}** "
-            f"| {guard} |",
+            f"| {guard} | {look} | {spared} |",
             flush=True,
         )
+
+
+def _rule_costs(q, k, v, kw, calls: int) -> tuple[str, str]:
+    """The decision's NaN/inf look alone, and the exact checks it spares (µs per call)."""
+    _, decision = dispatch.decide(q, k, v, **kw)
+    if decision.look is None:
+        return "-", "-"
+    mask, bias = kw.get("mask"), kw.get("bias")
+    look = functools.partial(decision.look, q, k, v, bias)
+
+    def exact():
+        values_for_kernel(v, mask=mask, bias=bias, causal=kw.get("causal", False),
+                          window=kw.get("window"), Tq=q.shape[-2])  # fmt: skip
+        if decision.backend == "torch":
+            scores_may_be_nonfinite(q, k, bias)
+
+    with torch.no_grad():
+        t_look = min(per_call(look, calls) for _ in range(3))
+        t_exact = min(per_call(exact, calls) for _ in range(3))
+    return f"{t_look * 1e6:.1f}", f"{t_exact * 1e6:.1f}"
 
 
 if __name__ == "__main__":
