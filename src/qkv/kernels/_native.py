@@ -22,10 +22,11 @@ after its build (a truncated or damaged file is rebuilt, with a message). ``QKV_
 
 ``flash_cpu.cpp`` registers ``torch.ops.qkv_flash.fwd`` / ``.bwd`` (the flash backend),
 ``decode_cpu.cpp`` ``torch.ops.qkv_decode.fwd`` (the decode backend, a few queries over a
-long KV cache) and the generation step's ``qkv_decode.small_linear`` (few-row linears on
-panel-packed weights) and ``qkv_decode.beam_topk`` (beam search's log-softmax + top-k in one
-pass), ``int8_cpu.cpp`` ``torch.ops.qkv_int8.linear`` (int8 linear layers,
-:mod:`qkv.kernels.int8`); ``module.cpp`` makes the extension a Python module too, for the
+long KV cache), ``packed_cpu.cpp`` the generation step's ``qkv_decode.small_linear``
+(few-row linears on panel-packed weights), ``search_cpu.cpp`` ``qkv_decode.beam_topk`` and
+``argmax_rows`` (beam search's log-softmax + top-k, greedy search's argmax, one pass each),
+``int8_cpu.cpp`` ``torch.ops.qkv_int8.linear`` (int8 linear layers, :mod:`qkv.kernels.int8`),
+``step_cpu.cpp`` the fused decoder step; ``module.cpp`` makes the extension a Python module too, for the
 few functions called on every attention call. Where no build can be had, the flash backend
 keeps working on its PyTorch-ops kernel, the decode backend is not offered, and
 :func:`native_status` says why.
