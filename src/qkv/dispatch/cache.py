@@ -12,14 +12,13 @@ import dataclasses
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as TF
 from torch import Tensor
 
 from qkv._nonfinite import quick_look
 from qkv._validate import check_bias, check_mask, check_options, check_qkv
 from qkv.dispatch.case import Case, _bias_bound, _logit_bound, describe
 from qkv.dispatch.rules import HUGE_LOGITS, Decision, choose
-from qkv.dispatch.torch_adapter import _torch_kwargs
+from qkv.dispatch.torch_adapter import torch_run
 from qkv.kernels import decode as _decode
 from qkv.kernels import flash as _flash
 from qkv.kernels._native import native_module
@@ -125,11 +124,7 @@ def _fast_path(q, k, v, case: Case, decision: Decision, mask, bias) -> Callable 
     if case.return_weights:
         return None
     if decision.backend == "torch":
-        kw = _torch_kwargs(case)
-        if kw is None:
-            return None
-        sdpa = TF.scaled_dot_product_attention
-        return lambda q, k, v, mask, bias: sdpa(q, k, v, attn_mask=mask, **kw)
+        return torch_run(case, mask, bias)
     if decision.backend == "decode":
         return _decode.prepared_call(case.shape, causal=case.causal, window=case.window,
                                      scale=case.scale, four=q.dim() == 4)  # fmt: skip
