@@ -14,7 +14,9 @@ sentences and pieces that each fit (:func:`split_to_fit`), never cut silently.
 
 The explorer's maps (``qkv serve``'s answers, ``qkv view``'s page and the notebook view)
 hold at most :data:`MAX_CELLS` weights and :data:`TOKEN_LIMIT` tokens (:func:`encoder_limit`:
-fewer for a model with many heads), every float with :data:`DECIMALS` decimals.
+fewer for a model with many heads), every float with :data:`DECIMALS` decimals. ``qkv serve``
+takes longer inputs, up to :data:`LONG_TOKEN_LIMIT` tokens, and answers them with the maps
+max-pooled to that size and one head exact (:mod:`qkv.apps.serve.long`).
 
 >>> fit_text("one two three four", 2)
 ('one two', 4)
@@ -30,6 +32,7 @@ from collections.abc import Callable
 
 __all__ = [
     "DECIMALS",
+    "LONG_TOKEN_LIMIT",
     "MAX_CELLS",
     "MAX_SENTENCES",
     "MAX_TOKENS",
@@ -48,6 +51,8 @@ CHARS_PER_TOKEN = 16  # no tokenizer here makes a token of more than this many c
 TOKEN_LIMIT = 128  # tokens in the maps (special tokens included); longer → cut, with a notice
 MAX_CELLS = 320_000  # attention weights in one answer (all layers × heads × Tq × Tk)
 DECIMALS = 3  # decimals of every float in an answer
+# qkv serve: a longer input (up to the model's positions) is answered with pooled maps
+LONG_TOKEN_LIMIT = 2048
 
 _WORD = re.compile(r"\S+")
 _SENTENCE_END = re.compile(r"(?<=[.!?…。！？।॥။])\s+|(?<=[。！？])(?=\S)")

@@ -236,6 +236,31 @@ def test_token_counts_that_differ_are_said_and_text_stays_text(server, browser):
     page.close()
 
 
+def test_translations_side_by_side_and_wrapped_when_narrow(server, browser):
+    a_text, b_text = "the boy trains the puppy", "a dog runs"
+    url = _url(server, model="tiny-fr", translate="1", text=a_text, compare="text", text2=b_text,
+               view="trans")  # fmt: skip
+    page, errors, dialogs = _open(browser, url)
+    want = {s: post_json(server, text=t, model="tiny-fr", translate=True)["translation"]["text"]
+            for s, t in (("a", a_text), ("b", b_text))}  # fmt: skip
+    side = "#view-trans .cmp-trans-pair .cmp-side[data-side='{}']"
+    for s in ("a", "b"):  # each side: its sentence, its output, its cross-attention map
+        assert page.text_content(side.format(s) + " .cmp-trans .intro").endswith(want[s])
+        assert page.eval_on_selector_all(side.format(s) + " .hm > canvas", "c => c.length") == 1
+    a, b = (page.locator(side.format(s)).bounding_box() for s in ("a", "b"))
+    assert b["x"] >= a["x"] + a["width"] and abs(b["y"] - a["y"]) < 2  # beside each other
+    assert page.query_selector("#view-trans #compare-card") is not None  # A, B, B − A below
+    assert page.evaluate("document.documentElement.scrollWidth") <= 1280
+    _shot(page, "trans")
+    page.set_viewport_size({"width": 760, "height": 800})  # narrow: B under A
+    page.click(".tab[data-view='trans']")  # (drawn again for the new width)
+    a, b = (page.locator(side.format(s)).bounding_box() for s in ("a", "b"))
+    assert b["y"] >= a["y"] + a["height"] - 1 and abs(b["x"] - a["x"]) < 2
+    _shot(page, "trans_narrow")
+    assert errors == [] and dialogs == []
+    page.close()
+
+
 @pytest.mark.parametrize("lang", ["my", "vi", "bn", "zh"])
 def test_compare_is_in_the_readers_language(server, browser, lang):
     page, errors, dialogs = _open(browser, _url(server, model="random", text=BIG, compare="text",
@@ -276,7 +301,8 @@ def test_the_offline_page_does_not_offer_compare(browser, tmp_path):
     page, errors, dialogs = _open(browser, out.as_uri())
     assert page.is_hidden("#bar") and page.is_hidden("#compare-bar")
     scripts = page.eval_on_selector_all("script:not([type])", "s => s.length")
-    assert scripts == 3  # export.js, compare.js, app.js: inlined
+    own = (ROOT / "src/qkv/apps/serve/static/index.html").read_text().count("<script src=")
+    assert scripts == own  # index.html's scripts, inlined
     for view in ("step", "head", "model"):
         page.click(f".tab[data-view='{view}']")
         assert page.query_selector(f"#view-{view} .cmp-side, #view-{view} #compare-card") is None

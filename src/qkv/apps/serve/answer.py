@@ -15,7 +15,8 @@ from collections.abc import Callable
 
 from torch import Tensor
 
-from qkv.apps.serve.limits import STEP_DIMS, AttentionRequest, BadRequest
+from qkv.apps.serve.limits import STEP_DIMS, TOKEN_LIMIT, AttentionRequest, BadRequest
+from qkv.apps.serve.long import is_long, long_fields, packed_steps
 from qkv.capture.maps import AttentionMaps
 from qkv.capture.page import maps_json, number, rounded, stats_json
 from qkv.capture.stats import pronoun_probe
@@ -118,8 +119,12 @@ def probe_json(maps: AttentionMaps, req: AttentionRequest) -> dict | None:
 
 
 def maps_fields(maps: AttentionMaps, req: AttentionRequest) -> dict:
-    """The answer's ``layers`` (the maps), ``stats`` (every head's scores) and ``probe``."""
-    return {"layers": maps_json(maps), "stats": stats_json(maps), "probe": probe_json(maps, req)}
+    """The answer's ``layers`` (the maps), ``stats`` (every head's scores) and ``probe``; maps
+    too large for JSON: pooled, with the selected head ``exact`` and ``top`` (qkv.apps.serve.long)."""
+    stats = {"stats": stats_json(maps), "probe": probe_json(maps, req)}
+    if is_long(maps):
+        return {**long_fields(maps, pick_layer(maps.layers, req), req.head), **stats}
+    return {"layers": maps_json(maps), **stats}
 
 
 def matrix(key: str, t: Tensor, rows: list[str], cols: list[str] | None = None) -> dict:
@@ -141,9 +146,13 @@ STEPS = (("x", "q", False), ("context", "k", False), ("q", "q", False), ("k", "k
 
 
 def step_matrices(t: dict[str, Tensor | None], q_tokens: list[str],
-                  k_tokens: list[str]) -> list[dict]:  # fmt: skip
+                  k_tokens: list[str], scale: float | None = None) -> list[dict]:  # fmt: skip
     """The ``matrices`` of a step answer from 2-D tensors by key (see :data:`STEPS`); a key
-    that is missing or None is left out (no cross context, no output projection)."""
+    that is missing or None is left out (no cross context, no output projection). More than
+    TOKEN_LIMIT queries: packed (:func:`qkv.apps.serve.long.packed_steps`; ``scale``: the
+    call's, to send ``scaled`` as ``scores × scale``)."""
+    if len(q_tokens) > TOKEN_LIMIT:
+        return packed_steps(t, STEPS, q_tokens, k_tokens, scale)
     tokens = {"q": q_tokens, "k": k_tokens}
     return [matrix(key, t[key].double() if key == "mask" else t[key], tokens[rows],
                    k_tokens if square else None)

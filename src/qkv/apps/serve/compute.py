@@ -41,6 +41,7 @@ from qkv.apps.serve.limits import (
     target_limit,
     translate_limit,
 )
+from qkv.apps.serve.long import map_limit, position_limit
 from qkv.apps.serve.models import Entry
 from qkv.attention import MultiHeadAttention
 from qkv.capture.maps import merge_steps
@@ -51,7 +52,7 @@ from qkv.inspect.ablate import heads_off
 from qkv.inspect.translation import label_cross_queries
 from qkv.positional import ALiBi, RotaryEmbedding
 
-__all__ = ["attention", "cut_to_limit", "maps_json", "step_detail"]
+__all__ = ["attention", "cut_to_limit", "decode_translation", "maps_json", "step_detail"]
 
 Call = tuple[tuple, dict, Tensor]  # a module call: args, kwargs, output
 
@@ -109,7 +110,7 @@ def step_detail(
          "k": s.k[0, h], "v": s.v[0, h], "scores": s.scores[0, h], "scaled": s.scaled[0, h],
          "mask": mask, "masked": s.masked[0, h], "weights": s.weights[0, h],
          "output": out[0, h], "concat": concat[0], "wo": y[0]},
-        q_tokens, k_tokens,
+        q_tokens, k_tokens, s.scale,
     )  # fmt: skip
     return {
         "kind": kind, "head": head, "n_heads": module.n_heads, "d_k": module.d_k,
@@ -131,6 +132,9 @@ def _encoder(entry: Entry, req: AttentionRequest, text: str) -> dict:
     loaded = entry.loaded
     model = loaded.model
     limit = encoder_limit(sum(m.n_heads for _, m in attention_modules(model)))
+    positions = position_limit(loaded.full_model or model)
+    if req.long:  # up to 2,048 tokens, or the model's positions (qkv.apps.serve.long)
+        limit = map_limit(positions)
     text, tokens, inputs, cut = cut_to_limit(loaded.encode, text, limit)
     layer, module, spec = _selection(model, req)
     with torch.no_grad():
@@ -139,8 +143,8 @@ def _encoder(entry: Entry, req: AttentionRequest, text: str) -> dict:
                 hidden = loaded.hidden(*inputs)  # (1, T, d)
             step = step_detail(module, calls[0], req.head, tokens, tokens)
         maps = rec.steps(tokens)[0]
-        out = {"limit": limit, "text": text, "tokens": tokens, "truncated": cut,
-               **maps_fields(maps, req),
+        out = {"limit": limit, "positions": positions, "text": text, "tokens": tokens,
+               "truncated": cut, **maps_fields(maps, req),
                "step": {"layer": layer, **step}}  # fmt: skip
         if spec:
             base_maps = capture(model, *inputs, tokens=tokens)
@@ -151,7 +155,7 @@ def _encoder(entry: Entry, req: AttentionRequest, text: str) -> dict:
     return out
 
 
-def _decode(entry: Entry, text: str, beam: int) -> dict:
+def decode_translation(entry: Entry, text: str, beam: int) -> dict:
     """Decode ``text`` (model lock held): ids, labels, the per-step maps and the output text."""
     loaded = entry.loaded
     model = loaded.full_model
@@ -207,7 +211,7 @@ def _translation(entry: Entry, req: AttentionRequest, text: str) -> dict:
     beam = req.beam if loaded.tokenizer is not None else 1
     layer, module, spec = _selection(model, req)
     with torch.no_grad(), heads_off(model, spec):
-        d = _decode(entry, text, beam)
+        d = decode_translation(entry, text, beam)
         merged = merge_steps(d["steps"])
         src, tgt = torch.tensor([d["src"]]), torch.tensor([d["tgt_in"]])
         with grab_call(model, layer) as calls:
@@ -228,10 +232,10 @@ def _translation(entry: Entry, req: AttentionRequest, text: str) -> dict:
     }  # fmt: skip
     if beam > 1:
         with torch.no_grad(), heads_off(model, spec):
-            out["translation"]["greedy_text"] = _decode(entry, text, 1)["text"]
+            out["translation"]["greedy_text"] = decode_translation(entry, text, 1)["text"]
     if spec:
         with torch.no_grad():
-            base = _decode(entry, text, beam)
+            base = decode_translation(entry, text, beam)
         out["ablation"] = {"heads": ablation_heads(spec),
                            "baseline": {"translation": base["text"],
                                         "probe": probe_json(merge_steps(base["steps"]), req)}}  # fmt: skip

@@ -40,6 +40,7 @@ from qkv.apps.serve.limits import (
     target_limit,
     translate_limit,
 )
+from qkv.apps.serve.long import map_limit, position_limit
 from qkv.apps.serve.models import Entry
 from qkv.capture.page import number
 from qkv.hf import attention_modules, heads_off
@@ -74,7 +75,7 @@ def hf_step(calls, layer: str, kind: str, head: int, q_tokens: list[str], k_toke
     w = walk(call, head)
     if w["mask"] is None:
         w["mask"] = torch.ones_like(w["scores"], dtype=torch.bool)
-    mats = step_matrices({**w, "x": w["hidden"]}, q_tokens, k_tokens)
+    mats = step_matrices({**w, "x": w["hidden"]}, q_tokens, k_tokens, w["scale"])
     h, d = call.query.shape[1], call.query.shape[-1]
     step = {"layer": layer, "kind": kind, "head": head, "n_heads": h, "d_k": d,
             "d_model": int(w["hidden"].shape[-1]) if w["hidden"] is not None else h * d,
@@ -134,6 +135,9 @@ def hf_attention(entry: Entry, req: AttentionRequest, text: str) -> dict:
     else:
         shown = enc if hf.kind == "encoder-decoder" else counts
         limit = encoder_limit(sum(shown.values()))
+        positions = position_limit(hf.model, hf)
+        if req.long:  # up to 2,048 tokens, or the model's positions (qkv.apps.serve.long)
+            limit = map_limit(positions)
         text, tokens, inputs, cut = cut_to_limit(loaded.encode, text, limit)
         layer = choose_layer(req, shown)
         spec = ablation_spec(req, shown)
@@ -143,7 +147,7 @@ def hf_attention(entry: Entry, req: AttentionRequest, text: str) -> dict:
             hidden = loaded.hidden(*inputs) if spec else None  # (1, T, d)
             kind = "self" if hf.kind == "encoder-decoder" else _kind(loaded, layer)
             step, why = hf_step(calls, layer, kind, req.head, tokens, tokens, spec)
-        extra = {}
+        extra = {"positions": positions}
         if spec:
             base = loaded.hidden(*inputs)  # (1, T, d)
             change = float((hidden - base).norm() / base.norm().clamp_min(1e-12))

@@ -7,10 +7,25 @@ MAX_BODY_BYTES      256 KiB  request body; larger → 413
 MAX_JSON_DEPTH      64       arrays/objects nested in the body (a request uses 3); deeper → 400
 READ_TIMEOUT_S      10       seconds a client has to send one request (headers and body)
 MAX_TEXT_CHARS      20,000   characters looked at (a longer text is cut first)
-TOKEN_LIMIT         128      tokens in the maps (incl. special tokens); longer → cut, notice
+TOKEN_LIMIT         128      tokens whose every map goes as JSON (3 decimals), fewer for a model
+                             with many heads (encoder_limit: MiniLM 66); ``qkv view`` cuts there
+LONG_TOKEN_LIMIT    2,048    tokens in the maps of a longer text (not translating), fewer where
+                             the model's positions stop (one short of them: MiniLM 511, the
+                             translators' encoders 255); longer → cut, notice. Such an answer is
+                             *long* (qkv.apps.serve.long): every map max-pooled to ≤ P × P
+                             (P = encoder_limit, so ≤ MAX_CELLS numbers), the selected head's
+                             weights and step-by-step matrices exact, packed as uint16 (2 bytes
+                             a cell, base64), each query's TOP_K = 8 strongest keys per head of
+                             the selected layer
+MAX_LONG_BYTES      64 MiB   a long answer: ≤ 4 packed T × T matrices (weights, scores, and
+                             scaled/masked unless they are exactly scores × scale and scaled
+                             masked) + the mask's bits + ≤ 7 T × 64 feature matrices + the
+                             pooled maps; 2,048 tokens with ``random``: 25.5 MB (11 MB gzipped),
+                             1.7 s to compute on 2 CPU cores (3.3–4.7 s to the last byte at a
+                             load average of 3)
 TRANSLATE_LIMIT     48       source tokens when translating; target ≤ target_limit(source)
-MAX_CELLS           320,000  attention weights in one response (all layers × heads × Tq × Tk):
-                             a model with many heads gets a lower token limit (MiniLM: 66)
+MAX_CELLS           320,000  attention weights as JSON in one response (all layers × heads ×
+                             Tq × Tk; pooled maps count as their cells)
 MAX_BEAM            8        beam size
 STEP_DIMS           64       feature columns shown per step-by-step matrix (x, Q, K, V, …)
 DECIMALS            3        decimals of every float in a response
@@ -41,13 +56,15 @@ import re
 from dataclasses import dataclass, field
 
 # the maps' limits are the library's: the notebook view and qkv view's page share them
-from qkv.limits import DECIMALS, MAX_CELLS, TOKEN_LIMIT, encoder_limit
+from qkv.limits import DECIMALS, LONG_TOKEN_LIMIT, MAX_CELLS, TOKEN_LIMIT, encoder_limit
 
 __all__ = [
     "DECIMALS",
     "MAX_BEAM",
     "MAX_CELLS",
     "MAX_JSON_DEPTH",
+    "LONG_TOKEN_LIMIT",
+    "MAX_LONG_BYTES",
     "MAX_BODY_BYTES",
     "MAX_TEXT_CHARS",
     "READ_TIMEOUT_S",
@@ -75,6 +92,7 @@ MAX_BEAM = 8
 STEP_DIMS = 64
 MAX_ABLATE = 512
 MAX_CANDIDATES = 8
+MAX_LONG_BYTES = 64 * 2**20  # a long answer's JSON (see the table above)
 
 
 def target_limit(n_source: int) -> int:
@@ -112,6 +130,9 @@ class AttentionRequest:
     ablate: list[tuple[str, int]] = field(default_factory=list)
     probe_token: str | None = None
     probe_candidates: list[str] = field(default_factory=list)
+    # answered long beyond the JSON maps' limit (qkv.apps.serve.long); not a body field:
+    # qkv view's self-contained page keeps to TOKEN_LIMIT
+    long: bool = True
 
 
 # A field needs at most a few digits; Python refuses to convert more than 4,300 (ValueError).

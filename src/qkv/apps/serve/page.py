@@ -39,6 +39,7 @@ def view_page(
     from qkv.apps.serve.models import entry_for
 
     req = parse_request({"text": text, "model": model, "translate": translate, "beam": beam})
+    req.long = False  # the page holds every map as JSON: TOKEN_LIMIT tokens at most
     entry = entry_for(model)
     response = attention(entry, req)
     return render_page(response, title=title), response

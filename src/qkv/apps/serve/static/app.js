@@ -11,12 +11,16 @@
   };
   // head colours and colour scales: export.js's (loaded first), so that the screen and a
   // downloaded picture always agree
-  const { HEAD_COLORS, seq, div, range } = window.qkvExport;
+  const { HEAD_COLORS, seq, div, seqRGB, divRGB } = window.qkvExport;
+  const Maps = window.qkvMaps; // maps.js: matrices of any size, painted as ImageData
+  const LONG_ROWS = 128; // a map of more tokens is a long answer's (qkv.limits.TOKEN_LIMIT)
   const S = { data: null, strings: null, lang: "en", view: "step", layer: null, head: 0,
     heads: new Set(), pinned: null, step: 0, off: new Set(), offline: false, busy: false,
     pending: false, timer: null, probeToken: "it", probeCands: "animal, street", models: [],
-    error: null, notice: null, status: null, urlSel: null };
+    error: null, notice: null, status: null, urlSel: null, win: 0 };
   let cmp = null; // compare.js: A beside B (made in start(), once app.js's helpers exist)
+  let lg = null; // long.js: a long answer's packed maps, head window and downloads (idem)
+  let lens = null; // lens.js: the Lens view (made in start() too)
 
   // ---------- heat maps on canvas ----------
   function fmt(v) { return v === null || v === undefined ? "−∞" : (Math.abs(v) >= 100 ? v.toFixed(1) : v.toFixed(3)); }
@@ -29,30 +33,29 @@
   }
   function hideTip() { tip().hidden = true; }
 
-  // heatmap(values [R][C], rows, cols, {maxWidth, prob, highlightRow, rowsShown})
+  // heatmap(values, rows, cols, {maxWidth, maxCell, prob, features, ints, highlightRow,
+  // rowsShown}): values [R][C] (JSON) or a maps.js matrix (a long answer's, decoded). Painted as
+  // one ImageData (maps.js); a map wider than its room at 2 px a cell is drawn smaller than its
+  // cells (a pixel: the largest value under it), and hover shows the exact cell under the pointer
   function heatmap(values, rows, cols, opt) {
     const wrap = el("div", "hm");
-    const R = values.length, C = R ? values[0].length : 0;
-    const prob = !!opt.prob;
-    const [lo, hi] = range(values);
-    const m = Math.max(Math.abs(lo), Math.abs(hi));
+    const M = values.get ? values : Maps.rows(values);
+    const R = M.R, C = M.C, prob = !!opt.prob;
+    const m = Math.max(Math.abs(M.lo), Math.abs(M.hi));
     const feat = !!opt.features; // columns are feature dimensions, not tokens
     const labW = R <= 64 ? 70 : 0, labH = !feat && C <= 40 ? 46 : 0;
-    const cell = Math.max(2, Math.min(opt.maxCell || 26, Math.floor((opt.maxWidth - labW) / Math.max(1, C))));
-    const cellH = feat ? Math.max(12, Math.min(20, cell)) : cell;
+    const fit = Math.floor((opt.maxWidth - labW) / Math.max(1, C));
+    const cell = fit >= 2 ? Math.min(opt.maxCell || 26, fit) : Math.max(1, opt.maxWidth - labW) / Math.max(1, C);
+    let cellH = feat ? Math.max(12, Math.min(20, cell)) : cell;
+    if (R > LONG_ROWS) cellH = Math.min(cellH, Math.max(600, opt.maxWidth) / R); // a long answer's rows fit too
     const cv = el("canvas");
-    const W = labW + cell * C, H = labH + cellH * R;
+    const W = Math.round(labW + cell * C), H = Math.round(labH + cellH * R);
     const dpr = window.devicePixelRatio || 1;
     cv.width = W * dpr; cv.height = H * dpr; cv.style.width = W + "px"; cv.style.height = H + "px";
-    const g = cv.getContext("2d"); g.scale(dpr, dpr);
-    for (let i = 0; i < R; i++) for (let j = 0; j < C; j++) {
-      const v = values[i][j];
-      const dim = opt.rowsShown !== undefined && i > opt.rowsShown;
-      g.fillStyle = v === null ? "#bbb" : (prob ? seq(v) : div(v, m));
-      g.globalAlpha = dim ? 0.15 : 1;
-      g.fillRect(labW + j * cell, labH + i * cellH, cell, cellH);
-    }
-    g.globalAlpha = 1;
+    const g = cv.getContext("2d");
+    Maps.paint(g, M, Math.round(labW * dpr), Math.round(labH * dpr), Math.round(cell * C * dpr), Math.round(cellH * R * dpr),
+      { prob, m, seqRGB, divRGB, rowsShown: opt.rowsShown });
+    g.scale(dpr, dpr);
     if (opt.highlightRow !== undefined && opt.highlightRow < R) {
       g.strokeStyle = "#e67700"; g.lineWidth = 2;
       g.strokeRect(labW + 1, labH + opt.highlightRow * cellH + 1, C * cell - 2, cellH - 2);
@@ -60,7 +63,7 @@
     if (!feat && cell >= 16 && C <= 24 && R <= 40) { // exact values in big cells
       g.font = "9px sans-serif"; g.textAlign = "center"; g.textBaseline = "middle";
       for (let i = 0; i < R; i++) for (let j = 0; j < C; j++) {
-        const v = values[i][j]; const x = prob ? v : (m ? Math.abs(v) / m : 0);
+        const v = M.get(i, j); const x = prob ? v : (m ? Math.abs(v) / m : 0);
         const dim = opt.rowsShown !== undefined && i > opt.rowsShown;
         g.fillStyle = dim ? "#aaa" : v !== null && x > 0.6 ? "#fff" : "#222";
         g.fillText(v === null ? "−∞" : (Math.abs(v) >= 10 || opt.ints ? v.toFixed(0) : v.toFixed(2)).replace(/^(-?)0\./, "$1."), labW + (j + 0.5) * cell, labH + (i + 0.5) * cell);
@@ -78,11 +81,14 @@
         g.fillText(clip(c, 7), 0, 0); g.restore();
       });
     }
+    const long = R > LONG_ROWS || C > LONG_ROWS; // the tip names positions: many cells share a pixel
     cv.addEventListener("mousemove", (ev) => {
       const r = cv.getBoundingClientRect();
       const j = Math.floor((ev.clientX - r.left - labW) / cell), i = Math.floor((ev.clientY - r.top - labH) / cellH);
       if (i < 0 || j < 0 || i >= R || j >= C) return hideTip();
-      showTip(ev, t(feat ? "map.tipFeature" : "map.tip", { row: rows[i], col: cols[j], v: fmt(values[i][j]) }));
+      const v = M.get(i, j);
+      showTip(ev, t((feat ? "map.tipFeature" : "map.tip") + (long ? "At" : ""), { row: rows[i], col: cols[j], v: fmt(v), i, j }));
+      tip().dataset.cell = `${i},${j}`; // (the browser tests read which cell it is)
     });
     cv.addEventListener("mouseleave", hideTip);
     cv.dataset.rows = R; cv.dataset.cols = C;
@@ -92,8 +98,9 @@
     const bg = bar.getContext("2d");
     for (let x = 0; x < 120; x++) { bg.fillStyle = prob ? seq(x / 119) : div((x / 119) * 2 * m - m, m); bg.fillRect(x, 0, 1, 10); }
     sc.append(el("span", "", prob ? "0" : fmt(-m)), bar, el("span", "", prob ? "1" : fmt(m)));
-    if (values.some((row) => row.includes(null))) sc.append(el("span", "", t("map.grey")));
+    if (M.nulls) sc.append(el("span", "", t("map.grey")));
     wrap.appendChild(sc);
+    if (long) wrap.appendChild(el("p", "hint", t("map.pooledPixels", { r: R, c: C })));
     return wrap;
   }
   function short(name) { return String(name).replace("encoder.layers.", t("short.enc") + " ").replace("decoder.layers.", t("short.dec") + " ").replace(/\.(self_attn|cross_attn|attn)$/, (m, k) => " " + t(k === "cross_attn" ? "kind.cross" : "kind.self")); }
@@ -150,7 +157,8 @@
     const changed = layer !== S.layer || head !== S.head;
     S.layer = layer; S.head = head; S.heads = new Set([head]); S.pinned = null;
     renderSide(); renderView();
-    if (changed && !S.offline && S.view === "step" && !(S.data && S.data.step_unavailable)) refresh();
+    // a long answer holds one head exact (and the head view's lines of one layer): ask for this one
+    if (changed && !S.offline && (lg.isLong(S.data) || (S.view === "step" && !(S.data && S.data.step_unavailable)))) refresh();
   }
 
   // ---------- views ----------
@@ -164,7 +172,9 @@
         const L = curLayer(); const hi = L.heads.indexOf(S.head);
         const note = t(why ? "step.unavailable" : "step.offline");
         root.append(el("p", "intro", t("step.weightsOnly", { layer: S.layer, head: S.head, note })));
-        const c = el("div", "card"); c.append(el("h3", "", title("weights")), el("p", "", t("step.weights")), heatmap(L.weights[hi], L.q_tokens, L.k_tokens, { maxWidth: viewWidth() - 20, prob: true }));
+        const w = lg.weightsOf(S.data, L, S.head);
+        if (!w) { root.append(el("p", "intro", t("step.loading"))); return; }
+        const c = el("div", "card"); c.append(el("h3", "", title("weights")), el("p", "", t("step.weights")), heatmap(w, L.q_tokens, L.k_tokens, { maxWidth: viewWidth() - 20, prob: true }));
         root.append(c); return;
       }
       root.append(el("p", "intro", t("step.loading"))); return;
@@ -173,6 +183,9 @@
     // st.note is the one server note (compute_hf.STEP_NOTE), in the table as step.hfNote
     const intro = el("p", "intro", t("step.intro", { layer: st.layer, kind: kindName(st.kind), head: st.head, n: st.n_heads, d_model: st.d_model, d_k: st.d_k, scale, value: st.scale }) + (st.head_off ? t("step.headOff") : "") + (st.note ? ` (${t("step.hfNote")})` : ""));
     root.append(intro);
+    // a transformers call handed back to transformers and replayed (fallback), gpt-oss's sink
+    if (st.fallback) { const f = elt("p", "hint step-note", "step.fallback", { why: st.fallback }); f.id = "step-fallback"; root.append(f); }
+    if (st.sink !== undefined && st.sink !== null) { const k = el("p", "hint step-note", t("step.sink", { sink: st.sink })); k.id = "step-sink"; root.append(k); }
     // compare (compare.js): A, B and B − A of this head first, then every step of A beside B's
     const stB = cmp.on() ? cmp.stepB() : null;
     if (cmp.on()) root.append(cmp.card());
@@ -180,13 +193,13 @@
     const w = stB ? Math.max(200, Math.floor((viewWidth() - 36) / 2) - 18)
       : Math.max(280, Math.floor((viewWidth() - 24) / Math.max(1, Math.floor(viewWidth() / 300))) - 18);
     for (const m of st.matrices) {
-      cards.appendChild(stepCard(m, w, stB ? "a" : ""));
-      if (stB) { const mb = stB.matrices.find((x) => x.key === m.key); cards.appendChild(mb ? stepCard(mb, w, "b") : el("div")); }
+      cards.appendChild(stepCard(m, w, stB ? "a" : "", S.data));
+      if (stB) { const mb = stB.matrices.find((x) => x.key === m.key); cards.appendChild(mb ? stepCard(mb, w, "b", cmp.dataB()) : el("div")); }
     }
     root.append(cards);
   }
   // one matrix of the step-by-step walk; side "a"/"b" when two answers are compared
-  function stepCard(m, w, side) {
+  function stepCard(m, w, side, d) {
     const c = el("div", "card"); c.dataset.key = m.key;
     if (side) c.dataset.side = side;
     const h = el("h3", "", title(m.key));
@@ -195,7 +208,7 @@
     h.append(el("span", "shape", `  ${m.shape[0]}×${m.shape[1]}${cut}`));
     const p = el("p", "expl", t("step." + m.key)); p.lang = S.lang;
     const feat = ["x", "context", "q", "k", "v", "output", "concat", "wo"].includes(m.key);
-    c.append(h, p, heatmap(m.values, m.rows, m.cols, { maxWidth: w, prob: m.key === "weights" || m.key === "mask", features: feat, ints: m.key === "mask" }));
+    c.append(h, p, heatmap(lg.stepValues(d, m), m.rows, m.cols, { maxWidth: w, prob: m.key === "weights" || m.key === "mask", features: feat, ints: m.key === "mask" }));
     return c;
   }
 
@@ -223,47 +236,57 @@
     chips.append(all, top, el("span", "hint", "  " + t("head.hint")));
     root.append(chips);
     // compare (compare.js): A's lines beside B's, then A, B and B − A of the selected head
-    if (cmp.on()) root.append(cmp.pair((d) => headPanel(cmp.layerIn(d, L.name), 150)), cmp.card());
-    else root.append(headPanel(L, 240));
+    const win = lg.windowBar(L); if (win) root.append(win);
+    if (cmp.on()) root.append(cmp.pair((d) => headPanel(cmp.layerIn(d, L.name), 150, d)), cmp.card());
+    else root.append(headPanel(L, 240, S.data));
   }
-  // the lines of one layer's heads that are on (S.heads), W pixels between the two columns
-  function headPanel(L, W) {
+  // the lines of one layer's heads that are on (S.heads), W pixels between the two columns; d:
+  // the answer L is from. A long answer's: the window of HEAD_WINDOW queries from S.win, each
+  // with its strongest keys per head (the answer's "top"), the keys they reach listed in order
+  function headPanel(L, W, d) {
     if (!L) return el("div");
-    const R = L.q_tokens.length, C = L.k_tokens.length;
+    const lines = lg.headLines(L, d || S.data);
+    if (!lines) return el("p", "hint", t("step.loading"));
+    const { qs, ks, weight } = lines; // token positions shown; weight(hi, i, j) by position
+    const R = qs.length, C = ks.length;
     const hv = el("div", "headview");
     const left = data("div", "toks left"), right = data("div", "toks right"), blocks = el("div", "blocks");
     const cv = el("canvas"); const RH = 24, H = Math.max(R, C) * RH;
-    const pinned = S.pinned !== null && S.pinned < R ? S.pinned : null; // (B may be shorter)
+    const pinned = qs.includes(S.pinned) ? S.pinned : null; // (B may be shorter)
     cv.width = W; cv.height = H; cv.style.width = W + "px"; cv.style.height = H + "px";
-    L.q_tokens.forEach((tk, i) => {
-      const d = el("div", pinned === i ? "pinned" : "", tk); d.dataset.i = i; d.title = tk;
+    const label = (d, i) => { if (lines.long) d.append(el("span", "pos", i)); return d; };
+    qs.forEach((i) => {
+      const tk = L.q_tokens[i];
+      const d = label(el("div", pinned === i ? "pinned" : ""), i); d.append(tk); d.dataset.i = i; d.title = tk;
       d.addEventListener("mouseenter", () => draw(i));
       d.addEventListener("mouseleave", () => draw(pinned));
       d.addEventListener("click", () => { S.pinned = S.pinned === i ? null : i; renderView(); });
       left.append(d);
     });
-    L.k_tokens.forEach((tk) => { const d = el("div", "", tk); d.title = tk; right.append(d); blocks.append(el("div")); });
+    ks.forEach((j) => { const d = label(el("div"), j); d.append(L.k_tokens[j]); d.dataset.j = j; d.title = L.k_tokens[j]; right.append(d); blocks.append(el("div")); });
     const active = L.heads.map((h, hi) => [h, hi]).filter(([h]) => S.heads.has(h));
     function draw(q) {
+      const on = q !== null && q !== undefined;
       const g = cv.getContext("2d"); g.clearRect(0, 0, W, H);
-      left.querySelectorAll("div").forEach((d, i) => d.classList.toggle("hot", q !== null && q !== undefined && i === q));
+      left.querySelectorAll(":scope > div").forEach((x) => x.classList.toggle("hot", on && +x.dataset.i === q));
       for (const [, hi] of active) {
         g.strokeStyle = HEAD_COLORS[hi % HEAD_COLORS.length];
-        for (let i = 0; i < R; i++) {
-          if (q !== null && q !== undefined && i !== q) continue;
-          for (let j = 0; j < C; j++) {
-            const v = L.weights[hi][i][j]; if (!v) continue;
-            g.globalAlpha = Math.min(1, v); g.lineWidth = q !== null && q !== undefined ? 3 : 2;
-            g.beginPath(); g.moveTo(0, i * RH + RH / 2); g.lineTo(W, j * RH + RH / 2); g.stroke();
-          }
-        }
+        qs.forEach((i, r) => {
+          if (on && i !== q) return;
+          ks.forEach((j, c) => {
+            const v = weight(hi, i, j); if (!v) return;
+            g.globalAlpha = Math.min(1, v); g.lineWidth = on ? 3 : 2;
+            g.beginPath(); g.moveTo(0, r * RH + RH / 2); g.lineTo(W, c * RH + RH / 2); g.stroke();
+          });
+        });
       }
       g.globalAlpha = 1;
-      blocks.querySelectorAll(":scope > div").forEach((row, j) => {
+      blocks.querySelectorAll(":scope > div").forEach((row, c) => {
         row.replaceChildren();
+        const j = ks[c];
         for (const [h, hi] of active) {
           const s = el("span");
-          const v = q !== null && q !== undefined ? L.weights[hi][q][j] : L.weights[hi].reduce((a, r) => a + r[j], 0) / R;
+          const v = on ? weight(hi, q, j) : qs.reduce((a, i) => a + weight(hi, i, j), 0) / R;
           s.style.background = HEAD_COLORS[hi % HEAD_COLORS.length]; s.style.opacity = Math.max(0.04, Math.min(1, v));
           s.title = t("head.blockTitle", { head: h, v: fmt(v) }); s.dataset.head = h; s.dataset.v = v;
           row.append(s);
@@ -280,8 +303,17 @@
     const H = Math.max(...ls.map((l) => l.heads.length));
     root.append(el("p", "intro", t("grid.intro", { layers: ls.length, heads: H })));
     // compare (compare.js): A's grid beside B's, B − A of every head under them
+    const P = ls[0].pooled; // a long answer: every map pooled, the selected head exact below
+    if (P) root.append(el("p", "hint", t("grid.pooled", { k: P.k, rows: P.rows, cols: P.cols })));
     if (cmp.on()) cmp.model(root, modelGrid);
     else root.append(modelGrid(ls, { off: S.off, avail: viewWidth() - 170, labW: 160 }));
+    if (P && !cmp.on()) {
+      const L = curLayer(), w = lg.weightsOf(S.data, L, S.head);
+      const c = el("div", "card exact-card"); c.id = "exact-card";
+      c.append(elt("h3", "", "grid.exactTitle", { layer: L.name, head: S.head }), el("p", "hint", t("grid.exactHint")));
+      c.append(w ? heatmap(w, L.q_tokens, L.k_tokens, { maxWidth: Math.min(720, viewWidth() - 20), prob: true }) : el("p", "hint", t("step.loading")));
+      root.append(c);
+    }
   }
   // every layer × head of ls as a thumbnail (click: open it step by step). opt: off (the
   // heads shown dimmed), avail (pixels for the thumbnails), labW (the labels' column), cls (the
@@ -343,7 +375,7 @@
     const n = tr.target_tokens.length;
     S.step = Math.min(S.step, n - 1);
     const line = el("p", "intro"); line.append(el("strong", "", t("trans.label")), data("span", "", tr.text));
-    root.append(line);
+    if (!cmp.on()) root.append(line); // (comparing: each side shows its own output)
     if (tr.beam > 1) root.append(elt("p", "hint", "trans.beamHint", { beam: tr.beam, greedy: tr.greedy_text }));
     if (tr.beams && tr.beams.length > 1) root.append(beamTable(tr));
     const ctl = el("div", "row2");
@@ -368,24 +400,32 @@
     const cross = layers().filter((l) => l.kind === "cross"), dec = layers().filter((l) => l.kind === "causal");
     let cl = cross.find((l) => l.name.replace("cross_attn", "") === S.layer.replace(/(self|cross)_attn/, "")) || cross[cross.length - 1];
     if (S.layer && cross.some((l) => l.name === S.layer)) cl = cross.find((l) => l.name === S.layer);
-    const hi = Math.max(0, cl.heads.indexOf(S.head));
+    // compare (compare.js): A's maps beside B's, each with its output, then this head's A, B, B − A
+    if (cmp.on()) cmp.trans(root, cl, transRow);
+    else root.append(transRow(S.data, cl.name, Math.min(600, viewWidth() - 330)));
+  }
+  // the cross-attention of layer `name` in answer d (rows: the steps; S.step outlined) and its
+  // decoder's self-attention at that step beside it (below it where there is no room)
+  function transRow(d, name, maxWidth) {
     const row = el("div", "row2");
+    const cl = d.layers.find((l) => l.name === name), dec = d.layers.filter((l) => l.kind === "causal");
+    if (!cl) return row;
+    const hi = Math.max(0, cl.heads.indexOf(S.head)), step = Math.min(S.step, cl.q_tokens.length - 1);
     const a = el("div", "panel"); a.append(el("h3", "", t("trans.cross", { layer: short(cl.name), head: cl.heads[hi] })), el("p", "hint", t("trans.crossHint")));
-    a.append(heatmap(cl.weights[hi], cl.q_tokens, cl.k_tokens, { maxWidth: Math.min(600, viewWidth() - 330), maxCell: 44, prob: true, highlightRow: S.step, rowsShown: S.step }));
+    a.append(heatmap(cl.weights[hi], cl.q_tokens, cl.k_tokens, { maxWidth, maxCell: 44, prob: true, highlightRow: step, rowsShown: step }));
     row.append(a);
     const dl = dec.find((l) => l.name === cl.name.replace("cross_attn", "self_attn")) || dec[dec.length - 1];
     if (dl) {
       const b = el("div", "panel"); const dhi = Math.max(0, dl.heads.indexOf(S.head));
-      b.append(el("h3", "", t("trans.self", { layer: short(dl.name), head: dl.heads[dhi] })), elt("p", "hint", "trans.selfHint", { i: S.step + 1, token: dl.q_tokens[S.step] }));
-      const bars = el("div", "bars"); const w = dl.weights[dhi][S.step] || [];
-      for (let j = 0; j <= S.step && j < w.length; j++) {
+      b.append(el("h3", "", t("trans.self", { layer: short(dl.name), head: dl.heads[dhi] })), elt("p", "hint", "trans.selfHint", { i: step + 1, token: dl.q_tokens[step] }));
+      const bars = el("div", "bars"); const w = dl.weights[dhi][step] || [];
+      for (let j = 0; j <= step && j < w.length; j++) {
         const r = el("div"); const bar = el("span", "bar"); bar.style.width = Math.round(180 * w[j]) + "px";
         r.append(data("span", "t", dl.k_tokens[j]), bar, el("span", "", fmt(w[j]))); bars.append(r);
       }
       b.append(bars); row.append(b);
     }
-    root.append(row);
-    if (cmp.on()) cmp.trans(root, cl, S.step); // compare.js: B's translation and this head's maps
+    return row;
   }
 
   function renderWork(root) {
@@ -466,14 +506,14 @@
     root.append(s);
   }
 
-  const RENDER = { step: renderStep, head: renderHead, model: renderModel, trans: renderTrans, work: renderWork };
+  const RENDER = { step: renderStep, head: renderHead, model: renderModel, trans: renderTrans, work: renderWork, lens: (root) => lens.render(root) };
   function renderView() {
     for (const v of Object.keys(RENDER)) $("#view-" + v).hidden = v !== S.view;
     if (!S.offline) cmp.writeURL(); // the page's state in its address (compare.js)
     const root = $("#view-" + S.view); root.replaceChildren();
     if (!S.data) { if (S.error) root.append(elt("p", "err", ...S.error)); return; }
     try { RENDER[S.view](root); } catch (err) { root.append(elt("p", "err", "view.renderError", { err })); console.error(err); }
-    window.qkvExport.attach(root, { S, t, short }); // export.js: download buttons
+    window.qkvExport.attach(root, { S: lg.isLong(S.data) ? lg.exportState() : S, t, short }); // export.js: download buttons
     document.body.dataset.view = S.view;
   }
   function setTabs() {
@@ -554,26 +594,33 @@
     if (![...S.heads].length) S.heads = new Set([S.head]);
     const notes = [];
     if (d.random) notes.push(["notice.random"]);
-    if (d.truncated) notes.push([d.notice_key || "notice.cut", { n: d.tokens.length, limit: d.limit }]);
+    // a model whose positions stop before 2,048 tokens (qkv.apps.serve.long.map_limit) says so
+    const ownCap = d.positions && d.limit < d.positions && d.limit < 2048;
+    if (d.truncated) notes.push([ownCap ? "notice.cutPositions" : d.notice_key || "notice.cut", { n: d.tokens.length, limit: d.limit, positions: d.positions }]);
     else if (d.notice) notes.push(d.notice);
     for (const w of (d.translation && d.translation.warnings) || []) notes.push(["warn." + w.code, w]);
+    if (lg.isLong(d)) notes.push(["notice.long", { n: d.tokens.length, k: d.layers[0].pooled.k }]);
     notes.push(...cmp.notes()); // compare: B cut, B failed, A and B of different lengths
     showNotice(notes, !!d.random);
     $("#tabs .tab[data-view='trans']").disabled = false;
+    $("#tabs .tab[data-view='lens']").hidden = !lens.applies(d); // a decoder's answers only
     renderSide(); renderView();
   }
 
   // ---------- start ----------
   async function start() {
     const dataEl = document.getElementById("qkv-data");
-    cmp = window.qkvCompare.create({ S, $, el, t, elt, data, heatmap, short, viewWidth, fmt, refresh });
+    lg = window.qkvLong.create({ S, el, t, LONG_ROWS, renderView });
+    cmp = window.qkvCompare.create({ S, $, el, t, elt, data, heatmap, short, viewWidth, fmt, refresh, weightsOf: lg.weightsOf });
+    lens = window.qkvLens.create({ S, el, t, elt, data, heatmap, short, viewWidth, fmt, selectHead, renderView, showTip, hideTip });
     document.querySelectorAll(".tab").forEach((b) => b.addEventListener("click", () => {
       S.view = b.dataset.view; setTabs(); renderView();
       if (S.view === "step" && S.data && !S.offline && !S.data.step_unavailable && (!S.data.step || S.data.step.layer !== S.layer || S.data.step.head !== S.head)) refresh();
     }));
     $("#layer").addEventListener("change", () => { const L = layers().find((l) => l.name === $("#layer").value); selectHead(L.name, L.heads.includes(S.head) ? S.head : L.heads[0]); });
     $("#head").addEventListener("change", () => selectHead(S.layer, +$("#head").value));
-    window.addEventListener("resize", () => renderView());
+    let resized = null; // one redraw when the window stops changing (a long answer's takes ~0.2 s)
+    window.addEventListener("resize", () => { clearTimeout(resized); resized = setTimeout(renderView, 120); });
     if (dataEl) {
       const blob = JSON.parse(dataEl.textContent);
       S.offline = true; S.strings = blob.strings;

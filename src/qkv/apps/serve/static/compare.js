@@ -109,13 +109,17 @@
       }
       return row;
     }
-    // B − A position by position (3 decimals); a label "a/b" where the two tokens differ
-    function diffOf(A, B, head) {
-      const wa = A.weights[Math.max(0, A.heads.indexOf(head))], wb = B.weights[Math.max(0, B.heads.indexOf(head))];
-      const values = wa.map((row, i) => row.map((a, j) => {
-        const b = wb[i][j];
-        return a === null || b === null ? null : Math.round((b - a) * DECIMALS) / DECIMALS;
-      }));
+    // B − A position by position (3 decimals); a label "a/b" where the two tokens differ. wa, wb:
+    // the two heads' weights when not the JSON maps' (long answers: their exact heads, maps.js)
+    function diffOf(A, B, head, wa, wb) {
+      wa = wa || A.weights[Math.max(0, A.heads.indexOf(head))]; wb = wb || B.weights[Math.max(0, B.heads.indexOf(head))];
+      const sub = (a, b) => (a === null || b === null ? null : Math.round((b - a) * DECIMALS) / DECIMALS);
+      let values;
+      if (wa.get) {
+        const a = wa.data, b = wb.data, out = new Float64Array(a.length); // (the same shape: NaN is −∞)
+        for (let k = 0; k < a.length; k++) out[k] = a[k] !== a[k] || b[k] !== b[k] ? NaN : Math.round((b[k] - a[k]) * DECIMALS) / DECIMALS;
+        values = window.qkvMaps.matrix(wa.R, wa.C, out);
+      } else values = wa.map((row, i) => row.map((a, j) => sub(a, wb[i][j])));
       const both = (x, y) => x.map((a, i) => (a === y[i] ? a : `${a}/${y[i]}`));
       return { values, rows: both(A.q_tokens, B.q_tokens), cols: both(A.k_tokens, B.k_tokens) };
     }
@@ -138,6 +142,8 @@
       const A = layerIn(S.data, name), B = layerIn(C.dataB, name);
       if (!A) return c;
       if (!B) { c.append(missingB()); return c; }
+      const wa = app.weightsOf(S.data, A, head), wb = app.weightsOf(C.dataB, B, head); // (long answers: the exact heads)
+      if (!wa || !wb) { c.append(el("p", "hint", t("compare.loading"))); return c; }
       const same = sameShape(A, B);
       if (!same) { const p = el("p", "cmp-counts", t("compare.counts", { a: size(A), b: size(B) })); p.id = "compare-counts"; c.append(p); }
       else c.append(el("p", "hint", t("compare.positions")));
@@ -148,18 +154,17 @@
         return b;
       };
       const maps = el("div", "cmp-maps");
-      maps.append(box("a", A.weights[Math.max(0, A.heads.indexOf(head))], A.q_tokens, A.k_tokens, true),
-        box("b", B.weights[Math.max(0, B.heads.indexOf(head))], B.q_tokens, B.k_tokens, true));
+      maps.append(box("a", wa, A.q_tokens, A.k_tokens, true), box("b", wb, B.q_tokens, B.k_tokens, true));
       c.append(maps);
       if (!same) return c;
-      const df = diffOf(A, B, head);
+      const df = diffOf(A, B, head, wa, wb);
       const d = box("diff", df.values, df.rows, df.cols, false);
       d.append(el("p", "hint", t("compare.legend")));
       maps.append(d);
       const ctx = { S: Object.assign({}, S, { view: "diff", layer: name, head, heads: new Set([head]), pinned: null }), t, short: app.short,
         diff: { a: A, b: B, head, values: df.values, rows: df.rows, cols: df.cols, textA: C.sentA.text, textB: C.sentB.text,
           offA: C.sentA.ablate, offB: C.sentB.ablate, tokensB: C.dataB.tokens } };
-      window.qkvExport.attach(c, ctx); // SVG/PNG of A, B and B − A; JSON; CSV of B − A
+      if (!wa.get) window.qkvExport.attach(c, ctx); // SVG/PNG of A, B and B − A; JSON; CSV of B − A (≤ 128 tokens)
       return c;
     }
 
@@ -205,21 +210,21 @@
       return c;
     }
 
-    // translation: B's output and its cross-attention at the same step, then A, B and B − A
-    function trans(root, cl, step) {
-      const d = C.dataB, head = cl.heads[Math.max(0, cl.heads.indexOf(S.head))];
-      const box = el("div", "cmp-trans");
-      box.append(sideHead("b"));
-      const B = layerIn(d, cl.name);
-      if (!d) box.append(missingB());
-      else if (!d.translation || !B) box.append(el("p", "hint", t("trans.none")));
-      else {
+    // translation: A's output and maps at the step beside B's (row(d, name, width): app.js's
+    // cross-attention and decoder bars; the two sides wrap one under the other when narrow),
+    // then A, B and B − A
+    function trans(root, cl, row) {
+      const head = cl.heads[Math.max(0, cl.heads.indexOf(S.head))];
+      const w = Math.max(240, Math.min(600, Math.floor((viewWidth() - 16) / 2) - 20));
+      const p = pair((d) => {
+        const box = el("div", "cmp-trans");
+        if (!d.translation || !layerIn(d, cl.name)) { box.append(el("p", "hint", t("trans.none"))); return box; }
         const line = el("p", "intro"); line.append(el("strong", "", t("trans.label")), data("span", "", d.translation.text));
-        const s = Math.min(step, B.q_tokens.length - 1);
-        box.append(line, el("h3", "", t("trans.cross", { layer: app.short(cl.name), head })),
-          heatmap(B.weights[Math.max(0, B.heads.indexOf(head))], B.q_tokens, B.k_tokens, { maxWidth: Math.min(600, viewWidth() - 330), maxCell: 44, prob: true, highlightRow: s, rowsShown: s }));
-      }
-      root.append(box, card(cl.name, head));
+        box.append(line, row(d, cl.name, w));
+        return box;
+      });
+      p.classList.add("cmp-trans-pair");
+      root.append(p, card(cl.name, head));
     }
 
     // heads at work: B's probe verdict under A's
@@ -277,7 +282,8 @@
       if (url !== location.search) history.replaceState(null, "", url);
     }
 
-    return { on, bar, wire, requests, accept, notes, status, layerIn, pair, card, stepB, model, trans, probe, ablated, readURL, writeURL };
+    return { on, bar, wire, requests, accept, notes, status, layerIn, pair, card, stepB, model, trans, probe, ablated, readURL, writeURL,
+      dataB: () => C.dataB };
   }
 
   window.qkvCompare = { create };

@@ -37,14 +37,17 @@
   const num3 = (v) => String(Math.round(v * 1000) / 1000); // opacities
   function clip(s, n) { s = String(s); return s.length > n ? s.slice(0, n - 1) + "…" : s; }
   function fmt(v) { return v === null || v === undefined ? "−∞" : (Math.abs(v) >= 100 ? v.toFixed(1) : v.toFixed(3)); }
-  function seq(v) { // 0..1 → white..blue (app.js uses this one)
+  // the colour scales as [r, g, b] (maps.js paints pixels with them) and as "#rrggbb"
+  function seqRGB(v) { // 0..1 → white..blue
     const t = Math.max(0, Math.min(1, v));
-    return rgb(255 - 218 * t, 255 - 168 * t, 255 - 56 * t);
+    return [255 - 218 * t, 255 - 168 * t, 255 - 56 * t];
   }
-  function div(v, m) { // -m..m → blue..white..red (app.js uses this one)
+  function divRGB(v, m) { // -m..m → blue..white..red
     const t = m > 0 ? Math.max(-1, Math.min(1, v / m)) : 0;
-    return t >= 0 ? rgb(255, 255 - 170 * t, 255 - 190 * t) : rgb(255 + 200 * t, 255 + 130 * t, 255);
+    return t >= 0 ? [255, 255 - 170 * t, 255 - 190 * t] : [255 + 200 * t, 255 + 130 * t, 255];
   }
+  function seq(v) { return rgb(...seqRGB(v)); } // (app.js uses this one)
+  function div(v, m) { return rgb(...divRGB(v, m)); } // (app.js uses this one)
   function rgb(r, g, b) { return "#" + [r, g, b].map((x) => Math.round(x).toString(16).padStart(2, "0")).join(""); }
   function range(values) {
     let lo = Infinity, hi = -Infinity;
@@ -350,6 +353,16 @@
         Object.assign(heatPanel({ key: "probe", values: pr.rows.map((r) => pr.candidates.map((c) => r.scores[c] ?? null)), rows: pr.rows.map((r) => `${short(ctx, r.layer)} h${r.head}`),
           cols: pr.candidates, prob: true, maxWidth: 60 * pr.candidates.length, maxCell: 60 }), { newRow: true }),
         heat(L, head)];
+    } else if (view === "lens" && S.lens && S.lens.lens) { // lens.js: the logit lens, the selected head's attribution
+      const lz = S.lens, tb = lz.lens, at = lz.dla && lz.dla.heads.find((h) => h.layer === L.name && h.head === head);
+      out.shown = { lens: lz };
+      out.matrix = { corner: "layer \\ position", rows: tb.layers, cols: lz.tokens, values: tb.probs.map((r) => r.map((c) => c[0])) }; // the CSV: top-1 probabilities
+      out.panels = [heatPanel({ key: "lens", values: out.matrix.values, rows: tb.layers, cols: lz.tokens, prob: true, maxWidth: 900, maxCell: 30, title: "logit lens: probability of each cell's top token" }),
+        Object.assign(textPanel(tb.layers.flatMap((n, i) => wrapWords([`${n}:`, ...tb.tokens[i].map((c) => clip(c[0], 12))], 1100, 11)), 11, "#334"), { newRow: true })];
+      if (at) out.panels.push(Object.assign(textPanel([`${L.name}, head ${head}: ${at.target} on ${lz.predicted} (position ${lz.position})`,
+        `up: ${at.up.map(([x, v]) => `${x} ${v}`).join(", ")}`, `down: ${at.down.map(([x, v]) => `${x} ${v}`).join(", ")}`], 11, "#334"), { newRow: true }), heat(L, head, { highlightRow: lz.position }));
+      else out.panels.push(Object.assign(heat(L, head), { newRow: true }));
+      out.maxW = 1200;
     } else {
       out.shown = view === "work" ? { probe: d.probe || null, ablation: d.ablation || null, heads_off: [...S.off] } : {};
       out.panels = [heat(L, head)];
@@ -391,7 +404,7 @@
   function toCSV(ctx) { // as qkv.capture.export.to_csv: key tokens across, a query per row
     const desc = describe(ctx), L = desc.L;
     const m = desc.matrix || { rows: L.q_tokens, cols: L.k_tokens, values: L.weights[desc.hi] };
-    const lines = [["query \\ key", ...m.cols].map(csvField).join(",")];
+    const lines = [[m.corner || "query \\ key", ...m.cols].map(csvField).join(",")];
     m.rows.forEach((q, i) => lines.push([q, ...m.values[i]].map(csvField).join(",")));
     return { desc, text: lines.join("\r\n") + "\r\n" };
   }
@@ -490,5 +503,5 @@
   }
 
   window.qkvExport = { attach, xml, toSVG, toJSON, toCSV, MAX_SIDE, MAX_BYTES, HEAD_COLORS, seq, div,
-    range };
+    range, seqRGB, divRGB };
 })();
