@@ -213,6 +213,29 @@ def test_calls_that_cannot_be_replayed_say_why():
     assert step is None and "a reason" in text and "do not pair" in text
 
 
+def test_a_fallback_call_with_attention_sinks_is_replayed_with_them(monkeypatch):
+    """gpt-oss's calls handed to transformers' eager attention (here every call, as a mask
+    the adapter cannot take would be): the replay keeps each head's sink, so its weights are
+    eager's and it gives back what the module returned."""
+    import qkv.hf.attention
+
+    model = _gpt_oss()
+    ids = _inputs("llama")["input_ids"]
+    want = _eager_attentions(model, input_ids=ids)
+    monkeypatch.setattr(qkv.hf.attention, "fallback_reason",
+                        lambda *a, **k: ("a reason from the test", "eager"))  # fmt: skip
+    for i, (layer, module) in enumerate(attention_modules(model)):
+        with torch.no_grad(), record_call(model, layer) as calls:
+            model(input_ids=ids)
+        (call,) = calls
+        assert "a reason from the test" in call.fallback
+        for head in (0, 3):
+            w = walk(call, head)
+            assert w["sink"] == pytest.approx(float(module.sinks[head].detach()))
+            assert w["check"] < 1e-5
+            torch.testing.assert_close(w["weights"], want[i][0, head], atol=1e-6, rtol=0)
+
+
 def test_walk_with_attention_sinks_equals_eager():
     """gpt-oss: one learned sink logit per head takes part of each row; the replay scales the
     weights and the output by sigmoid(lse - sink) as the adapter does: eager's weights, and

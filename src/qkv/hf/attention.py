@@ -196,7 +196,8 @@ def _attention(
         if _steps.recording(module) or (heads is not None and ran != "eager"):
             replay = _steps.fallback_replay(ran, module, query, key, value, attention_mask,
                                             scaling=scaling, is_causal=is_causal,
-                                            position_bias=position_bias, softcap=softcap)  # fmt: skip
+                                            position_bias=position_bias, softcap=softcap,
+                                            sinks=kwargs.get("s_aux"))  # fmt: skip
             _steps.note_fallback(module, f"{reason} (transformers' {ran} computed it)", replay)
         out, weights = _fallback(how, module, query, key, value, attention_mask, dropout=dropout,
                                  scaling=scaling, **extra, **kwargs)  # fmt: skip
@@ -208,10 +209,16 @@ def _attention(
                 raise RuntimeError(f"cannot capture attention weights here: {reason}; {replay}")
             else:  # sdpa returns none: qkv's reference math on what sdpa was given
                 q, k, v, options = replay
-                picked = attention_steps(q, k, v, **options).weights
-                empty = empty_rows(options["mask"], k.shape[2])
-                if empty is not None:
-                    picked = fill_empty_weights(empty, picked)
+                sinks = options.pop("sinks", None)
+                s = attention_steps(q, k, v, **options)
+                picked = s.weights
+                if sinks is not None:  # each row's share left by its sink, as walk replays it
+                    sink = sinks.reshape(1, -1, 1).float()
+                    picked = picked * torch.sigmoid(s.lse.float() - sink).to(picked.dtype)[..., None]
+                else:
+                    empty = empty_rows(options["mask"], k.shape[2])
+                    if empty is not None:
+                        picked = fill_empty_weights(empty, picked)
                 picked = picked.detach().index_select(1, _index(heads, picked))
             recorder.record(module, picked, heads, causal=causal)
         return out, weights

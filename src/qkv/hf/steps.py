@@ -110,6 +110,7 @@ def fallback_replay(
     is_causal: bool | None,
     position_bias: Tensor | None = None,
     softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, dict] | str:
     """qkv's arguments that compute what transformers' ``ran`` (``"eager"``: the model's own
     ``eager_attention_forward``, or ``"sdpa"``) computes for this call: ``(q, k, v, options)``
@@ -126,6 +127,8 @@ def fallback_replay(
       (:func:`causal_mask`; sdpa's ``is_causal``, and the adapter hands eager the same), the
       empty tail of a static cache cut off when sdpa ran, as sdpa does.
     - ``position_bias`` is added to the scores, ``softcap`` applied, ``scaling`` as given.
+    - ``sinks`` (gpt-oss's ``s_aux``, one logit per head): kept in the options, as the adapter
+      notes its own calls (:func:`walk` scales each row by ``sigmoid(lse - sink)``).
     """
     if attention_mask is not None and not isinstance(attention_mask, Tensor):
         return (f"the mask is a {type(attention_mask).__name__}, not a tensor: there is no "
@@ -159,7 +162,10 @@ def fallback_replay(
     if position_bias is not None:
         pb = position_bias.to(dtype)
         bias = pb if bias is None else bias + pb
-    return q, k, v, dict(mask=mask, bias=bias, causal=False, scale=scaling, softcap=softcap)
+    options = dict(mask=mask, bias=bias, causal=False, scale=scaling, softcap=softcap)
+    if sinks is not None:
+        options["sinks"] = sinks.detach()
+    return q, k, v, options
 
 
 def causal_mask(Tq: int, Tk: int, device: torch.device) -> Tensor:
