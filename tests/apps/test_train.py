@@ -415,3 +415,20 @@ def test_overwrite_replaces_the_run_cleanly(tmp_path):
     # a run started with --overwrite, resumed: continues, never deletes itself
     train(parse_args(["--resume", str(run), "--max-steps", "1"]))
     assert len((run / "log.jsonl").read_text().splitlines()) == 2
+
+
+@needs_data
+@pytest.mark.parametrize("augment", ["noise", "present+noise"])
+def test_noise_augmentation_adds_its_pairs_to_training_only(augment):
+    """--augment noise: qkv.data.noise's pairs (joined, typos, lower case) are added to the
+    training pairs, with the run's seed; validation stays as it is."""
+    from qkv.apps.train import load_pairs
+    from qkv.data.augment import present_tense_pairs
+    from qkv.data.noise import noise_pairs
+
+    base = tiny_args("unused")
+    args = tiny_args("unused", "--augment", augment)
+    train_pairs, plain = load_pairs(args, "train"), load_pairs(base, "train")
+    start = plain + (present_tense_pairs(plain) if augment.startswith("present") else [])
+    assert train_pairs == start + noise_pairs(start, seed=args.seed)
+    assert len(train_pairs) > len(start) and load_pairs(args, "val") == load_pairs(base, "val")

@@ -44,6 +44,7 @@ from qkv.apps.cli_args import (
 from qkv.data import Tokenizer, collate, encode_pairs, epoch_order, make_batches, multi30k
 from qkv.data.augment import present_tense_pairs
 from qkv.data.corpus import read_parallel
+from qkv.data.noise import noise_pairs
 from qkv.distributed.ddp import World, all_reduce_sum, init_distributed
 from qkv.models import Seq2SeqTransformer, TransformerConfig, save_pretrained
 from qkv.models.io import resolve_dir
@@ -148,8 +149,11 @@ def load_pairs(args, split: str) -> list[tuple[str, str]]:
         pairs = multi30k(split, args.src, args.tgt, args.data)
     limit = args.train_limit if split == "train" else args.val_limit
     pairs = pairs[:limit] if limit else pairs
-    if split == "train" and getattr(args, "augment", "none") == "present":
+    augment = getattr(args, "augment", "none")
+    if split == "train" and augment in ("present", "present+noise"):
         pairs = pairs + present_tense_pairs(pairs)
+    if split == "train" and augment in ("noise", "present+noise"):
+        pairs = pairs + noise_pairs(pairs, seed=args.seed)
     return pairs
 
 
@@ -327,7 +331,7 @@ def train(args: argparse.Namespace) -> dict:
         previous = signal.signal(signal.SIGINT, stop), signal.signal(signal.SIGTERM, stop)
     if not args.out:
         raise ValueError("--out DIR is required (or --resume DIR)")
-    if getattr(args, "augment", "none") == "present" and args.src != "en":
+    if getattr(args, "augment", "none").startswith("present") and args.src != "en":
         raise ValueError(f"--augment present rewrites English sources; --src is {args.src!r}")
     out = Path(args.out)
     torch.set_num_threads(args.threads or torch.get_num_threads())
@@ -528,9 +532,12 @@ def add_parser(sub) -> None:
     d.add_argument("--train-limit", type=positive_int,
                    help="use only the first N training pairs (default: all)")  # fmt: skip
     d.add_argument("--val-limit", type=positive_int, help="use only the first N validation pairs")
-    d.add_argument("--augment", choices=["none", "present"], default=None,
+    d.add_argument("--augment", choices=["none", "present", "noise", "present+noise"],
+                   default=None,
                    help="present: add English sources rewritten from 'is/are Ving' to the simple "
-                   "present (targets kept); English sources only (default: none)")  # fmt: skip
+                   "present (targets kept; English sources only); noise: add pairs joined two "
+                   "by two and sources with a typo or in lower case (qkv.data.noise; targets "
+                   "kept) (default: none)")  # fmt: skip
     # model options: default None (a resume tells given from left out), filled by _settle
     dflt = lambda k: f"(default: {MODEL_DEFAULTS[k]})"  # noqa: E731
     d.add_argument("--vocab-size", type=int_range(260, 1_000_000),
