@@ -107,11 +107,11 @@ def page_ready(page) -> None:
     page.wait_for_selector("body[data-ready='1']")
 
 
-def post_json(server: str, **body) -> dict:
-    """POST ``body`` to ``server``'s /api/attention (``http://host:port``); the JSON answer."""
+def post_json(server: str, path: str = "/api/attention", /, **body) -> dict:
+    """POST ``body`` to ``server``'s ``path`` (``http://host:port``); the JSON answer."""
     host, port = server.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=60)
-    conn.request("POST", "/api/attention", json.dumps(body), {"Content-Type": "application/json"})
+    conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
     out = json.loads(conn.getresponse().read())
     conn.close()
     return out

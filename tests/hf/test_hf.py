@@ -301,21 +301,7 @@ def test_attention_dropout_in_training():
 
 
 def _gpt_oss():
-    cfg = transformers.GptOssConfig(
-        vocab_size=V, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=4,
-        num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64, pad_token_id=0,
-        eos_token_id=2, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = transformers.GptOssForCausalLM(cfg).eval()
-    with torch.no_grad():  # sinks far from 0, so that they matter
-        for m in model.modules():
-            if hasattr(m, "sinks"):
-                m.sinks.copy_(
-                    torch.randn(m.sinks.shape, generator=torch.Generator().manual_seed(3))
-                )
-    return model
+    return hf_tiny.gpt_oss(V)
 
 
 def test_attention_sinks_equal_eager():

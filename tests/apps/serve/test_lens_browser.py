@@ -6,13 +6,12 @@ its downloads carry the lens. Screenshots in tests/artifacts/lens_*.png."""
 
 from __future__ import annotations
 
-import http.client
 import json
 from pathlib import Path
 
 import pytest
 
-from serve_helpers import open_page, page_ready, playwright_or_skip
+from serve_helpers import open_page, page_ready, playwright_or_skip, post_json
 
 playwright_or_skip()  # skips the module without chromium or Playwright (fails on CI)
 pytest.importorskip("uvicorn")
@@ -26,12 +25,7 @@ URL = "/?model=en-fr&translate=1&text=The+boy+trains+the+puppy.&view=lens"
 
 
 def _lens(server: str, **body) -> dict:
-    host, port = server.removeprefix("http://").split(":")
-    conn = http.client.HTTPConnection(host, int(port), timeout=60)
-    conn.request("POST", "/api/lens", json.dumps(body), {"Content-Type": "application/json"})
-    out = json.loads(conn.getresponse().read())
-    conn.close()
-    return out
+    return post_json(server, "/api/lens", **body)
 
 
 def _ready(page) -> None:

@@ -9,10 +9,9 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
 
+import hf_tiny
 from serve_helpers import (
-    chromium,
     one_thread,
     open_page,
     playwright_or_skip,
@@ -45,18 +44,7 @@ def _gpt_oss_dir(path: Path) -> Path:
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>",
                                                 pad_token="<pad>", bos_token="<s>",
                                                 eos_token="</s>")  # fmt: skip
-    cfg = transformers.GptOssConfig(
-        vocab_size=len(vocab), hidden_size=32, intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=4,
-        num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64, pad_token_id=0,
-        eos_token_id=2, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = transformers.GptOssForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for m in model.modules():
-            if hasattr(m, "sinks"):
-                m.sinks.copy_(torch.randn(m.sinks.shape, generator=torch.Generator().manual_seed(3)))
+    model = hf_tiny.gpt_oss(len(vocab))
     model.save_pretrained(path)
     fast.save_pretrained(path)
     return path
@@ -72,11 +60,6 @@ def server(tmp_path_factory):
     with one_thread(), running_server(create_app(reg)) as port:
         yield f"http://127.0.0.1:{port}"
 
-
-@pytest.fixture(scope="module")
-def browser():
-    with chromium() as b:
-        yield b
 
 
 def _shot(page, name: str) -> None:
