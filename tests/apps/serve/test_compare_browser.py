@@ -254,7 +254,17 @@ def test_translations_side_by_side_and_wrapped_when_narrow(server, browser):
     _shot(page, "trans")
     page.set_viewport_size({"width": 760, "height": 800})  # narrow: B under A
     page.click(".tab[data-view='trans']")  # (drawn again for the new width)
-    a, b = (page.locator(side.format(s)).bounding_box() for s in ("a", "b"))
+    # both boxes read in one evaluation: the view is redrawn by the click and again when the
+    # resize settles (a debounced handler), and a box read between two redraws is None
+    a, b = page.wait_for_function(
+        """(sel) => {
+             const r = ['a', 'b'].map((s) => document.querySelector(sel.replace('{}', s)));
+             if (r.some((e) => e === null || e.getBoundingClientRect().width === 0)) return null;
+             return r.map((e) => { const b = e.getBoundingClientRect();
+                                   return {x: b.x, y: b.y, width: b.width, height: b.height}; });
+           }""",
+        arg=side,
+    ).json_value()
     assert b["y"] >= a["y"] + a["height"] - 1 and abs(b["x"] - a["x"]) < 2
     _shot(page, "trans_narrow")
     assert errors == [] and dialogs == []
