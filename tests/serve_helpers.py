@@ -6,6 +6,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import re
 import socket
 import threading
 from collections.abc import Iterator
@@ -164,3 +165,45 @@ def open_page(browser, url: str, *, height: int = 800, downloads: bool = False):
     page.goto(url)
     page.wait_for_selector("body[data-ready='1']")
     return page, errors, dialogs, outside
+
+
+# the page's visible words: text, selected options, titles and labels, but not data (tokens,
+# sentences: marked translate='no') nor the tooltip
+_UI_TEXT = """() => {
+  const out = [], data = (e) => !e || e.closest("[translate='no'], script, style, #tip");
+  const walk = document.createTreeWalker(document.body, NodeFilter.SHOW_TEXT);
+  for (let n = walk.nextNode(); n; n = walk.nextNode()) {
+    const p = n.parentElement;
+    if (!data(p) && !p.closest("select") && p.checkVisibility() && n.textContent.trim()) out.push(n.textContent);
+  }
+  for (const s of document.querySelectorAll("select")) {
+    if (!data(s) && s.checkVisibility() && s.selectedOptions.length) out.push(s.selectedOptions[0].textContent);
+  }
+  for (const e of document.querySelectorAll("[title], [aria-label]")) {
+    if (!data(e) && e.checkVisibility()) out.push(e.title || "", e.getAttribute("aria-label") || "");
+  }
+  return out.join("\\n");
+}"""
+
+
+def english_left(strings: dict, lang: str, text: str) -> list[tuple[str, str]]:
+    """English words of the strings table still on a page shown in ``lang``: each piece of an
+    English text between its placeholders, unless ``lang``'s own table uses it too (a term it
+    keeps, such as "token" or "Q·Kᵀ"). Pieces without a word of 3+ letters are skipped."""
+    own = "\n".join(strings[lang].values())
+    left = []
+    for key, english in strings["en"].items():
+        if strings[lang][key] == english:
+            continue
+        for piece in re.split(r"\{\w+\}", english):
+            piece = piece.strip(" .,:;()“”—←→▶❚·=%#…")
+            if not re.search(r"[A-Za-z]{3}", piece) or piece in own:
+                continue
+            if re.search(rf"(?<![\w-]){re.escape(piece)}(?![\w-])", text):
+                left.append((key, piece))
+    return left
+
+
+def page_text(page) -> str:
+    """What a reader sees of ``page``'s interface, one piece per line (see _UI_TEXT)."""
+    return page.evaluate(_UI_TEXT)

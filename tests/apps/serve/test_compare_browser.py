@@ -28,9 +28,7 @@ XSS = "<script>alert(1)</script> <img src=x onerror=alert(1)>"
 sync_api = playwright_or_skip()
 pytest.importorskip("uvicorn")
 
-from test_serve_browser import _UI_TEXT, _english_left  # noqa: E402
-
-from serve_helpers import open_page, post_json  # noqa: E402
+from serve_helpers import english_left, open_page, page_text, post_json  # noqa: E402  # noqa: E402
 from serve_helpers import page_ready as _ready  # noqa: E402
 
 STRINGS = json.loads((ROOT / "src/qkv/apps/serve/static/i18n/strings.json").read_text())
@@ -277,8 +275,8 @@ def test_compare_is_in_the_readers_language(server, browser, lang):
                                                 text2=SMALL, lang=lang))  # fmt: skip
 
     def check(where: str) -> None:
-        text = page.evaluate(_UI_TEXT)
-        assert _english_left(STRINGS, lang, text) == [], (lang, where, text)
+        text = page_text(page)
+        assert english_left(STRINGS, lang, text) == [], (lang, where, text)
 
     for view in ("step", "head", "model", "trans", "work"):
         page.click(f".tab[data-view='{view}']")

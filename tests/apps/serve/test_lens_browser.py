@@ -15,7 +15,7 @@ from serve_helpers import open_page, page_ready, playwright_or_skip, post_json
 
 playwright_or_skip()  # skips the module without chromium or Playwright (fails on CI)
 pytest.importorskip("uvicorn")
-from test_serve_browser import _UI_TEXT, _english_left  # noqa: E402
+from serve_helpers import english_left, page_text  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[3]
 ARTIFACTS = ROOT / "tests" / "artifacts"
@@ -136,8 +136,8 @@ def test_lens_view_is_in_the_readers_language(server, browser, lang):
     _ready(page)
     assert page.is_visible("#lens-push")
     assert page.text_content(".tab[data-view='lens']") == STRINGS[lang]["tab.lens"]
-    text = page.evaluate(_UI_TEXT)
-    assert _english_left(STRINGS, lang, text) == [], text
+    text = page_text(page)
+    assert english_left(STRINGS, lang, text) == [], text
     _shot(page, lang)
     assert errors == []
 

@@ -19,9 +19,8 @@ from serve_helpers import page_ready as _ready
 playwright_or_skip()
 pytest.importorskip("uvicorn")
 
-from test_serve_browser import _UI_TEXT, _english_left  # noqa: E402
-
 from qkv.apps.serve.long import unpack  # noqa: E402
+from serve_helpers import english_left, page_text  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[3]  # the repository (this is tests/apps/serve/)
 ARTIFACTS = ROOT / "tests" / "artifacts"
@@ -142,6 +141,6 @@ def test_a_model_with_fewer_positions_says_so(server, browser):
     for view in ("step", "head", "model"):  # a long answer's words: all in the reader's language
         page.click(f".tab[data-view='{view}']")
         _ready(page)
-        assert _english_left(strings, "vi", page.evaluate(_UI_TEXT)) == [], view
+        assert english_left(strings, "vi", page_text(page)) == [], view
     assert errors == []
     page.close()

@@ -21,7 +21,7 @@ XSS = "<script>alert(1)</script> <img src=x onerror=alert(1)> \"'><svg onload=al
 
 uvicorn = pytest.importorskip("uvicorn")
 from qkv.apps.serve.app import create_app  # noqa: E402
-from serve_helpers import one_thread, open_page, post_json  # noqa: E402
+from serve_helpers import english_left, one_thread, open_page, page_text, post_json  # noqa: E402
 from serve_helpers import page_ready as _ready  # noqa: E402
 
 _open = open_page
@@ -254,43 +254,6 @@ def test_notebook_view_is_self_contained_and_safe(browser, tmp_path):
 # The page's words as the reader sees them: visible text, the chosen option of each menu,
 # tooltips and accessible names; never what is marked translate="no" (tokens, translations,
 # layer names: data, not words of the page).
-_UI_TEXT = """() => {
-  const out = [], data = (e) => !e || e.closest("[translate='no'], script, style, #tip");
-  const walk = document.createTreeWalker(document.body, NodeFilter.SHOW_TEXT);
-  for (let n = walk.nextNode(); n; n = walk.nextNode()) {
-    const p = n.parentElement;
-    if (!data(p) && !p.closest("select") && p.checkVisibility() && n.textContent.trim()) out.push(n.textContent);
-  }
-  for (const s of document.querySelectorAll("select")) {
-    if (!data(s) && s.checkVisibility() && s.selectedOptions.length) out.push(s.selectedOptions[0].textContent);
-  }
-  for (const e of document.querySelectorAll("[title], [aria-label]")) {
-    if (!data(e) && e.checkVisibility()) out.push(e.title || "", e.getAttribute("aria-label") || "");
-  }
-  return out.join("\\n");
-}"""
-
-
-def _english_left(strings: dict, lang: str, text: str) -> list[tuple[str, str]]:
-    """English words of the strings table still on a page shown in ``lang``: each piece of an
-    English text between its placeholders, unless ``lang``'s own table uses it too (a term it
-    keeps, such as "token" or "Q·Kᵀ"). Pieces without a word of 3+ letters are skipped."""
-    import re
-
-    own = "\n".join(strings[lang].values())
-    left = []
-    for key, english in strings["en"].items():
-        if strings[lang][key] == english:
-            continue
-        for piece in re.split(r"\{\w+\}", english):
-            piece = piece.strip(" .,:;()“”—←→▶❚·=%#…")
-            if not re.search(r"[A-Za-z]{3}", piece) or piece in own:
-                continue
-            if re.search(rf"(?<![\w-]){re.escape(piece)}(?![\w-])", text):
-                left.append((key, piece))
-    return left
-
-
 @pytest.mark.parametrize("lang", ["my", "vi", "bn", "zh"])
 def test_every_view_is_in_the_readers_language(server, browser, lang):
     strings = json.loads(
@@ -301,8 +264,8 @@ def test_every_view_is_in_the_readers_language(server, browser, lang):
     assert page.get_attribute("html", "lang") == lang
 
     def check(where: str) -> None:
-        text = page.evaluate(_UI_TEXT)
-        assert _english_left(strings, lang, text) == [], (lang, where, text)
+        text = page_text(page)
+        assert english_left(strings, lang, text) == [], (lang, where, text)
 
     for view in ("step", "head", "model", "trans", "work"):
         page.click(f".tab[data-view='{view}']")
