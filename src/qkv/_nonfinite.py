@@ -35,8 +35,6 @@ from torch import Tensor
 
 from qkv.kernels._native import native_module
 
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-
 __all__ = ["quick_look", "scores_may_be_nonfinite", "values_for_kernel", "weights_times_values"]
 
 
@@ -44,24 +42,13 @@ def _checked(x: Tensor) -> bool:
     return x.device.type != "cuda"
 
 
-_ONE = torch.ones(1)
-
-
 def _finite(x: Tensor, y: Tensor | None = None) -> bool:
-    """Whether ``x`` (and ``y``) hold no NaN or inf: the fused kernels' ``max_abs_product``
-    (one pass in C++, NaN- and inf-propagating; ~0.5 µs for a small call), else one sum per
-    tensor. An overflow of huge finite values also reads as non-finite: that only sends the
-    call to the reference."""
-    if not x.numel() and (y is None or not y.numel()):
-        return True
-    ts = (x,) if y is None else (x, y)
-    # (its pass reads contiguous memory; a strided view takes ATen's abs + max there: slower
-    # than a sum)
-    ok = all(t.is_cpu and t.dtype in _FLOATS and t.is_contiguous() for t in ts)
-    module = native_module() if ok else None
+    """Whether ``x`` (and ``y``) hold no NaN or inf: the kernels' ``finite`` (one pass in C++,
+    a bits test on contiguous tensors), else one ``isfinite`` per tensor."""
+    module = native_module() if x.is_cpu and (y is None or y.is_cpu) else None
     if module is not None:
-        return math.isfinite(module.max_abs_product(x, _ONE if y is None else y))
-    return all(math.isfinite(float(t.detach().sum())) for t in ts if t.numel())
+        return module.finite(x, y, None, None)
+    return all(bool(torch.isfinite(t).all()) for t in (x, y) if t is not None and t.numel())
 
 
 def scores_may_be_nonfinite(q: Tensor, k: Tensor, bias: Tensor | None) -> bool:
