@@ -114,19 +114,8 @@ def torch_sdpa(
     h, h_kv = q.shape[-3], k.shape[-3]
     gqa = h != h_kv
     is_causal = _passes_through(Tq, Tk, causal, window, mask is not None, bias is not None)
-    if not is_causal and _rows_ok(Tq, h, h_kv, mask, bias):  # grouped rows (module docstring)
-        structure = None
-        if window is not None:
-            structure = masks.sliding_window(Tq, Tk, window, causal=causal, device=q.device)
-        elif causal and Tq > 1:
-            structure = masks.causal(Tq, Tk, device=q.device)
-        allowed = masks.combine(mask, structure)
-        out = TF.scaled_dot_product_attention(
-            _as_rows(q, h_kv), k, v, attn_mask=_rows_mask(allowed, h // h_kv),
-            dropout_p=dropout_p, scale=scale,
-        )  # fmt: skip
-        return out.view(*q.shape[:-1], v.shape[-1])
-    if is_causal is not None:  # the mask as given: nothing to combine it with
+    rows = not is_causal and _rows_ok(Tq, h, h_kv, mask, bias)  # grouped rows (module docstring)
+    if is_causal is not None and not rows:  # the mask as given: nothing to combine it with
         return TF.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
             enable_gqa=gqa,
@@ -137,6 +126,12 @@ def torch_sdpa(
     elif causal and Tq > 1:  # (Tq != Tk, or another mask: is_causal would not mean ours)
         structure = masks.causal(Tq, Tk, device=q.device)
     allowed = masks.combine(mask, structure)
+    if rows:  # (no bias there)
+        out = TF.scaled_dot_product_attention(
+            _as_rows(q, h_kv), k, v, attn_mask=_rows_mask(allowed, h // h_kv),
+            dropout_p=dropout_p, scale=scale,
+        )  # fmt: skip
+        return out.view(*q.shape[:-1], v.shape[-1])
     if bias is None:
         attn_mask = allowed
     elif allowed is None:
