@@ -208,18 +208,8 @@ def _attention(
             elif isinstance(replay, str):
                 raise RuntimeError(f"cannot capture attention weights here: {reason}; {replay}")
             else:  # sdpa returns none: qkv's reference math on what sdpa was given
-                q, k, v, options = replay
-                sinks = options.pop("sinks", None)
-                s = attention_steps(q, k, v, **options)
-                picked = s.weights
-                if sinks is not None:  # each row's share left by its sink, as walk replays it
-                    sink = sinks.reshape(1, -1, 1).float()
-                    picked = picked * torch.sigmoid(s.lse.float() - sink).to(picked.dtype)[..., None]
-                else:
-                    empty = empty_rows(options["mask"], k.shape[2])
-                    if empty is not None:
-                        picked = fill_empty_weights(empty, picked)
-                picked = picked.detach().index_select(1, _index(heads, picked))
+                picked = _steps.replayed(*replay)[2].detach()
+                picked = picked.index_select(1, _index(heads, picked))
             recorder.record(module, picked, heads, causal=causal)
         return out, weights
 

@@ -230,6 +230,25 @@ def output_projection(module: nn.Module, width: int) -> nn.Module | None:
     return None
 
 
+def replayed(q: Tensor, k: Tensor, v: Tensor, options: dict) -> tuple:
+    """``(steps, output, weights)`` of qkv's reference math on a call's arguments
+    (``options``: :func:`fallback_replay`'s or the adapter's, ``sinks`` included), as the
+    adapter computes them: gpt-oss's sink takes ``sigmoid(sink - lse)`` of each row (no
+    value); otherwise a row that sees no key gets eager's even weights."""
+    opts = {n: t for n, t in options.items() if n != "sinks"}
+    sinks = options.get("sinks")
+    s = attention_steps(q, k, v, **opts)
+    output, weights = s.output, s.weights
+    if sinks is not None:
+        keep = torch.sigmoid(s.lse.float() - sinks.reshape(1, -1, 1).float())  # (1, h, Tq)
+        keep = keep.to(weights.dtype).unsqueeze(-1)
+        return s, output * keep, weights * keep
+    empty = empty_rows(opts.get("mask"), k.shape[2])
+    if empty is not None:
+        output, weights = fill_empty_rows(empty, v, output), fill_empty_weights(empty, weights)
+    return s, output, weights
+
+
 @torch.no_grad()
 def walk(call: HFCall, head: int) -> dict:
     """The steps of ``call`` for query head ``head`` (batch row 0).
@@ -249,21 +268,11 @@ def walk(call: HFCall, head: int) -> dict:
     if not 0 <= head < h:
         raise ValueError(f"head must be in [0, {h - 1}], got {head}")
     opts = dict(call.options)
-    sinks = opts.pop("sinks", None)
     for name in ("mask", "bias"):
         if opts.get(name) is not None and opts[name].dim() == 4 and opts[name].shape[0] > 1:
             opts[name] = opts[name][:1]
-    s = attention_steps(q, k, v, **opts)
-    output, weights = s.output, s.weights
-    if sinks is not None:  # gpt-oss: the sink takes sigmoid(sink - lse) of each row, no value
-        keep = torch.sigmoid(s.lse.float() - sinks.reshape(1, h, 1).float())  # (1, h, Tq)
-        keep = keep.to(weights.dtype).unsqueeze(-1)
-        output, weights = output * keep, weights * keep
-    else:
-        empty = empty_rows(opts.get("mask"), k.shape[2])
-        if empty is not None:  # rows that see no key: eager's even weights, as the adapter
-            output = fill_empty_rows(empty, v, output)
-            weights = fill_empty_weights(empty, weights)
+    s, output, weights = replayed(q, k, v, opts)
+    sinks = opts.get("sinks")
     out = zero_heads(call.module, output.transpose(1, 2))  # (1, Tq, h, d_v): ablation kept
     concat = out.reshape(1, out.shape[1], -1)  # (1, Tq, h·d_v)
     proj = output_projection(call.module, concat.shape[-1])
