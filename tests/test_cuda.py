@@ -101,3 +101,67 @@ def test_torch_sdpa_agrees_on_cuda():
                                              attn_mask=torch.ones(37, 53, dtype=torch.bool,
                                                                   device=DEV).tril(53 - 37))  # fmt: skip
     torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+
+
+def test_nonfinite_inputs_on_cuda_follow_the_rule():
+    """NaN and inf on the device: every backend that runs there against the fp64 statement of
+    the rule (tests/test_nonfinite.py), at keys a row may and may not see."""
+    from test_nonfinite import rule
+
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (t.cpu() for t in _case(g, Tq=6, Tk=11))
+    mask = torch.rand(6, 11, generator=g) > 0.4
+    k[0, 0, 3, 1] = float("nan")
+    v[1, 1, 7, 0] = float("inf")
+    q[1, 5, 2, 3] = float("-inf")
+    ref = rule(q, k, v, mask=mask)
+    for backend in ("auto", "math", "torch"):
+        out = scaled_dot_product_attention(q.to(DEV), k.to(DEV), v.to(DEV), mask=mask.to(DEV),
+                                           backend=backend)  # fmt: skip
+        torch.testing.assert_close(out.cpu().double(), ref, atol=1e-5, rtol=1e-5,
+                                   equal_nan=True, msg=backend)  # fmt: skip
+
+
+@pytest.mark.parametrize("Tq", [1, 4, 16])
+def test_grouped_query_decoding_on_cuda_matches_fp64(Tq):
+    """Few queries over a long grouped-query cache (the torch backend's grouped-rows route)."""
+    g = torch.Generator().manual_seed(8)
+    q, k, v = _case(g, Tq=Tq, Tk=300)
+    mask = (torch.rand(Tq, 300, generator=g) > 0.3).to(DEV)
+    for backend in ("auto", "torch"):
+        for kw in ({}, {"causal": True}, {"mask": mask}, {"causal": True, "window": 50}):
+            out = scaled_dot_product_attention(q, k, v, backend=backend, **kw)
+            ref = attention_steps(*(t.double() for t in (q, k, v)), **kw).output
+            assert (out.double() - ref).abs().max().item() < 1e-5, (backend, kw)
+
+
+@pytest.fixture(scope="module")
+def translator():
+    from qkv.translate import load
+
+    try:
+        tr = load("en-fr")
+    except ValueError:
+        pytest.skip("no shipped en-fr translator in this install")
+    tr.model.to(DEV)
+    return tr
+
+
+def test_the_shipped_translator_on_cuda_says_the_notes_sentence(translator):
+    for beam in (1, 5):
+        assert translator("The boy trains the puppy.", beam=beam) == "Le garçon entraîne le chiot."
+
+
+def test_lens_on_cuda_predicts_what_the_translator_writes(translator):
+    from qkv.generate import greedy_search
+    from qkv.inspect.lens import lens
+
+    model, tok = translator.model.eval(), translator.tokenizer
+    src = torch.tensor([tok.encode("The boy trains the puppy.") + [tok.eos_id]], device=DEV)
+    with torch.no_grad():
+        out = greedy_search(model, src)[0].tolist()
+    hyp = out[: out.index(tok.eos_id) + 1]
+    tgt = torch.tensor([[model.cfg.bos_id, *hyp[:-1]]], device=DEV)
+    seen = lens(model, src, tgt, top_k=3)
+    assert seen.top_ids[-1, :, 0].tolist() == hyp
+    assert seen.check < 1e-3 * max(1.0, abs(seen.logit))
