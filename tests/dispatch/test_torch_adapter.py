@@ -72,3 +72,29 @@ def test_grouped_rows_layout_is_what_runs(monkeypatch, Tq, mask, causal, rows):
     expected = (B, h_kv, G * Tq, d) if rows else (B, h_kv * G, Tq, d)
     assert seen == [expected, expected]
     assert torch_adapter.ROWS_MAX_TQ == 16
+
+
+@pytest.mark.parametrize(("mask", "causal", "window"), [
+    (None, False, None),  # the remembered fast path
+    ("padding", True, None),  # the structure built per call
+    (None, True, 3),
+])  # fmt: skip
+def test_grouped_rows_take_any_output_strides(monkeypatch, mask, causal, window):
+    """torch SDPA may return (B, T, h, d) memory (CUDA's kernels do): the rows layout's output
+    must come back to (B, h, Tq, d) whatever its strides, not only by a view."""
+    B, h_kv, G, Tq, Tk, d = 2, 2, 3, 4, 19, 8
+    g = torch.Generator().manual_seed(9)
+    q = torch.randn(B, h_kv * G, Tq, d, generator=g)
+    k, v = (torch.randn(B, h_kv, Tk, d, generator=g) for _ in "kv")
+    m = None if mask is None else torch.rand(B, 1, 1, Tk, generator=g) < 0.8
+    real = TF.scaled_dot_product_attention
+
+    def sdpa_bthd(*a, **kw):  # the same numbers in a (B, T, h, d) memory layout
+        return real(*a, **kw).transpose(1, 2).contiguous().transpose(1, 2)
+
+    monkeypatch.setattr(TF, "scaled_dot_product_attention", sdpa_bthd)
+    dispatch._DECISIONS.clear()
+    kw = dict(mask=m, causal=causal, window=window)
+    for _ in range(2):
+        out = scaled_dot_product_attention(q, k, v, backend="torch", **kw)
+        torch.testing.assert_close(out.double(), _reference(q, k, v, **kw), atol=1e-5, rtol=1e-5)

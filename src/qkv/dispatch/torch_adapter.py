@@ -49,7 +49,9 @@ def _rows_ok(Tq: int, h: int, h_kv: int, mask: object, bias: object) -> bool:
 
 def _as_rows(q: Tensor, h_kv: int) -> Tensor:
     """q ``(..., h, Tq, d)`` as ``(..., h_kv, G·Tq, d)``: query head ``hk·G + g`` is rows
-    ``g·Tq ..`` of kv head ``hk`` (a view of a contiguous q)."""
+    ``g·Tq ..`` of kv head ``hk`` (a view of a contiguous q). The output goes back with
+    ``reshape``, not ``view``: SDPA may return any strides (CUDA's kernels write
+    ``(B, T, h, d)`` memory), and then the rows cannot be regrouped without a copy."""
     *lead, h, Tq, d = q.shape
     return q.reshape(*lead, h_kv, h // h_kv * Tq, d)
 
@@ -74,7 +76,7 @@ def torch_run(case: Case, mask: object, bias: object) -> Callable[..., Tensor] |
         G, out = s.group, (*s.batch, s.h, s.Tq, s.d_v)
         return lambda q, k, v, mask, bias: sdpa(
             _as_rows(q, s.h_kv), k, v, attn_mask=_rows_mask(mask, G), **kw
-        ).view(out)
+        ).reshape(out)
     return lambda q, k, v, mask, bias: sdpa(q, k, v, attn_mask=mask, **kw)
 
 
@@ -131,7 +133,7 @@ def torch_sdpa(
             _as_rows(q, h_kv), k, v, attn_mask=_rows_mask(allowed, h // h_kv),
             dropout_p=dropout_p, scale=scale,
         )  # fmt: skip
-        return out.view(*q.shape[:-1], v.shape[-1])
+        return out.reshape(*q.shape[:-1], v.shape[-1])
     if bias is None:
         attn_mask = allowed
     elif allowed is None:
