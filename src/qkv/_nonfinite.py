@@ -22,7 +22,9 @@ value sits at a key that some rows see and others do not to the reference, which
 logits are all NaN, so :func:`scores_may_be_nonfinite` sends such calls to the reference too.
 
 On CUDA these checks are skipped (each would wait for the device): there the kernels' own
-IEEE behaviour applies.
+IEEE behaviour applies. A NaN at a key a row sees still makes it NaN; a NaN or inf at a key it
+may not see can reach it, and torch's fused CUDA kernels can turn an inf value into NaN (their
+online softmax rescales it by zero; seen on an H100).
 """
 
 from __future__ import annotations
