@@ -2,6 +2,10 @@
 
     python scripts/ship_translator.py /work/runs/enfr en-fr --commit c90958c
 
+A run trained on another machine and brought back as ``best/`` and ``log.jsonl`` alone (no
+``last/``, whose optimizer state is large) is shipped with ``--command``, the ``qkv train``
+command it was started with, and ``--machine``, where it ran.
+
 Picks the run's ``best/`` or the average of its last epochs (``--average N``), whichever has
 the higher BLEU on all of val (greedy), or the kept epoch ``--epoch N``; tunes the length penalty for beam search on val;
 stores the weights in float16 under ``src/qkv/models/shipped/NAME``; evaluates the shipped
@@ -21,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from qkv.apps.train import STATE_FILE, average_epochs, bleu_chrf
+from qkv.apps.train import STATE_FILE, average_epochs, bleu_chrf, load_pairs, parse_args
 from qkv.data import Tokenizer, multi30k
 from qkv.models import load_pretrained, save_pretrained
 from qkv.models.shipped import HERE
@@ -92,11 +96,28 @@ def main() -> int:
     p.add_argument("--epoch", type=int, default=None,
                    help="ship this kept epoch (RUN/epochs/epoch-NNN.safetensors) instead of "
                    "choosing between best/ and the average; say why in --note")  # fmt: skip
+    p.add_argument("--command", help="the run's `qkv train ...` command (a run without last/)")
+    p.add_argument("--machine", help="where the run was trained (default: this machine)")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
 
-    state = torch.load(a.run / "last" / STATE_FILE, map_location="cpu", weights_only=True)
-    targs = state["args"]
+    log = [json.loads(x) for x in (a.run / "log.jsonl").read_text().splitlines() if x.strip()]
+    if a.command:
+        words = shlex.split(a.command)
+        if words[:2] != ["qkv", "train"]:
+            p.error(f"--command must start with 'qkv train', got {a.command[:40]!r}")
+        device = words[words.index("--device") + 1] if "--device" in words else None
+        if device:  # (parse_args checks the device is here; the run's machine had it)
+            i = words.index("--device")
+            words = words[:i] + words[i + 2 :]
+        targs = {**vars(parse_args(words[2:])), "device": device}
+        end = max((r for r in log if "step" in r), key=lambda r: r["step"])
+        full = max((r for r in log if "train_loss" in r), key=lambda r: r["step"])  # epochs' ends
+        state = {"elapsed": end["elapsed_min"] * 60, "step": end["step"],
+                 "epoch": full["epoch"], "pos": end["step"] - full["step"]}  # fmt: skip
+    else:
+        state = torch.load(a.run / "last" / STATE_FILE, map_location="cpu", weights_only=True)
+        targs = state["args"]
     src, tgt = targs["src"], targs["tgt"]
     val = multi30k("val", src, tgt, a.data)
     tok = Tokenizer.load(a.run / "best" / "tokenizer.json")
@@ -106,7 +127,6 @@ def main() -> int:
 
     candidates = {"best": load_pretrained(a.run / "best")}
     snaps = sorted((a.run / "epochs").glob("epoch-*.safetensors"))[-a.average :]
-    log = [json.loads(x) for x in (a.run / "log.jsonl").read_text().splitlines() if x.strip()]
     at_epoch = None  # the log record of the shipped epoch (--epoch)
     if a.epoch is not None:
         f = a.run / "epochs" / f"epoch-{a.epoch:03d}.safetensors"
@@ -150,6 +170,10 @@ def main() -> int:
     sub_bleu = score(tr, sub, 1, 1.0)[0]
 
     n_params = sum(p.numel() for p in tr.model.parameters())
+    augment = targs.get("augment") or "none"
+    augmented = "" if augment == "none" else (
+        f" and the pairs `--augment {augment}` adds to them "
+        f"({len(load_pairs(argparse.Namespace(**{**targs, 'data': a.data}), 'train')):,} in all)")
     hist = [r for r in log if "val_bleu" in r and "averaged" not in r]
     if at_epoch is not None:
         hist = [r for r in hist if r["epoch"] <= a.epoch]
@@ -171,7 +195,8 @@ def main() -> int:
         "",
         "## Scores (sacreBLEU 13a, detokenised, cased; the float16 weights shipped here)",
         "",
-        "| split | sentences | decoding | BLEU | chrF | time (1 thread) |",
+        f"| split | sentences | decoding | BLEU | chrF | time ({a.threads} thread"
+        f"{'s' if a.threads > 1 else ''}, {cpu_name()}) |",
         "|---|---|---|---|---|---|",
     ]
     for split, beam, lp, b, c, s, n in rows:
@@ -187,9 +212,11 @@ def main() -> int:
         "",
         f"- Command (every option spelled out): `{command_of(targs)}`",
         f"- Code: commit `{a.commit}`",
-        f"- Data: Multi30k task 1 `train.{src}/{tgt}` (29,000 pairs); validation on `val`",
+        f"- Data: Multi30k task 1 `train.{src}/{tgt}` (29,000 pairs){augmented}; validation on "
+        "`val`",
         f"- Weights: {picked}; stored in float16 ({(out / 'model.safetensors').stat().st_size / 1e6:.1f} MB)",
         f"- Training time: {trained}",
+        f"- Machine: {a.machine}" if a.machine else
         f"- Machine: {cpu_name()}, 2 cores, {targs.get('threads') or 'all'} torch thread(s) "
         "(the run's last setting), shared with other jobs",
         f"- Length penalty {lenpen} chosen on val among {a.lenpens} (beam {a.beam})",

@@ -20,6 +20,7 @@ from starlette.testclient import TestClient  # noqa: E402
 import hf_tiny  # noqa: E402
 from qkv.apps.serve.app import create_app  # noqa: E402
 from qkv.apps.serve.compute_lens import MAX_TOP_K  # noqa: E402
+from qkv.models.shipped import shipped_dir  # noqa: E402
 from serve_helpers import one_thread, registry  # noqa: E402
 
 BOY = "The boy trains the puppy."
@@ -98,7 +99,8 @@ def test_translator_lens_matches_the_translation(client):
     assert d["position"] == len(d["tokens"]) - 1 and d["predicted"] == tr["target_tokens"][-1]
     dla = d["dla"]
     assert d["dla_unavailable"] is None and "frozen" in dla["note"]
-    assert len(dla["heads"]) == 3 * 2 * 4 and dla["check"] < 1e-3
+    n_heads = json.loads((shipped_dir("en-fr") / "config.json").read_text())["config"]["n_heads"]
+    assert len(dla["heads"]) == 3 * 2 * n_heads and dla["check"] < 1e-3
     kinds = {h["layer"].rsplit(".", 1)[1] for h in dla["heads"]}
     assert kinds == {"self_attn", "cross_attn"}
     names = {x["name"] for x in a.json()["layers"]}
