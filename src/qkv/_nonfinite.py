@@ -35,6 +35,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from qkv._versions import version
 from qkv.kernels._native import native_module
 
 __all__ = ["quick_look", "scores_may_be_nonfinite", "values_for_kernel", "weights_times_values"]
@@ -109,15 +110,20 @@ def _hidden_keys(
     """The indices of the keys some row may not see, remembered for the last mask and bias
     (a decoder's layers pass the same mask at each step: one look at it per step). The
     tensors themselves are held, compared by identity and version: a tensor alive cannot be
-    another one at the same address, and an in-place change bumps its version."""
+    another one at the same address, and an in-place change bumps its version. A mask made
+    under ``torch.inference_mode()`` has no version (a buffer refilled in place at each step
+    would look unchanged): it is looked at on every call."""
     global _last_hidden
-    versions = tuple(None if t is None else t._version for t in (mask, bias))
+    versions = tuple(None if t is None else version(t) for t in (mask, bias))
+    untracked = any(t is not None and n is None for t, n in zip((mask, bias), versions))
     (held, idx) = _last_hidden  # one read: another thread may replace it meanwhile
-    if held and held[0] is mask and held[1] is bias and held[2:] == (versions, every, some):
+    if (not untracked and held and held[0] is mask and held[1] is bias
+            and held[2:] == (versions, every, some)):  # fmt: skip
         return idx
     by_every, _ = _seen_keys(mask, bias, every, some, Tk, device)
     idx = (~by_every).nonzero().squeeze(-1)
-    _last_hidden = ((mask, bias, versions, every, some), idx)
+    if not untracked:
+        _last_hidden = ((mask, bias, versions, every, some), idx)
     return idx
 
 

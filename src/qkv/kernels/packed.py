@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as TF
 from torch import Tensor, nn
 
+from qkv._versions import version
 from qkv.kernels._native import decode_ops
 from qkv.kernels._replace import replace_linears
 
@@ -71,8 +72,10 @@ class PackedLinear(nn.Linear):
         return new
 
     def _packed(self) -> Tensor:
+        # a weight made under inference_mode has no version: taken as unchanged at the same
+        # address (repacking it at every call would double the call's memory traffic)
         w = self.weight
-        key = (w.data_ptr(), w._version)
+        key = (w.data_ptr(), version(w))
         if self._panels is None or self._panels_of != key:
             self._panels, self._panels_of = panels(w.detach()), key
         return self._panels

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from qkv import dispatch
 from qkv import functional as F
 from qkv._validate import AttentionShape
+from qkv._versions import version
 from qkv.attention import MultiHeadAttention
 from qkv.cache import dequantize_rows
 from qkv.kernels._native import decode_ops
@@ -76,9 +77,11 @@ _PREPARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def _state_key(model: nn.Module, children: list[nn.Module], attention: list) -> tuple:
     """What the prepared copy depends on: every weight (replaced or written in place) and
-    each attention's backend."""
+    each attention's backend. A weight made under ``torch.inference_mode()`` has no version:
+    it counts as unchanged while it stays at the same address (preparing the model again at
+    every call would cost more than the call)."""
     weights = tuple(
-        (id(p), p.data_ptr(), p._version) for m in (model, *children)
+        (id(p), p.data_ptr(), version(p)) for m in (model, *children)
         for p in (*m._parameters.values(), *m._buffers.values()) if p is not None
     )  # fmt: skip
     return weights, tuple(m.backend for m in attention)
