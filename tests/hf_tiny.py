@@ -4,10 +4,10 @@ import torch
 import transformers
 
 
-def llama(vocab: int):
+def llama(vocab: int, positions: int = 128):
     cfg = transformers.LlamaConfig(
         vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=positions,
         pad_token_id=0, bos_token_id=1, eos_token_id=2,
     )  # fmt: skip
     return transformers.LlamaForCausalLM(cfg)

@@ -248,22 +248,35 @@ def decompose(model: nn.Module, *inputs, position: int = -1, **kwargs) -> Decomp
     return d
 
 
+# positions unembedded at a time by the lens table: a long text's (T, V) logits per layer
+# would be 0.4 GB for GPT-2 at 2,048 positions; a block of them is a few MB
+_BLOCK = 256
+
+
 def _lens_table(parts: DecoderParts, rec: _Record, logits: Tensor, k: int
                 ) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """Top-k ids and probabilities ``(L + 1, T, k)`` of each layer's residual, unembedded."""
+    """Top-k ids and probabilities ``(L + 1, T, k)`` of each layer's residual, unembedded
+    (:data:`_BLOCK` positions at a time)."""
     ids, probs = [], []
+    scale = max(1.0, float(logits.abs().max()))
     for i, x in enumerate(rec.resid):  # (T, d)
-        with torch.no_grad():
-            h = x if parts.final_norm is None else parts.final_norm(x[None])[0]
-            lg = parts.unembed(h).float()  # (T, V)
-        if i == len(rec.resid) - 1:  # the last layer's lens is the model's own output
-            gap = float((lg - logits).abs().max())
-            if gap > _tol(x.dtype) * max(1.0, float(logits.abs().max())):
-                raise ValueError(f"the final norm and unembedding found do not give the model's "
-                                 f"logits (off by {gap:.3g}); the lens cannot read this model")  # fmt: skip
-        p, j = lg.softmax(-1).topk(k, dim=-1)  # (T, k)
-        ids.append(j)
-        probs.append(p)
+        js, ps = [], []
+        for a in range(0, x.shape[0], _BLOCK):
+            xb = x[a : a + _BLOCK]  # (B, d)
+            with torch.no_grad():
+                h = xb if parts.final_norm is None else parts.final_norm(xb[None])[0]
+                lg = parts.unembed(h).float()  # (B, V)
+            if i == len(rec.resid) - 1:  # the last layer's lens is the model's own output
+                gap = float((lg - logits[a : a + _BLOCK]).abs().max())
+                if gap > _tol(x.dtype) * scale:
+                    raise ValueError(f"the final norm and unembedding found do not give the "
+                                     f"model's logits (off by {gap:.3g}); the lens cannot read "
+                                     f"this model")  # fmt: skip
+            p, j = lg.softmax(-1).topk(k, dim=-1)  # (B, k)
+            js.append(j)
+            ps.append(p)
+        ids.append(torch.cat(js))
+        probs.append(torch.cat(ps))
     return torch.stack(ids), torch.stack(probs)
 
 

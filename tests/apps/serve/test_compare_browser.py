@@ -8,10 +8,12 @@ from __future__ import annotations
 import csv
 import io
 import json
+import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 from urllib.parse import parse_qs, urlencode, urlsplit
 
+import numpy as np
 import pytest
 
 from serve_helpers import playwright_or_skip
@@ -28,6 +30,7 @@ XSS = "<script>alert(1)</script> <img src=x onerror=alert(1)>"
 sync_api = playwright_or_skip()
 pytest.importorskip("uvicorn")
 
+from qkv.apps.serve.long import unpack  # noqa: E402
 from serve_helpers import english_left, open_page, page_text, post_json  # noqa: E402  # noqa: E402
 from serve_helpers import page_ready as _ready  # noqa: E402
 
@@ -298,6 +301,101 @@ def test_compare_is_in_the_readers_language(server, browser, lang):
     page.click(".tab[data-view='model']")
     check("heads off, model")
     assert errors == [] and dialogs == []
+    page.close()
+
+
+# two texts of 2,048 tokens each ([CLS] + 2,046 words + [SEP]); B: a word in twenty changed
+LONG_A = " ".join(f"w{i % 97}" for i in range(2046))
+LONG_B = " ".join(f"v{i % 89}" if i % 20 == 7 else f"w{i % 97}" for i in range(2046))
+
+
+def _responsive(page, what: str) -> None:
+    """A round trip to the page's script within a few seconds: the page is not frozen."""
+    t0 = time.perf_counter()
+    page.evaluate("() => document.querySelectorAll('canvas').length")
+    assert time.perf_counter() - t0 < 3, what
+
+
+def _hover_value(page, canvas: str, fx: float, fy: float) -> tuple[int, int, float]:
+    page.locator(canvas).scroll_into_view_if_needed()
+    box = page.locator(canvas).bounding_box()
+    page.mouse.move(box["x"] + fx * box["width"], box["y"] + fy * box["height"])
+    page.wait_for_selector("#tip:not([hidden])")
+    i, j = map(int, page.get_attribute("#tip", "data-cell").split(","))
+    return i, j, float(page.text_content("#tip").rsplit("= ", 1)[1])
+
+
+def test_two_long_texts(server, browser):
+    """Two texts of 2,048 tokens: both sides drawn, B − A of the selected layer and head (the
+    two exact maps, cell by cell), the model view's difference grid, a link that reopens the
+    comparison (the texts too long for the query: in the address's #fragment), and a page
+    that stays responsive."""
+    page, errors, dialogs = _open(browser, _url(server, model="random", view="head"))
+    page.fill("#text", LONG_A)
+    page.check("#compare")
+    page.fill("#text2", LONG_B)
+    # a layer picked while the two answers are computed (seconds) stays picked, and its exact
+    # maps are asked for next (it used to jump back to the layer the answers were asked for)
+    page.select_option("#layer", L1)
+    _ready(page)
+    assert page.input_value("#layer") == L1
+    page.select_option("#head", "2")
+    _ready(page)
+    _responsive(page, "two long answers drawn")
+    assert page.text_content("#status").startswith("A: 2048 tokens · B: 2048 tokens")
+    a = post_json(server, text=LONG_A, model="random", layer=L1, head=2)
+    b = post_json(server, text=LONG_B, model="random", layer=L1, head=2)
+    assert len(a["tokens"]) == len(b["tokens"]) == 2048 and a["exact"]["head"] == 2
+    # head view: each side its window of queries; the card: A, B and B − A of layer 1, head 2
+    for s in "ab":
+        qs = page.eval_on_selector_all(f"#view-head .cmp-side[data-side='{s}'] .toks.left div",
+                                       "ds => ds.map(d => +d.dataset.i)")  # fmt: skip
+        assert qs == list(range(48)), s
+    card = "#view-head #compare-card"
+    mapped = f"{card} .cmp-map[data-which='{{}}'] .hm > canvas"
+    assert [page.get_attribute(card, f"data-{k}") for k in ("layer", "head")] == [L1, "2"]
+    for which in ("a", "b", "diff"):
+        assert page.get_attribute(mapped.format(which), "data-rows") == "2048"
+    wa = unpack(a["exact"], (2048, 2048)).numpy()
+    wb = unpack(b["exact"], (2048, 2048)).numpy()
+    # (random weights over 2,048 keys are about 5e-4: their differences are a few 1e-3)
+    m = float(abs(wb - wa).max())
+    assert m > 1e-3  # the changed words changed the weights
+    scale = page.eval_on_selector_all(f"{card} .cmp-map[data-which='diff'] .scale span",
+                                      "s => s.map(x => x.textContent)")  # fmt: skip
+    assert float(scale[1]) == pytest.approx(m, abs=0.0011)  # B − A of every cell, ±its largest
+    big = np.unravel_index(abs(wb - wa).argmax(), wa.shape)
+    for fy, fx in ((0.5, 0.5), (0.31, 0.83), ((big[0] + 0.5) / 2048, (big[1] + 0.5) / 2048)):
+        i, j, v = _hover_value(page, mapped.format("diff"), fx, fy)
+        assert v == pytest.approx(wb[i, j] - wa[i, j], abs=0.0011), (i, j)
+    page.mouse.move(0, 0)
+    _shot(page, "long_card")
+    page.screenshot(path="/tmp/compare-long.png")
+    page.locator("#view-head .cmp-pair").scroll_into_view_if_needed()
+    _shot(page, "long_head")
+    # model view: both grids, B − A of every head (pooled maps)
+    page.click(".tab[data-view='model']")
+    _responsive(page, "model view")
+    assert [_side(page, "model", s, "canvas.thumb") for s in "ab"] == [8, 8]
+    assert page.eval_on_selector_all("#compare-grid canvas.thumb-diff", "c => c.length") == 8
+    _shot(page, "long_model")
+    # the address: the texts in its fragment (the query stays short for the server)
+    parts = urlsplit(page.url)
+    q, h = parse_qs(parts.query), parse_qs(parts.fragment)
+    assert len(parts.query) < 8000 and (h["text"], h["text2"]) == ([LONG_A], [LONG_B])
+    assert (q["compare"], q["view"], q["layer"], q["head"]) == (["text"], ["model"], [L1], ["2"])
+    assert page.is_hidden("#url-note")
+    again, errors2, _ = _open(browser, page.url)
+    _responsive(again, "reopened")
+    assert again.input_value("#text") == LONG_A and again.input_value("#text2") == LONG_B
+    assert again.get_attribute(".tab.active", "data-view") == "model"
+    assert again.eval_on_selector_all("#compare-grid canvas.thumb-diff", "c => c.length") == 8
+    again.click(".tab[data-view='head']")
+    assert [again.get_attribute(card, f"data-{k}") for k in ("layer", "head")] == [L1, "2"]
+    assert again.get_attribute(mapped.format("diff"), "data-rows") == "2048"
+    assert again.url == page.url.replace("view=model", "view=head")
+    assert errors == errors2 == [] and dialogs == []
+    again.close()
     page.close()
 
 

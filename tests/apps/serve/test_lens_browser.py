@@ -7,6 +7,7 @@ its downloads carry the lens. Screenshots in tests/artifacts/lens_*.png."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -173,3 +174,104 @@ def test_a_transformers_decoder_only_model(browser, tmp_path):
         assert page.is_visible("#lens-push") and page.is_visible(".lens-map canvas")
         _shot(page, "llama")
     assert errors == []
+
+
+def test_a_2048_token_text(browser, tmp_path):
+    """A 2,048-token text on a decoder-only model (the tiny Llama, 4,096 positions): the
+    table is a window of positions under a strip of all of them, a late position is picked
+    and attributed, its cell is the model's own top token, and the page stays responsive."""
+    transformers = pytest.importorskip("transformers")
+    import time
+
+    import torch
+    from test_serve_lens import WORDS, _llama_dir
+
+    from qkv.apps.serve.app import create_app
+    from qkv.apps.serve.models import default_registry
+    from serve_helpers import one_thread, running_server
+
+    path = _llama_dir(tmp_path / "long", positions=4096)
+    text = " ".join(WORDS[i * 7 % len(WORDS)] for i in range(2047))  # <s> + 2,047 words
+    tok = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+    ids = tok(text, return_tensors="pt")["input_ids"]
+    assert ids.shape[1] == 2048
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+    with torch.no_grad():
+        want = tok.convert_ids_to_tokens(model.eval()(input_ids=ids).logits[0].argmax(-1))
+
+    def responsive(what: str) -> float:  # a round trip to the page's script
+        t0 = time.perf_counter()
+        page.evaluate("() => document.querySelectorAll('#view-lens td').length")
+        took = time.perf_counter() - t0
+        assert took < 3, (what, took)
+        return took
+
+    reg = default_registry({"long": str(path)})
+    with one_thread(), running_server(create_app(reg)) as port:
+        server = f"http://127.0.0.1:{port}"
+        page, errors, dialogs, _ = open_page(browser, f"{server}/?model=long&view=lens",
+                                             downloads=True)  # fmt: skip
+        page.fill("#text", text)
+        page.press("#text", "Enter")
+        _ready(page)
+        assert page.text_content("#status").startswith("2048 tokens")
+        responsive("drawn")
+        # the window: 20 positions around the last, under the strip of all 2,048
+        assert page.get_attribute("canvas.lens-overview", "data-positions") == "2048"
+        pos = page.eval_on_selector_all("#view-lens th.pos", "ts => ts.map(t => +t.dataset.pos)")
+        assert pos == list(range(2048 - 20, 2048))
+        assert page.get_attribute("table.lens-table th.sel", "data-pos") == "2047"
+        assert page.eval_on_selector_all("#view-lens td", "ts => ts.length") < 200
+        # move the window (slider: kept as it is, so that a drag goes on) and attribute a late
+        # position
+        page.eval_on_selector("#lens-win", "s => { s.dataset.same = 'yes'; }")
+        page.fill("#lens-win", "1490")
+        responsive("window moved")
+        assert "1490–1509" in page.text_content("#lens-win-label")
+        assert page.get_attribute("#lens-win", "data-same") == "yes"
+        page.click("table.lens-table th.pos[data-pos='1500']")
+        _ready(page)
+        responsive("position 1500 attributed")
+        assert page.get_attribute("table.lens-table th.sel", "data-pos") == "1500"
+        last = "table.lens-table tr[data-layer='model.layers.1'] td[data-pos='1500']"
+        assert page.text_content(last) == want[1500]
+        assert f"“{want[1500]}”" in page.text_content("#lens-dla p")
+        page.hover(last)
+        assert f"1. {want[1500]}  " in page.text_content("#tip")
+        # the strip (a pixel: about 2 positions): hover names the cell under the pointer and
+        # its top token, a click moves the window there
+        box = page.locator("canvas.lens-overview").bounding_box()
+        page.mouse.move(box["x"] + box["width"] * 300.5 / 2048, box["y"] + box["height"] - 2)
+        tip = page.text_content("#tip")
+        j = int(re.search(r"(\d+) \(", tip)[1])
+        assert abs(j - 300) <= 2 and tip.startswith("model.layers.1,") and f": {want[j]}  " in tip
+        page.mouse.click(box["x"] + box["width"] * 300.5 / 2048, box["y"] + 2)
+        first = page.eval_on_selector("table.lens-table th.pos", "t => +t.dataset.pos")
+        assert first == j - 10
+        responsive("window moved by the strip")
+        # a head: its exact map (asked for), the attributed row outlined
+        page.click("#lens-heads td[data-layer='model.layers.1.self_attn'][data-head='2']")
+        _ready(page)
+        page.wait_for_selector("#view-lens .lens-map canvas")
+        assert page.get_attribute("#view-lens .lens-map canvas", "data-rows") == "2048"
+        responsive("head map drawn")
+        page.fill("#lens-win", "1490")
+        page.screenshot(path="/tmp/lens-long.png")
+        # downloads: the CSV holds every position, the picture the table's window
+        with page.expect_download() as info:
+            page.click("#view-lens .export[data-format='csv']")
+        csv = Path(info.value.path()).read_text(encoding="utf-8").splitlines()
+        assert len(csv) == 4 and all(len(row.split(",")) == 1 + 2048 for row in csv[1:])
+        with page.expect_download() as info:
+            page.click("#view-lens .export[data-format='svg']")
+        svg = Path(info.value.path()).read_text(encoding="utf-8")
+        assert "(positions 1490–1509 of 2048)" in svg and 'data-cols="20"' in svg
+        _shot(page, "long")
+        page.locator("#view-lens .lens-map").scroll_into_view_if_needed()
+        _shot(page, "long_map")
+        for lang in ("my", "vi", "bn", "zh"):  # the window's words too
+            page.select_option("#lang", lang)
+            assert STRINGS[lang]["lens.slider"] == page.get_attribute("#lens-win", "aria-label")
+            assert english_left(STRINGS, lang, page_text(page)) == [], lang
+        assert errors == [] and dialogs == []
+        page.close()

@@ -28,8 +28,9 @@ WORDS = "the a boy girl dog puppy trains runs sees . , it was tired street".spli
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
 
 
-def _llama_dir(path):
-    """A tiny random Llama with a word-level tokenizer (``<s>`` first), saved offline."""
+def _llama_dir(path, positions: int = 128):
+    """A tiny random Llama with a word-level tokenizer (``<s>`` first), saved offline;
+    ``positions``: its ``max_position_embeddings`` (the explorer's limit is one short)."""
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
     vocab = {t: i for i, t in enumerate(SPECIALS + WORDS)}
@@ -44,7 +45,7 @@ def _llama_dir(path):
         eos_token="</s>",
     )
     torch.manual_seed(0)
-    hf_tiny.llama(len(vocab)).save_pretrained(path)
+    hf_tiny.llama(len(vocab), positions).save_pretrained(path)
     fast.save_pretrained(path)
     return path
 
@@ -52,6 +53,12 @@ def _llama_dir(path):
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     return _llama_dir(tmp_path_factory.mktemp("lens") / "llama")
+
+
+@pytest.fixture(scope="module")
+def long_llama(tmp_path_factory):
+    """The same Llama with 4,096 positions: a text of 2,048 tokens (the long limit) fits."""
+    return _llama_dir(tmp_path_factory.mktemp("lens") / "long", positions=4096)
 
 
 @pytest.fixture(scope="module")
@@ -69,9 +76,10 @@ def causal_lm(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory, llama, causal_lm):
+def client(tmp_path_factory, llama, long_llama, causal_lm):
     reg = registry(tmp_path_factory.mktemp("serve-lens"))
     reg.add_dir("llama", llama)
+    reg.add_dir("long", long_llama)
     reg.add_dir("lm", causal_lm[0])
     with one_thread(), TestClient(create_app(reg)) as c:
         yield c
@@ -219,3 +227,40 @@ def test_answer_stays_bounded(client):
     assert d["truncated"] is True and len(d["tokens"]) <= 80 + 1
     assert all(len(c) == MAX_TOP_K for row in d["lens"]["tokens"] for c in row)
     assert len(json.dumps(d)) < 1_000_000
+
+
+def test_a_long_text_is_read_to_the_long_limit(client, long_llama):
+    """2,000 words and more on a decoder-only model: the lens reads 2,048 positions (as the
+    maps do), its last row at a position far past 128 is the model's own argmax there, the
+    attribution is at that position, and the answer stays small (top-k per cell)."""
+    text = " ".join(WORDS[i * 7 % len(WORDS)] for i in range(2100))
+    a = client.post("/api/attention", json={"text": text, "model": "long"}).json()
+    r = lens(client, text=text, model="long", position=1500)
+    assert r.status_code == 200, r.text
+    d = r.json()
+    assert d["tokens"] == a["tokens"] and len(d["tokens"]) == 2048 and d["limit"] == 2048
+    assert d["truncated"] is True and d["positions"] == 4096
+    model = transformers.AutoModelForCausalLM.from_pretrained(long_llama, local_files_only=True)
+    tok = transformers.AutoTokenizer.from_pretrained(long_llama, local_files_only=True)
+    ids = tok(d["text"], return_tensors="pt")["input_ids"]
+    assert ids.shape[1] == 2048
+    with torch.no_grad():
+        want = model.eval()(input_ids=ids).logits[0].argmax(-1)  # (T,), transformers' own
+    L = d["lens"]
+    assert len(L["tokens"]) == 3 and all(len(row) == 2048 for row in L["tokens"])
+    for pos in (200, 1500, 2047):
+        assert L["tokens"][-1][pos][0] == tok.convert_ids_to_tokens(int(want[pos]))
+    assert d["position"] == 1500 and d["predicted"] == tok.convert_ids_to_tokens(int(want[1500]))
+    assert len(d["dla"]["heads"]) == 2 * 4 and d["dla"]["check"] < 1e-3
+    # bounded: (layers + 1) × positions × top_k tokens, ~30 bytes each with its probability
+    assert len(r.content) < 3 * 2048 * 5 * 30
+    assert lens(client, text=text, model="long", position=2048).status_code == 400
+
+
+def test_a_long_text_stops_at_the_models_positions(client):
+    """A qkv causal LM of 256 positions: the text is cut one short of them, as in the maps."""
+    text = " ".join(["the boy trains the puppy"] * 400)
+    a = client.post("/api/attention", json={"text": text, "model": "lm"}).json()
+    d = lens(client, text=text, model="lm", position=200).json()
+    assert d["tokens"] == a["tokens"] and len(d["tokens"]) <= 255 < 256 == d["positions"]
+    assert d["truncated"] is True and d["limit"] == a["limit"] == 255 and d["position"] == 200

@@ -8,10 +8,15 @@ positions are the columns of the maps the page already holds:
 
 * a qkv translator (``translate: true``): the decoder teacher-forced on the translation,
   positions = the decoder inputs (``<s>``, y₁, …); position i predicts y_{i+1};
-* a qkv causal LM or a transformers decoder-only model: the text's tokens.
+* a qkv causal LM or a transformers decoder-only model: the text's tokens, up to
+  :func:`~qkv.apps.serve.long.map_limit` (2,048, or one short of the model's positions), as
+  ``/api/attention`` answers a long text.
 
 Heads switched off (``ablate``) are off for the run: their writes are zero. The answer's
-size is bounded: (layers + 1) × positions × ``top_k`` tokens, and 2 × ``top_k`` per head.
+size is bounded: (layers + 1) × positions × ``top_k`` tokens, and 2 × ``top_k`` per head;
+the attribution is at one position whatever the length, and the lens is one forward pass
+plus the unembedding of (layers + 1) × positions residuals, a block of positions at a time
+(:func:`qkv.inspect.lens.lens`): nothing positions × positions beyond the model's own.
 """
 
 from __future__ import annotations
@@ -28,10 +33,10 @@ from qkv.apps.serve.limits import (
     MAX_TEXT_CHARS,
     AttentionRequest,
     BadRequest,
-    encoder_limit,
     parse_request,
     translate_limit,
 )
+from qkv.apps.serve.long import map_limit, position_limit
 from qkv.apps.serve.models import Entry
 from qkv.capture.page import number
 from qkv.inspect.lens import Lens, lens
@@ -85,7 +90,8 @@ class _Run:
     text: str  # the text, cut as /api/attention cuts it
     cut: bool
     heads_off: AbstractContextManager  # the request's heads switched off, for the run
-    extra: dict  # more fields of the answer (the translation)
+    limit: int  # the most positions this model's text may have
+    extra: dict  # more fields of the answer (the translation, the model's positions)
 
 
 def _qkv_translator(entry: Entry, req: AttentionRequest, text: str) -> _Run:
@@ -109,7 +115,7 @@ def _qkv_translator(entry: Entry, req: AttentionRequest, text: str) -> _Run:
     tok = loaded.tokenizer
     labels = lambda ids: [piece_labels(tok, [i])[0] for i in ids]  # noqa: E731
     inputs = (torch.tensor([d["src"]]), torch.tensor([d["tgt_in"]]))
-    return _Run(model, inputs, {}, d["inputs"], labels, text, cut, heads_off(model, spec),
+    return _Run(model, inputs, {}, d["inputs"], labels, text, cut, heads_off(model, spec), limit,
                 {"translation": {"text": d["text"], "target_tokens": d["produced"]}})  # fmt: skip
 
 
@@ -123,6 +129,7 @@ def _decoder_only(entry: Entry, req: AttentionRequest, text: str) -> _Run:
 
         counts = head_counts(loaded)
         model, labels = loaded.hf.model, loaded.hf.tokenizer.convert_ids_to_tokens
+        positions = position_limit(model, loaded.hf)
     else:
         from qkv.capture.record import attention_modules
         from qkv.inspect.ablate import heads_off
@@ -131,14 +138,17 @@ def _decoder_only(entry: Entry, req: AttentionRequest, text: str) -> _Run:
         model = loaded.full_model
         counts = {n: m.n_heads for n, m in attention_modules(model)}
         labels = lambda ids: [piece_labels(loaded.tokenizer, [i])[0] for i in ids]  # noqa: E731
-    text, tokens, inputs, cut = cut_to_limit(
-        loaded.encode, text, encoder_limit(sum(counts.values()))
-    )
+        positions = position_limit(loaded.full_model or loaded.model)
+    # the long limit of /api/attention's maps (2,048 or the model's positions): the same
+    # positions as the answer on the page, however long its text
+    limit = map_limit(positions)
+    text, tokens, inputs, cut = cut_to_limit(loaded.encode, text, limit)
     spec = ablation_spec(req, counts)
     args, kwargs = inputs, {}
     if loaded.hf is not None:  # transformers: its own keyword arguments
         args, kwargs = (), {"input_ids": inputs[0], "attention_mask": inputs[1]}
-    return _Run(model, args, kwargs, tokens, labels, text, cut, heads_off(model, spec), {})
+    return _Run(model, args, kwargs, tokens, labels, text, cut, heads_off(model, spec), limit,
+                {"positions": positions})  # fmt: skip
 
 
 def _kind(entry: Entry) -> str:
@@ -197,5 +207,5 @@ def lens_answer(entry: Entry, lr: LensRequest) -> dict:
         with run.heads_off:
             out = lens(run.model, *run.args, position=position, top_k=lr.top_k, **run.kwargs)
     cut = run.cut or len(req.text) > MAX_TEXT_CHARS
-    return {"model": entry.name, "random": entry.random, "text": run.text, "tokens": run.tokens,
-            "truncated": cut, **run.extra, **_json(out, run.labels)}  # fmt: skip
+    return {"model": entry.name, "random": entry.random, "limit": run.limit, "text": run.text,
+            "tokens": run.tokens, "truncated": cut, **run.extra, **_json(out, run.labels)}  # fmt: skip

@@ -556,6 +556,7 @@
     if (S.offline) return;
     if (S.busy) { S.pending = true; return; }
     S.busy = true; document.body.dataset.ready = "0"; showStatus("status.computing");
+    const sel = [S.layer, S.head]; // the selection this request is for (a long text takes seconds)
     // comparing (compare.js): a second request for B, the same endpoint with its own text or heads off
     const [body, bodyB] = cmp.requests(payload());
     const post = async (b) => {
@@ -566,7 +567,7 @@
       const [a, b] = await Promise.all([post(body), bodyB && post(bodyB).catch((err) => ({ err }))]);
       if (!a.ok && a.status === 400 && S.urlSel && !S.data) { S.urlSel = null; S.off.clear(); S.pending = true; } // a link's layer or heads that this model lacks: ask without them
       else if (!a.ok) { cmp.accept(null); fail(["error.server", { err: a.d.error || t("error.status", { status: a.status }) }]); }
-      else { cmp.accept(b); accept(a.d); showStatus(...(cmp.status(a.d) || ["status.done", { n: a.d.tokens.length, ms: a.d.elapsed_ms }])); }
+      else { cmp.accept(b); accept(a.d, sel); showStatus(...(cmp.status(a.d) || ["status.done", { n: a.d.tokens.length, ms: a.d.elapsed_ms }])); }
     } catch (err) { cmp.accept(null); fail(["error.request", { err }]); }
     S.busy = false;
     if (S.pending) { S.pending = false; return refresh(); }
@@ -585,12 +586,16 @@
     S.data = null; S.error = note; showStatus(null); showNotice([note], true);
     renderSide(); renderView();
   }
-  function accept(d) {
+  // sel: the [layer, head] selected when d was asked for
+  function accept(d, sel) {
     if (S.timer) { clearInterval(S.timer); S.timer = null; }
     S.data = d; S.error = null; S.urlSel = null;
     const names = d.layers.map((l) => l.name);
+    // a layer or head picked while d was computed stays picked (its exact map or steps: asked next)
+    const moved = !!sel && names.includes(S.layer) && (S.layer !== sel[0] || S.head !== sel[1]);
+    if (moved && (lg.isLong(d) || S.view === "step")) S.pending = true;
     if (!names.includes(S.layer)) { S.layer = d.step ? d.step.layer : names[0]; S.head = d.step ? d.step.head : 0; S.heads = new Set([S.head]); }
-    if (d.step) { S.layer = d.step.layer; S.head = d.step.head; }
+    if (d.step && !moved) { S.layer = d.step.layer; S.head = d.step.head; }
     if (![...S.heads].length) S.heads = new Set([S.head]);
     const notes = [];
     if (d.random) notes.push(["notice.random"]);
@@ -612,7 +617,7 @@
     const dataEl = document.getElementById("qkv-data");
     lg = window.qkvLong.create({ S, el, t, LONG_ROWS, renderView });
     cmp = window.qkvCompare.create({ S, $, el, t, elt, data, heatmap, short, viewWidth, fmt, refresh, weightsOf: lg.weightsOf });
-    lens = window.qkvLens.create({ S, el, t, elt, data, heatmap, short, viewWidth, fmt, selectHead, renderView, showTip, hideTip });
+    lens = window.qkvLens.create({ S, el, t, elt, data, heatmap, short, viewWidth, fmt, selectHead, renderView, showTip, hideTip, weightsOf: lg.weightsOf });
     document.querySelectorAll(".tab").forEach((b) => b.addEventListener("click", () => {
       S.view = b.dataset.view; setTabs(); renderView();
       if (S.view === "step" && S.data && !S.offline && !S.data.step_unavailable && (!S.data.step || S.data.step.layer !== S.layer || S.data.step.head !== S.head)) refresh();
@@ -636,6 +641,7 @@
     const ms = $("#model");
     ms.replaceChildren(...health.models.map((m) => { const o = el("option", "", modelLabel(m)); o.value = m.name; return o; }));
     const q = new URLSearchParams(location.search);
+    for (const [k, v] of new URLSearchParams(location.hash.slice(1))) if (k === "text" || k === "text2") q.set(k, v); // long texts (compare.js writeURL)
     if (q.get("model")) ms.value = q.get("model");
     if (q.get("text")) $("#text").value = q.get("text");
     if (q.get("translate") === "1") $("#translate").checked = true;

@@ -8,6 +8,7 @@
 "use strict";
 (() => {
   const MAX_URL = 8000; // characters of the address's query (a server refuses long request lines)
+  const MAX_HASH = 200000; // characters of its #fragment, which holds longer texts (never sent)
   const MAX_TEXT = 20000; // characters of a text taken from a link (the server's MAX_TEXT_CHARS)
   const MAX_OFF = 512; // heads switched off taken from a link (the server's MAX_ABLATE)
   const DECIMALS = 1000; // B − A of two answers with 3 decimals: 3 decimals
@@ -274,12 +275,20 @@
         q.set("compare", C.mode);
         if (C.mode === "text") q.set("text2", C.sentB ? C.sentB.text : $("#text2").value);
       }
-      C.tooLong = q.toString().length > MAX_URL;
-      if (C.tooLong) { q.delete("text"); q.delete("text2"); }
+      // texts too long for the query go in the #fragment: the browser keeps it in a link but
+      // never sends it to the server (app.js start() reads it back); cut as a link is read
+      let hash = "";
+      if (q.toString().length > MAX_URL) {
+        const h = new URLSearchParams();
+        for (const k of ["text", "text2"]) if (q.has(k)) { h.set(k, q.get(k).slice(0, MAX_TEXT)); q.delete(k); }
+        hash = "#" + h.toString();
+      }
+      C.tooLong = hash.length > MAX_HASH;
+      if (C.tooLong) hash = "";
       if (q.toString().length > MAX_URL) q.delete("off");
       $("#url-note").hidden = !C.tooLong;
-      const url = "?" + q.toString().replace(/%3A/g, ":").replace(/%2C/g, ","); // (both mean themselves in a query)
-      if (url !== location.search) history.replaceState(null, "", url);
+      const url = "?" + q.toString().replace(/%3A/g, ":").replace(/%2C/g, ",") + hash; // (both mean themselves in a query)
+      if (url !== location.search + location.hash) history.replaceState(null, "", url);
     }
 
     return { on, bar, wire, requests, accept, notes, status, layerIn, pair, card, stepB, model, trans, probe, ablated, readURL, writeURL,

@@ -357,10 +357,14 @@
       const lz = S.lens, tb = lz.lens, at = lz.dla && lz.dla.heads.find((h) => h.layer === L.name && h.head === head);
       out.shown = { lens: lz };
       out.matrix = { corner: "layer \\ position", rows: tb.layers, cols: lz.tokens, values: tb.probs.map((r) => r.map((c) => c[0])) }; // the CSV: top-1 probabilities
-      out.panels = [heatPanel({ key: "lens", values: out.matrix.values, rows: tb.layers, cols: lz.tokens, prob: true, maxWidth: 900, maxCell: 30, title: "logit lens: probability of each cell's top token" }),
-        Object.assign(textPanel(tb.layers.flatMap((n, i) => wrapWords([`${n}:`, ...tb.tokens[i].map((c) => clip(c[0], 12))], 1100, 11)), 11, "#334"), { newRow: true })];
+      // a long text: the pictures hold the table's window of positions (lens.js), the CSV all
+      const [a, b] = S.lensWindow || [0, lz.tokens.length], cut = (xs) => xs.slice(a, b);
+      const span = S.lensWindow ? ` (positions ${a}–${b - 1} of ${lz.tokens.length})` : "";
+      out.panels = [heatPanel({ key: "lens", values: out.matrix.values.map(cut), rows: tb.layers, cols: cut(lz.tokens), prob: true, maxWidth: 900, maxCell: 30, title: "logit lens: probability of each cell's top token" + span }),
+        Object.assign(textPanel(tb.layers.flatMap((n, i) => wrapWords([`${n}:`, ...cut(tb.tokens[i]).map((c) => clip(c[0], 12))], 1100, 11)), 11, "#334"), { newRow: true })];
+      const k = L.pooled ? L.pooled.k : 1; // (a long answer's maps: pooled in k × k blocks)
       if (at) out.panels.push(Object.assign(textPanel([`${L.name}, head ${head}: ${at.target} on ${lz.predicted} (position ${lz.position})`,
-        `up: ${at.up.map(([x, v]) => `${x} ${v}`).join(", ")}`, `down: ${at.down.map(([x, v]) => `${x} ${v}`).join(", ")}`], 11, "#334"), { newRow: true }), heat(L, head, { highlightRow: lz.position }));
+        `up: ${at.up.map(([x, v]) => `${x} ${v}`).join(", ")}`, `down: ${at.down.map(([x, v]) => `${x} ${v}`).join(", ")}`], 11, "#334"), { newRow: true }), heat(L, head, { highlightRow: Math.floor(lz.position / k) }));
       else out.panels.push(Object.assign(heat(L, head), { newRow: true }));
       out.maxW = 1200;
     } else {
