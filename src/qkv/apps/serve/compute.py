@@ -52,7 +52,8 @@ from qkv.inspect.ablate import heads_off
 from qkv.inspect.translation import label_cross_queries
 from qkv.positional import ALiBi, RotaryEmbedding
 
-__all__ = ["attention", "cut_to_limit", "decode_translation", "maps_json", "step_detail"]
+__all__ = ["attention", "cut_to_limit", "decode_translation", "maps_json", "step_detail",
+           "translator_limit"]
 
 Call = tuple[tuple, dict, Tensor]  # a module call: args, kwargs, output
 
@@ -192,6 +193,16 @@ def decode_translation(entry: Entry, text: str, beam: int) -> dict:
             "source_tokens": src_tokens, "inputs": inputs, "produced": produced}  # fmt: skip
 
 
+def translator_limit(model: nn.Module) -> int:
+    """Source tokens a qkv translator may read (:func:`translate_limit` of its encoder,
+    decoder self- and cross-attention heads)."""
+    heads = {"self": 0, "dec": 0, "cross": 0}
+    for name, m in attention_modules(model):
+        key = "cross" if "cross" in name else "dec" if "decoder" in name else "self"
+        heads[key] += m.n_heads
+    return translate_limit(heads["self"], heads["dec"], heads["cross"])
+
+
 def _translation(entry: Entry, req: AttentionRequest, text: str) -> dict:
     loaded = entry.loaded
     if not entry.translator or loaded.full_model is None:
@@ -202,11 +213,7 @@ def _translation(entry: Entry, req: AttentionRequest, text: str) -> dict:
         from qkv.inspect.tiny import simple_tokenize
 
         encode = lambda t: (["<s>", *simple_tokenize(t), "</s>"], ())  # noqa: E731
-    heads = {"self": 0, "dec": 0, "cross": 0}
-    for name, m in attention_modules(model):
-        key = "cross" if "cross" in name else "dec" if "decoder" in name else "self"
-        heads[key] += m.n_heads
-    limit = translate_limit(heads["self"], heads["dec"], heads["cross"])
+    limit = translator_limit(model)
     text, _, _, cut = cut_to_limit(encode, text, limit)
     beam = req.beam if loaded.tokenizer is not None else 1
     layer, module, spec = _selection(model, req)

@@ -28,13 +28,12 @@ from dataclasses import dataclass
 import torch
 
 from qkv.apps.serve.answer import ablation_spec, cut_to_limit
-from qkv.apps.serve.compute import decode_translation
+from qkv.apps.serve.compute import decode_translation, translator_limit
 from qkv.apps.serve.limits import (
     MAX_TEXT_CHARS,
     AttentionRequest,
     BadRequest,
     parse_request,
-    translate_limit,
 )
 from qkv.apps.serve.long import map_limit, position_limit
 from qkv.apps.serve.models import Entry
@@ -103,13 +102,9 @@ def _qkv_translator(entry: Entry, req: AttentionRequest, text: str) -> _Run:
     if not req.translate:
         raise BadRequest(f"translate must be true: the lens reads {entry.name!r}'s decoder, "
                          f"which needs the translation")  # fmt: skip
-    heads = {"self": 0, "dec": 0, "cross": 0}
-    modules = attention_modules(model)
-    for name, m in modules:
-        heads["cross" if "cross" in name else "dec" if "decoder" in name else "self"] += m.n_heads
-    limit = translate_limit(heads["self"], heads["dec"], heads["cross"])
+    limit = translator_limit(model)
     text, _, _, cut = cut_to_limit(loaded.encode, text, limit)
-    spec = ablation_spec(req, {n: m.n_heads for n, m in modules})
+    spec = ablation_spec(req, {n: m.n_heads for n, m in attention_modules(model)})
     with torch.no_grad(), heads_off(model, spec):
         d = decode_translation(entry, text, req.beam)
     tok = loaded.tokenizer
