@@ -617,7 +617,7 @@
     const dataEl = document.getElementById("qkv-data");
     lg = window.qkvLong.create({ S, el, t, LONG_ROWS, renderView });
     cmp = window.qkvCompare.create({ S, $, el, t, elt, data, heatmap, short, viewWidth, fmt, refresh, weightsOf: lg.weightsOf });
-    lens = window.qkvLens.create({ S, el, t, elt, data, heatmap, short, viewWidth, fmt, selectHead, renderView, showTip, hideTip, weightsOf: lg.weightsOf });
+    lens = window.qkvLens.create({ S, el, t, elt, data, heatmap, short, viewWidth, fmt, selectHead, renderView, showTip, hideTip, weightsOf: lg.weightsOf, LONG_ROWS });
     document.querySelectorAll(".tab").forEach((b) => b.addEventListener("click", () => {
       S.view = b.dataset.view; setTabs(); renderView();
       if (S.view === "step" && S.data && !S.offline && !S.data.step_unavailable && (!S.data.step || S.data.step.layer !== S.layer || S.data.step.head !== S.head)) refresh();

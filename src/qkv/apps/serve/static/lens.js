@@ -9,11 +9,11 @@
 "use strict";
 (() => {
   const TOP_K = 5;
-  const LONG = 128; // more positions than this: the table is a window (app.js's LONG_ROWS)
   const WINDOW = 20; // positions in a long text's table (about a screen's width of tokens)
 
   function create(ctx) {
-    const { S, el, t, elt, data, heatmap, short, viewWidth, fmt, selectHead, renderView, showTip, hideTip, weightsOf } = ctx;
+    // LONG_ROWS: more positions than this (a long answer's), the table is a window
+    const { S, el, t, elt, data, heatmap, short, viewWidth, fmt, selectHead, renderView, showTip, hideTip, weightsOf, LONG_ROWS } = ctx;
     const { seq, seqRGB, div } = window.qkvExport;
     const Maps = window.qkvMaps;
     let got = { key: null, d: null, err: null }; // the last /api/lens answer and what it was for
@@ -76,7 +76,7 @@
       c.append(el("h3", "", t("lens.tableTitle")));
       const n = d.tokens.length, wrap = el("div", "lens-wrap");
       S.lensWindow = null; // (what the downloads draw of a long text)
-      if (n <= LONG) wrap.append(grid(d, d.tokens.map((_, j) => j)));
+      if (n <= LONG_ROWS) wrap.append(grid(d, d.tokens.map((_, j) => j)));
       else {
         const strip = el("div", "lens-strip"), bar = el("div", "row2 win-bar"), lab = el("span");
         const sl = el("input"); sl.type = "range"; sl.id = "lens-win"; sl.min = 0; sl.max = n - WINDOW; sl.step = 1;
@@ -104,7 +104,7 @@
     // the table of positions js (a long text: with their numbers, far in it tokens do not say where)
     function grid(d, js) {
       const tb = el("table", "lens-table");
-      if (d.tokens.length > LONG) {
+      if (d.tokens.length > LONG_ROWS) {
         const idx = el("tr", "idx"); idx.append(el("th"));
         for (const j of js) idx.append(el("th", "", j));
         tb.append(idx);
