@@ -862,28 +862,50 @@ template <int kR, int kJ, bool kPf, typename T>
                                         int64_t d, int64_t nj, float* S, int64_t ldS,
                                         const T* pf) {
   static_assert(kR * kJ == 8);
-  const int64_t d8 = d / 8 * 8;
+  constexpr int64_t kLine = 64 / sizeof(T);  // values of a key per 64-byte line (>= 16)
+  const int64_t dl = d / kLine * kLine, d8 = d / 8 * 8;
+  __m256 a[8];
+  // one step: chunk c of every key and row (the loops unrolled so a stays in registers)
+  auto step = [&](const T* kr, int64_t c) {
+    __m256 kv[kJ];
+#pragma GCC unroll 8
+    for (int j = 0; j < kJ; ++j) kv[j] = load8(kr + j * ks + c);
+#pragma GCC unroll 8
+    for (int r = 0; r < kR; ++r) {
+      __m256 qv = _mm256_loadu_ps(q + r * qs + c);
+      asm("" : "+x"(qv));
+#pragma GCC unroll 8
+      for (int j = 0; j < kJ; ++j) a[r * kJ + j] = _mm256_fmadd_ps(qv, kv[j], a[r * kJ + j]);
+    }
+  };
   for (int64_t j0 = 0; j0 < nj; j0 += kJ) {
     const T* kr = kp + j0 * ks;
-    __m256 a[8];
+#pragma GCC unroll 8
     for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
-    for (int64_t c = 0; c < d8; c += 8) {
+    // a 64-byte line of each key per iteration, its prefetch issued first (no branch)
+    for (int64_t c = 0; c < dl; c += kLine) {
       if constexpr (kPf)
-        if ((c * int64_t(sizeof(T))) % 64 == 0)
-          for (int j = 0; j < kJ; ++j) pf_line(pf + (j0 + j) * ks + c);
-      __m256 kv[kJ];
-      for (int j = 0; j < kJ; ++j) kv[j] = load8(kr + j * ks + c);
-      for (int r = 0; r < kR; ++r) {
-        __m256 qv = _mm256_loadu_ps(q + r * qs + c);
-        asm("" : "+x"(qv));
-        for (int j = 0; j < kJ; ++j) a[r * kJ + j] = _mm256_fmadd_ps(qv, kv[j], a[r * kJ + j]);
-      }
+#pragma GCC unroll 8
+        for (int j = 0; j < kJ; ++j) pf_line(pf + (j0 + j) * ks + c);
+#pragma GCC unroll 8
+      for (int64_t u = 0; u < kLine; u += 8) step(kr, c + u);
     }
-    alignas(32) float sums[8];
-    _mm256_store_ps(sums, hsum8x8(a));
+    for (int64_t c = dl; c < d8; c += 8) {
+      if constexpr (kPf)
+        if (((c - dl) * int64_t(sizeof(T))) % 64 == 0)
+          for (int j = 0; j < kJ; ++j) pf_line(pf + (j0 + j) * ks + c);
+      step(kr, c);
+    }
+    alignas(32) float t[8];
+    _mm256_store_ps(t, hsum8x8(a));  // lane r·kJ + j: row r, key j0 + j
+    if (d8 == d) {  // each row's kJ scores straight to S (a scalar loop here cost ~10 %)
+#pragma GCC unroll 8
+      for (int r = 0; r < kR; ++r) std::memcpy(S + r * ldS + j0, t + r * kJ, kJ * sizeof(float));
+      continue;
+    }
     for (int r = 0; r < kR; ++r)
       for (int j = 0; j < kJ; ++j) {
-        float x = sums[r * kJ + j];
+        float x = t[r * kJ + j];
         for (int64_t c = d8; c < d; ++c) x += q[r * qs + c] * to_float(kr[j * ks + c]);
         S[r * ldS + j0 + j] = x;
       }
@@ -931,18 +953,23 @@ static void scores_avx2(const float* q, int64_t qs, int64_t R, const T* kp, int6
 template <int kR, bool kPf, typename T>
 [[gnu::noinline]] static void pv_avx2(const T* vp, int64_t vs, int64_t c, const float* p,
                                       float* o, int64_t dvp, int64_t nj, const T* pf) {
+  // every loop over a unrolled: else GCC keeps a on the stack and stores all of it on each
+  // key (8 stores per 8 FMAs: pv ran at half speed)
   __m256 a[kR][2];
+#pragma GCC unroll 4
   for (int r = 0; r < kR; ++r)
     a[r][0] = _mm256_loadu_ps(o + r * dvp + c), a[r][1] = _mm256_loadu_ps(o + r * dvp + c + 8);
   for (int64_t j = 0; j < nj; ++j) {
     if constexpr (kPf) pf_line(pf + j * vs + c);
     const __m256 v0 = load8(vp + j * vs + c), v1 = load8(vp + j * vs + c + 8);
+#pragma GCC unroll 4
     for (int r = 0; r < kR; ++r) {
       const __m256 w = _mm256_broadcast_ss(p + r * kBlock + j);
       a[r][0] = _mm256_fmadd_ps(v0, w, a[r][0]);
       a[r][1] = _mm256_fmadd_ps(v1, w, a[r][1]);
     }
   }
+#pragma GCC unroll 4
   for (int r = 0; r < kR; ++r)
     _mm256_storeu_ps(o + r * dvp + c, a[r][0]), _mm256_storeu_ps(o + r * dvp + c + 8, a[r][1]);
 }
