@@ -434,7 +434,7 @@ template <typename Ops, int kR, int kC, bool kPf>
                                        const typename Ops::K* pf, __m512* out) {
   constexpr int W = Ops::kWidth;
   __m512 v[4];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int kg = 0; kg < 4; ++kg) {
     typename Ops::Acc a[16];
     for (int i = 0; i < 16; ++i) a[i] = Ops::zero();
@@ -956,20 +956,20 @@ template <int kR, bool kPf, typename T>
   // every loop over a unrolled: else GCC keeps a on the stack and stores all of it on each
   // key (8 stores per 8 FMAs: pv ran at half speed)
   __m256 a[kR][2];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int r = 0; r < kR; ++r)
     a[r][0] = _mm256_loadu_ps(o + r * dvp + c), a[r][1] = _mm256_loadu_ps(o + r * dvp + c + 8);
   for (int64_t j = 0; j < nj; ++j) {
     if constexpr (kPf) pf_line(pf + j * vs + c);
     const __m256 v0 = load8(vp + j * vs + c), v1 = load8(vp + j * vs + c + 8);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int r = 0; r < kR; ++r) {
       const __m256 w = _mm256_broadcast_ss(p + r * kBlock + j);
       a[r][0] = _mm256_fmadd_ps(v0, w, a[r][0]);
       a[r][1] = _mm256_fmadd_ps(v1, w, a[r][1]);
     }
   }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int r = 0; r < kR; ++r)
     _mm256_storeu_ps(o + r * dvp + c, a[r][0]), _mm256_storeu_ps(o + r * dvp + c + 8, a[r][1]);
 }
@@ -990,6 +990,7 @@ static void pv_tile_avx2(const T* vp, int64_t vs, int64_t dv, const float* p, in
       else pv_avx2<kR, false>(vp, vs, c, p + r * kBlock, acc + r * dvp, dvp, nj, pf);
       r += kR;
     };
+    while (r + 6 <= R) run(std::integral_constant<int, 6>{});
     while (r + 4 <= R) run(std::integral_constant<int, 4>{});
     while (r + 2 <= R) run(std::integral_constant<int, 2>{});
     while (r < R) run(std::integral_constant<int, 1>{});

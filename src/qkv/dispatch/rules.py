@@ -116,7 +116,7 @@ FUSED_AREA = 1024 * 1024
 # the portable loops 2.2× for bf16 at 4 rows (torch's bf16 path is slow there), 0.1-0.9×
 # for everything else
 UNTUNED_DECODE = {
-    "avx2": (8, (torch.float32, torch.bfloat16)),
+    "avx2": (16, (torch.float32, torch.bfloat16)),
     "portable": (4, (torch.bfloat16,)),
     "neon": (4, (torch.bfloat16,)),
 }
