@@ -48,9 +48,10 @@ scalar loops and these rows replace the fused ones (the first five rows hold on 
 ==================================================  =======  =======================================
 case (first matching row wins)                      backend  why (measured)
 ==================================================  =======  =======================================
-decode-able, ``Tq <= 16``, ``G·Tq <= 16`` rows      decode   avx2: 1.0-18× (fp32/bf16, Tk=512-16384,
-                                                             0.65-1.0× at 64 rows); portable, neon:
-                                                             bf16 and ``G·Tq <= 4`` only (2.2×)
+decode-able, ``Tq <= 16``, ``G·Tq <= 16`` rows      decode   avx2: 1.1-2.0× torch on grouped rows
+                                                             (fp32/bf16, 4-16 rows, Tk=1024-16384);
+                                                             portable, neon: bf16 and ``G·Tq <= 4``
+                                                             only (2.2×)
 fused, gradients needed, bf16 (portable, neon)      flash    fwd+bwd 4.0-5.6× (T=256-4096)
 fused, ``window``, ``Tk >= 4·window`` (portable)    flash    1.1× (T=1024) to 5.4× (T=4096), w=256
 ``window`` (not fused), as above                    flash    as above
@@ -111,8 +112,9 @@ FUSED_WINDOW_RATIO = 2
 FUSED_AREA = 1024 * 1024
 # The kernel levels without AVX-512 (qkv.kernels._levels), the second table of the docstring:
 # the decode kernel up to this many query rows per kv head (G·Tq), for these dtypes: avx2
-# (Zen 3, Tk = 16384, 1 thread, against torch on the grouped-rows layout that the torch
-# backend runs) fp32 1.49× / 1.14× / 0.86× at 4 / 8 / 16 rows, bf16 1.51× / 0.97× / 0.73×;
+# (Zen 3, 1 thread, against torch on the grouped-rows layout that the torch backend runs)
+# Tk = 16384: fp32 1.51× / 1.53× / 1.39× at 4 / 8 / 16 rows, bf16 1.99× / 1.49× / 1.14×;
+# Tk = 1024: fp32 1.51× / 1.28× / 1.33×, bf16 1.94× / 1.45× / 1.12×;
 # the portable loops 2.2× for bf16 at 4 rows (torch's bf16 path is slow there), 0.1-0.9×
 # for everything else
 UNTUNED_DECODE = {
