@@ -112,6 +112,19 @@ def test_integer_sums_exact_and_output_within_bound(problem):
     assert ((y.double() - exact).abs() <= error_bound(x, w, rs, pw.scale, b)).all()
 
 
+def test_long_rows_exact():
+    """Rows around the AVX2 kernel's limit for widening q once per call (2048 values; longer
+    rows are widened in its loop), with a tail that is not a whole vector: exact sums."""
+    g = torch.Generator().manual_seed(1)
+    for K in (2044, 2048, 2052, 4101):
+        x, w = torch.randn(5, K, generator=g), torch.randn(70, K, generator=g)
+        pw = quantize_weight(w)
+        q, _, z = quantize_rows(x)
+        acc = torch.ops.qkv_int8.matmul_s32(q, z, pw.packed, pw.wsum, 70)
+        ref = (q.long() - z[:, None].long())[:, :K] @ pw.weight.long().T
+        assert torch.equal(acc.long(), ref), K
+
+
 def test_translator_shapes_exact_with_threads():
     """The shapes that matter (K 256/1024; N 256..8000; M up to 160), 1 and 2 threads, the
     rows split among threads too (N = 64 gives one channel group)."""

@@ -199,36 +199,62 @@ static void block_s32(const Problem& P, int64_t m0, int64_t n0, int32_t* out) {
   // at 255·127·2), so both operands are widened to int16 and vpmaddwd adds exact pairs into
   // int32: lane 2c + e holds channel c's sum over k = 2e, 2e + 1 of each group of 4. Per tile
   // (16 channels), two passes of 8 channels: R rows x 2 accumulators stay in registers.
-  for (int t = 0; t < 4; ++t)
-    for (int h = 0; h < 16; h += 8) {  // channels 16t + h .. 16t + h + 7
-      __m256i acc[R][2];
+  // The rows' q are widened to int16 once per call (up to kWideKp values), so each step
+  // broadcasts a row's 4 values with one load instead of widening them again for each of
+  // the 8 passes (longer rows widen in the loop).
+  constexpr int64_t kWideKp = 2048;
+  alignas(32) int16_t xw[R][kWideKp];
+  const bool wide = P.Kp <= kWideKp;
+  if (wide)
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* qr = P.q + (m0 + r) * P.Kp;
+      int64_t k = 0;
+      for (; k + 16 <= P.Kp; k += 16)
+        _mm256_store_si256(reinterpret_cast<__m256i*>(xw[r] + k),
+                           _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qr + k))));
+      for (; k < P.Kp; ++k) xw[r][k] = qr[k];
+    }
+  auto pass = [&](auto wide_, int t, int h) {
+    constexpr bool kWide = decltype(wide_)::value;
+    __m256i acc[R][2];
 #pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
-      const int8_t* wh = wt + t * tile + 4 * h;
-      for (int64_t g = 0; g < groups; ++g) {
-        const __m128i* wp = reinterpret_cast<const __m128i*>(wh + g * 64);
-        const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(wp));  // 4 channels x 4 k
-        const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(wp + 1));
-#pragma GCC unroll 4
-        for (int r = 0; r < R; ++r) {
-          int32_t four;  // q[k = 4g .. 4g + 3] of row r, repeated for the 4 channels
-          std::memcpy(&four, P.q + (m0 + r) * P.Kp + 4 * g, 4);
-          const __m256i x = _mm256_cvtepu8_epi16(_mm_set1_epi32(four));
-          acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(x, w0));
-          acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(x, w1));
-        }
-      }
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+    const int8_t* wh = wt + t * tile + 4 * h;
+    for (int64_t g = 0; g < groups; ++g) {
+      const __m128i* wp = reinterpret_cast<const __m128i*>(wh + g * 64);
+      const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(wp));  // 4 channels x 4 k
+      const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(wp + 1));
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
-        // pair sums -> channel sums, in channel order (hadd works within 128-bit halves)
-        const __m256i c = _mm256_permute4x64_epi64(_mm256_hadd_epi32(acc[r][0], acc[r][1]),
-                                                   0xd8);
-        const __m256i z = _mm256_set1_epi32(P.zero[m0 + r]);
-        const __m256i sw = _mm256_loadu_si256(
-            reinterpret_cast<const __m256i*>(P.wsum + n0 + 16 * t + h));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * 64 + 16 * t + h),
-                            _mm256_sub_epi32(c, _mm256_mullo_epi32(z, sw)));
+        __m256i x;  // q[k = 4g .. 4g + 3] of row r as int16, repeated for the 4 channels
+        if constexpr (kWide) {
+          int64_t four;
+          std::memcpy(&four, xw[r] + 4 * g, 8);
+          x = _mm256_set1_epi64x(four);
+        } else {
+          int32_t four;
+          std::memcpy(&four, P.q + (m0 + r) * P.Kp + 4 * g, 4);
+          x = _mm256_cvtepu8_epi16(_mm_set1_epi32(four));
+        }
+        acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(x, w0));
+        acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(x, w1));
       }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      // pair sums -> channel sums, in channel order (hadd works within 128-bit halves)
+      const __m256i c = _mm256_permute4x64_epi64(_mm256_hadd_epi32(acc[r][0], acc[r][1]), 0xd8);
+      const __m256i z = _mm256_set1_epi32(P.zero[m0 + r]);
+      const __m256i sw =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(P.wsum + n0 + 16 * t + h));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * 64 + 16 * t + h),
+                          _mm256_sub_epi32(c, _mm256_mullo_epi32(z, sw)));
+    }
+  };
+  for (int t = 0; t < 4; ++t)
+    for (int h = 0; h < 16; h += 8) {  // channels 16t + h .. 16t + h + 7
+      if (wide) pass(std::true_type{}, t, h);
+      else pass(std::false_type{}, t, h);
     }
 #else
   for (int r = 0; r < R; ++r) {
