@@ -108,7 +108,7 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="length penalty exponent (default: the model's tuned value, else 1)")  # fmt: skip
     p.add_argument("--threads", type=threads, default=None, help="torch threads (default: all)")
     p.add_argument("--int8", action="store_true",
-                   help="int8 linear layers: BLEU within ~0.1 of float, faster a sentence at a time")  # fmt: skip
+                   help="int8 linear layers: BLEU within ~0.1 of float, faster with AVX2 or VNNI")  # fmt: skip
 
 
 def add_parser(sub) -> None:
