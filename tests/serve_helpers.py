@@ -99,13 +99,15 @@ def running_server(app) -> Iterator[int]:
         sock.close()
 
 
-def page_ready(page) -> None:
+def page_ready(page, timeout_ms: float = 30_000) -> None:
     """Wait until the explorer page has finished its current request (``data-ready``).
 
     No fixed pause first: every control that asks the server calls ``refresh()`` in its
     event handler, which sets ``data-ready='0'`` before it awaits anything, and Playwright's
-    actions return after the handlers ran; so a request started by the last action is seen."""
-    page.wait_for_selector("body[data-ready='1']")
+    actions return after the handlers ran; so a request started by the last action is seen.
+    ``timeout_ms``: longer for the 2,048-token answers, which take tens of seconds on 2 cores
+    busy with the rest of the suite."""
+    page.wait_for_selector("body[data-ready='1']", timeout=timeout_ms)
 
 
 def post_json(server: str, path: str = "/api/attention", /, **body) -> dict:

@@ -305,6 +305,7 @@ def test_compare_is_in_the_readers_language(server, browser, lang):
 
 
 # two texts of 2,048 tokens each ([CLS] + 2,046 words + [SEP]); B: a word in twenty changed
+LONG_WAIT_MS = 120_000  # two 2,048-token answers: over 30 s when other tests share the cores
 LONG_A = " ".join(f"w{i % 97}" for i in range(2046))
 LONG_B = " ".join(f"v{i % 89}" if i % 20 == 7 else f"w{i % 97}" for i in range(2046))
 
@@ -337,10 +338,10 @@ def test_two_long_texts(server, browser):
     # a layer picked while the two answers are computed (seconds) stays picked, and its exact
     # maps are asked for next (it used to jump back to the layer the answers were asked for)
     page.select_option("#layer", L1)
-    _ready(page)
+    _ready(page, LONG_WAIT_MS)
     assert page.input_value("#layer") == L1
     page.select_option("#head", "2")
-    _ready(page)
+    _ready(page, LONG_WAIT_MS)
     _responsive(page, "two long answers drawn")
     assert page.text_content("#status").startswith("A: 2048 tokens · B: 2048 tokens")
     a = post_json(server, text=LONG_A, model="random", layer=L1, head=2)
