@@ -434,7 +434,7 @@ template <typename Ops, int kR, int kC, bool kPf>
                                        const typename Ops::K* pf, __m512* out) {
   constexpr int W = Ops::kWidth;
   __m512 v[4];
-#pragma GCC unroll 8
+#pragma GCC unroll 4
   for (int kg = 0; kg < 4; ++kg) {
     typename Ops::Acc a[16];
     for (int i = 0; i < 16; ++i) a[i] = Ops::zero();
@@ -898,7 +898,7 @@ template <int kR, int kJ, bool kPf, typename T>
     }
     alignas(32) float t[8];
     _mm256_store_ps(t, hsum8x8(a));  // lane r·kJ + j: row r, key j0 + j
-    if (d8 == d) {  // each row's kJ scores straight to S (a scalar loop here cost ~10 %)
+    if (d8 == d) {  // each row's kJ scores straight to S, one copy per row
 #pragma GCC unroll 8
       for (int r = 0; r < kR; ++r) std::memcpy(S + r * ldS + j0, t + r * kJ, kJ * sizeof(float));
       continue;
