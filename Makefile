@@ -5,7 +5,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test wheel-test lint bench venv clean
+.PHONY: demo test wheel-test arm-test lint bench venv clean
 
 # The kernels (src/qkv/csrc) are compiled here, once per CPU level (~5 min on 2 cores; ninja
 # recompiles only what changed), against the venv's torch: hence --no-build-isolation.
@@ -34,6 +34,11 @@ test: $(STAMP)
 # the wheel, installed into a fresh venv with no compiler on PATH, its kernel tests run there
 wheel-test: $(STAMP)
 	bash scripts/wheel-test.sh
+
+# the kernel tests on the Arm level, cross-compiled and run under QEMU (root the first time:
+# qemu-user, debootstrap, binfmt_misc; ~1.3 GB kept in ~/.cache/qkv-arm)
+arm-test: $(STAMP)
+	bash scripts/arm-test.sh
 
 bench: $(STAMP)
 	$(PY) -m pip install -q -e '.[bench]'  # the peers: ONNX Runtime, OpenVINO, CTranslate2

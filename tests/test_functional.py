@@ -7,13 +7,10 @@ import hypothesis.strategies as st
 import pytest
 import torch
 import torch.nn.functional as TF
-from hypothesis import given, settings
+from hypothesis import given
 
 from qkv.functional import attention_steps, scaled_dot_product_attention
 from strategies import draw_mask_and_bias
-
-settings.register_profile("qkv", deadline=None, max_examples=60, derandomize=True)
-settings.load_profile("qkv")
 
 
 def allowed_pairs(Tq, Tk, mask=None, causal=False, window=None):

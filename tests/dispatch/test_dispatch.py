@@ -12,9 +12,6 @@ from qkv import MultiHeadAttention, dispatch
 from qkv.functional import explain_dispatch, scaled_dot_product_attention
 from strategies import draw_mask_and_bias
 
-settings.register_profile("qkv", deadline=None, max_examples=60, derandomize=True)
-settings.load_profile("qkv")
-
 
 @st.composite
 def case(draw):

@@ -28,9 +28,6 @@ from qkv.kernels import decode as decode_mod
 from qkv.kernels._native import decode_ops, native_level, native_status
 from qkv.kernels.decode import MAX_TQ, decode_attention, run_decode
 
-settings.register_profile("qkv", deadline=None, max_examples=60, derandomize=True)
-settings.load_profile("qkv")
-
 require_built(decode_ops() is not None, "decode kernel", native_status())
 
 EPS32 = torch.finfo(torch.float32).eps

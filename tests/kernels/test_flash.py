@@ -8,7 +8,7 @@ import hypothesis.strategies as st
 import pytest
 import torch
 import torch.nn.functional as TF
-from hypothesis import given, settings
+from hypothesis import given
 
 from qkv import masks
 from qkv.functional import attention_steps
@@ -17,9 +17,6 @@ from qkv.kernels.flash import flash_attention
 from qkv.varlen import packed_mask, varlen_attention
 from qkv.weights import weights_from_lse
 from strategies import draw_mask_and_bias
-
-settings.register_profile("qkv", deadline=None, max_examples=60, derandomize=True)
-settings.load_profile("qkv")
 
 
 @st.composite

@@ -24,9 +24,6 @@ from qkv.kernels._native import native_level, native_module, native_ops, native_
 from qkv.kernels.flash import flash_attention
 from strategies import draw_mask_and_bias
 
-settings.register_profile("qkv", deadline=None, max_examples=60, derandomize=True)
-settings.load_profile("qkv")
-
 require_built(native_ops() is not None, "fused CPU kernel", native_status())
 
 

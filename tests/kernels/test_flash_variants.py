@@ -11,7 +11,7 @@ import hypothesis.strategies as st
 import pytest
 import torch
 import torch.nn.functional as TF
-from hypothesis import given, settings
+from hypothesis import given
 
 import qkv.kernels.flash as flash_mod
 from native import assert_level_ok, other_levels, require_built
@@ -19,9 +19,6 @@ from qkv import MultiHeadAttention, masks
 from qkv.functional import attention_steps, scaled_dot_product_attention
 from qkv.kernels._native import native_ops, native_status
 from qkv.kernels.flash import flash_attention
-
-settings.register_profile("qkv", deadline=None, max_examples=60, derandomize=True)
-settings.load_profile("qkv")
 
 require_built(native_ops() is not None, "fused CPU kernel", native_status())
 

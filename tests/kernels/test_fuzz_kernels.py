@@ -23,10 +23,7 @@ from strategies import attention_inputs
 
 # QKV_FUZZ_EXAMPLES=2000 QKV_FUZZ_SEED=... for a longer, random (not derandomized) search
 _N = int(os.environ.get("QKV_FUZZ_EXAMPLES", "80"))
-settings.register_profile(
-    "qkv-fuzz", deadline=None, max_examples=_N, derandomize="QKV_FUZZ_SEED" not in os.environ
-)
-settings.load_profile("qkv-fuzz")
+FUZZ = settings(max_examples=_N, derandomize="QKV_FUZZ_SEED" not in os.environ)
 
 BACKENDS = ("math", "flash", "torch", "auto")
 _INF = float("inf")
@@ -134,6 +131,7 @@ def calls(draw, allow_empty=True):
     return q, k, v, kw, backend, return_weights, heads
 
 
+@FUZZ
 @given(calls())
 def test_every_backend_matches_fp64_on_adversarial_inputs(call):
     q, k, v, kw, backend, return_weights, heads = call
@@ -156,6 +154,7 @@ def test_every_backend_matches_fp64_on_adversarial_inputs(call):
         assert (w_err <= w_tol).all(), (backend, q.dtype, float((w_err - w_tol).max()))
 
 
+@FUZZ
 @given(calls(allow_empty=False))
 def test_gradients_finite_and_close_to_fp64(call):
     """fp32/fp64 gradients against fp64 autograd where the scores are moderate (|logit| <=
@@ -184,6 +183,7 @@ def test_gradients_finite_and_close_to_fp64(call):
             assert err.numel() == 0 or err.max() <= tol * (1 + top), backend
 
 
+@FUZZ
 @given(attention_inputs(max_T=40), st.integers(1, 16), st.integers(1, 16), st.booleans())
 def test_flash_tiles_match_fp64_with_lse(case, block_q, block_k, softcap):
     """Small tiles: many key blocks per row (the online softmax's rescaling, the fused

@@ -9,7 +9,7 @@ import doctest
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
@@ -29,8 +29,6 @@ from qkv.kernels.int8 import (
 from qkv.models import Seq2SeqTransformer, TransformerConfig
 from qkv.models.incremental import IncrementalDecoder, unsupported
 
-settings.register_profile("qkv", deadline=None, max_examples=60, derandomize=True)
-settings.load_profile("qkv")
 torch.set_num_threads(1)
 
 require_built(int8_ops() is not None, "int8 kernel", native_status())

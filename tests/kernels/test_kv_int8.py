@@ -30,9 +30,6 @@ from qkv.kernels._native import decode_ops, native_status
 from qkv.kernels.decode import as_unpacked, decode_attention, run_decode
 from test_decode import decode_case
 
-settings.register_profile("qkv", deadline=None, max_examples=60, derandomize=True)
-settings.load_profile("qkv")
-
 EPS32 = torch.finfo(torch.float32).eps
 
 

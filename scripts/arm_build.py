@@ -1,0 +1,123 @@
+"""Cross-compile qkv's kernels for aarch64 (the ``neon`` level) on an x86-64 machine.
+
+``python scripts/arm_build.py --torch-dir SITE --out DIR`` compiles every kernel source with
+Debian's ``aarch64-linux-gnu-g++`` and the neon level's flags (``qkv/kernels/_levels.py``,
+as ``setup.py`` would on an Arm machine), links them against the aarch64 torch installed in
+``SITE``, and writes a copy of the package to ``DIR/qkv`` holding that build as its prebuilt
+``_C_neon.kernels`` (with the ``_built.json`` record ``setup.py`` writes). Used by
+``scripts/arm-test.sh`` (the kernel tests under QEMU) and, compile step only, by the tests.
+It reads qkv's files by path and imports neither qkv nor torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "src" / "qkv"
+CXX = "aarch64-linux-gnu-g++"
+
+
+def _levels():
+    spec = importlib.util.spec_from_file_location("_qkv_levels", PACKAGE / "kernels/_levels.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(spec.name, mod)  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def compile_command(source: str, out: Path, torch_include: list[str]) -> list[str]:
+    """The command that compiles one kernel source to an aarch64 object: the neon level's
+    flags, torch's headers from ``torch_include``, this Python's own headers (the C API of
+    one Python version is the same on every 64-bit Linux)."""
+    L = _levels()
+    neon = next(lv for lv in L.LEVELS if lv.machine == "aarch64")
+    includes = [*torch_include, sysconfig.get_paths()["include"]]
+    return [CXX, "-c", "-fPIC", "-std=c++17", *L.COMMON_FLAGS, *neon.flags,
+            f"-DQKV_LEVEL={neon.name}", f"-DTORCH_EXTENSION_NAME=_C_{neon.name}",
+            "-DTORCH_API_INCLUDE_EXTENSION_H", "-D_GLIBCXX_USE_CXX11_ABI=1",
+            *(f"-isystem{p}" for p in includes), str(PACKAGE / "csrc" / source),
+            "-o", str(out)]  # fmt: skip
+
+
+def compile_all(objdir: Path, torch_include: list[str]) -> list[Path]:
+    """Every kernel source to ``objdir/<source>.o``, two at a time; an error names the file."""
+    L = _levels()
+    objdir.mkdir(parents=True, exist_ok=True)
+    objs = [objdir / f"{s}.o" for s in L.SOURCES]
+
+    def one(pair):
+        source, obj = pair
+        return source, subprocess.run(compile_command(source, obj, torch_include),
+                                      capture_output=True, text=True)  # fmt: skip
+
+    with ThreadPoolExecutor(2) as pool:
+        for source, res in pool.map(one, zip(L.SOURCES, objs)):
+            if res.returncode != 0:
+                raise SystemExit(f"arm_build: {source} does not compile:\n{res.stderr[-4000:]}")
+    return objs
+
+
+def _torch_version(site: Path) -> str:
+    text = (site / "torch" / "version.py").read_text()
+    return re.search(r"^__version__\s*=\s*['\"]([^'\"]+)", text, re.M).group(1)
+
+
+def build(site: Path, out: Path) -> Path:
+    """The package copy ``out/qkv`` with its neon build; skipped when ``out`` already holds
+    a build of these sources against this torch."""
+    L = _levels()
+    digest = L.source_digest(PACKAGE / "csrc")
+    version = _torch_version(site)
+    record = out / "qkv" / "kernels" / "_built.json"
+    if record.exists():
+        info = json.loads(record.read_text())
+        if info.get("sources") == digest and info.get("torch") == version:
+            print(f"arm_build: {out / 'qkv'} is up to date (sources {digest}, torch {version})")
+            return out / "qkv"
+    t0 = time.time()
+    lib = site / "torch" / "lib"
+    objs = compile_all(out / "obj", [str(site / "torch/include"),
+                                     str(site / "torch/include/torch/csrc/api/include")])
+    staged = out / "qkv.tmp"
+    shutil.rmtree(staged, ignore_errors=True)
+    shutil.copytree(PACKAGE, staged, ignore=shutil.ignore_patterns("_C_*.kernels", "__pycache__",
+                                                                   "_built.json"))  # fmt: skip
+    kernels = staged / "_C_neon.kernels"
+    subprocess.run([CXX, "-shared", "-fopenmp", *map(str, objs), f"-L{lib}", "-lc10", "-ltorch",
+                    "-ltorch_cpu", "-ltorch_python", "-o", str(kernels)], check=True)  # fmt: skip
+    info = {"torch": version, "sources": digest, "levels": ["neon"],
+            "sha256": {"neon": L.file_digest(kernels)}}  # fmt: skip
+    (staged / "kernels" / "_built.json").write_text(json.dumps(info, indent=1) + "\n")
+    shutil.rmtree(out / "qkv", ignore_errors=True)
+    staged.rename(out / "qkv")  # whole or not at all: a broken build never looks current
+    print(f"arm_build: neon kernels for torch {version} in {time.time() - t0:.0f} s -> "
+          f"{out / 'qkv'}")
+    return out / "qkv"
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--torch-dir", type=Path, required=True,
+                    help="site-packages folder holding an aarch64 torch")
+    ap.add_argument("--out", type=Path, required=True, help="folder for the package copy")
+    args = ap.parse_args(argv)
+    if not (args.torch_dir / "torch" / "version.py").is_file():
+        ap.error(f"--torch-dir: expected a folder holding torch/, got {args.torch_dir}")
+    if shutil.which(CXX) is None:
+        ap.error(f"{CXX} not found (Debian: apt-get install g++-aarch64-linux-gnu)")
+    build(args.torch_dir, args.out)
+
+
+if __name__ == "__main__":
+    main()
