@@ -53,9 +53,11 @@ if [ ! -e /proc/sys/fs/binfmt_misc/qemu-aarch64 ]; then
 fi
 
 # aarch64 wheels into one folder (pip's --platform; the dependencies named, since pip would
-# read torch's markers for this x86-64 machine)
+# read torch's markers for this x86-64 machine); made again when this list changes
 SITE=$DIR/site-torch-$TORCH_ARM
-if [ ! -d "$SITE/torch" ]; then
+WANT="torch==$TORCH_ARM filelock typing-extensions sympy networkx jinja2 fsspec numpy safetensors
+      tqdm rich tokenizers transformers setuptools pytest pytest-xdist hypothesis"
+if [ "$(cat "$SITE/.packages" 2>/dev/null)" != "$(echo $WANT)" ]; then
     echo "arm-test: aarch64 torch $TORCH_ARM and the test tools into $SITE"
     rm -rf "$SITE.tmp"
     plat=(--only-binary=:all: --python-version 311 --implementation cp
@@ -63,10 +65,11 @@ if [ ! -d "$SITE/torch" ]; then
           --platform manylinux2014_aarch64)
     "$PY" -m pip install -q --no-warn-script-location --target "$SITE.tmp" "${plat[@]}" \
         --no-deps "torch==$TORCH_ARM"
+    # shellcheck disable=SC2086
     "$PY" -m pip install -q --no-warn-script-location --target "$SITE.tmp" "${plat[@]}" \
-        filelock typing-extensions sympy networkx jinja2 fsspec numpy safetensors tqdm rich \
-        tokenizers transformers pytest pytest-xdist hypothesis
-    mv "$SITE.tmp" "$SITE"
+        ${WANT#torch==$TORCH_ARM}
+    echo $WANT > "$SITE.tmp/.packages"
+    rm -rf "$SITE" && mv "$SITE.tmp" "$SITE"
 fi
 
 "$PY" scripts/arm_build.py --torch-dir "$SITE" --out "$DIR/pkg-$TORCH_ARM"

@@ -4,14 +4,16 @@
 Debian's ``aarch64-linux-gnu-g++`` and the neon level's flags (``qkv/kernels/_levels.py``,
 as ``setup.py`` would on an Arm machine), links them against the aarch64 torch installed in
 ``SITE``, and writes a copy of the package to ``DIR/qkv`` holding that build as its prebuilt
-``_C_neon.kernels`` (with the ``_built.json`` record ``setup.py`` writes). Used by
-``scripts/arm-test.sh`` (the kernel tests under QEMU) and, compile step only, by the tests.
+``_C_neon.kernels`` (with the ``_built.json`` record ``setup.py`` writes; objects are kept
+in ``DIR/build``). Used by ``scripts/arm-test.sh`` (the kernel tests under QEMU) and,
+compile step only, by the tests.
 It reads qkv's files by path and imports neither qkv nor torch.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import re
@@ -28,10 +30,11 @@ PACKAGE = ROOT / "src" / "qkv"
 CXX = "aarch64-linux-gnu-g++"
 
 
+@functools.cache
 def _levels():
     spec = importlib.util.spec_from_file_location("_qkv_levels", PACKAGE / "kernels/_levels.py")
     mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(spec.name, mod)  # dataclasses look their module up there
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
     spec.loader.exec_module(mod)
     return mod
 
@@ -74,35 +77,36 @@ def _torch_version(site: Path) -> str:
 
 
 def build(site: Path, out: Path) -> Path:
-    """The package copy ``out/qkv`` with its neon build; skipped when ``out`` already holds
-    a build of these sources against this torch."""
+    """``out/qkv``: a fresh copy of the package holding the neon build. The kernels are
+    compiled again only when the sources or the torch differ from the last build's."""
     L = _levels()
     digest = L.source_digest(PACKAGE / "csrc")
     version = _torch_version(site)
-    record = out / "qkv" / "kernels" / "_built.json"
-    if record.exists():
-        info = json.loads(record.read_text())
-        if info.get("sources") == digest and info.get("torch") == version:
-            print(f"arm_build: {out / 'qkv'} is up to date (sources {digest}, torch {version})")
-            return out / "qkv"
-    t0 = time.time()
-    lib = site / "torch" / "lib"
-    objs = compile_all(out / "obj", [str(site / "torch/include"),
-                                     str(site / "torch/include/torch/csrc/api/include")])
+    kernels, record = out / "build" / "_C_neon.kernels", out / "build" / "_built.json"
+    info = json.loads(record.read_text()) if record.exists() else {}
+    if (info.get("sources"), info.get("torch")) == (digest, version) and kernels.exists():
+        print(f"arm_build: kernels up to date (sources {digest}, torch {version})")
+    else:
+        t0 = time.time()
+        record.unlink(missing_ok=True)  # no record: a build cut short is never taken as current
+        objs = compile_all(out / "build" / "obj", [
+            str(site / "torch/include"), str(site / "torch/include/torch/csrc/api/include")])
+        subprocess.run([CXX, "-shared", "-fopenmp", *map(str, objs), f"-L{site / 'torch/lib'}",
+                        "-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python", "-o", str(kernels)],
+                       check=True)  # fmt: skip
+        info = {"torch": version, "sources": digest, "levels": ["neon"],
+                "sha256": {"neon": L.file_digest(kernels)}}  # fmt: skip
+        record.write_text(json.dumps(info, indent=1) + "\n")
+        print(f"arm_build: neon kernels for torch {version} in {time.time() - t0:.0f} s")
     staged = out / "qkv.tmp"
     shutil.rmtree(staged, ignore_errors=True)
     shutil.copytree(PACKAGE, staged, ignore=shutil.ignore_patterns("_C_*.kernels", "__pycache__",
                                                                    "_built.json"))  # fmt: skip
-    kernels = staged / "_C_neon.kernels"
-    subprocess.run([CXX, "-shared", "-fopenmp", *map(str, objs), f"-L{lib}", "-lc10", "-ltorch",
-                    "-ltorch_cpu", "-ltorch_python", "-o", str(kernels)], check=True)  # fmt: skip
-    info = {"torch": version, "sources": digest, "levels": ["neon"],
-            "sha256": {"neon": L.file_digest(kernels)}}  # fmt: skip
-    (staged / "kernels" / "_built.json").write_text(json.dumps(info, indent=1) + "\n")
+    shutil.copy2(kernels, staged / kernels.name)
+    shutil.copy2(record, staged / "kernels" / "_built.json")
     shutil.rmtree(out / "qkv", ignore_errors=True)
-    staged.rename(out / "qkv")  # whole or not at all: a broken build never looks current
-    print(f"arm_build: neon kernels for torch {version} in {time.time() - t0:.0f} s -> "
-          f"{out / 'qkv'}")
+    staged.rename(out / "qkv")
+    print(f"arm_build: the package with its neon kernels -> {out / 'qkv'}")
     return out / "qkv"
 
 

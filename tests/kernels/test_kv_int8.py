@@ -230,6 +230,7 @@ import sys
 sys.path[:0] = {[str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]!r}
 from qkv.kernels._native import native_status
 assert "int8 K/V: widened to fp32" in native_status(), native_status()
+import conftest  # the suite's Hypothesis profile, as under pytest
 import test_kv_int8 as t
 t.test_decode_over_int8_rows_matches_fp64()
 for G, Tq in ((1, 1), (4, 1), (4, 4), (2, 16)):
