@@ -14,16 +14,16 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib.util
 import json
 import re
+import runpy
 import shutil
 import subprocess
-import sys
 import sysconfig
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "src" / "qkv"
@@ -31,12 +31,9 @@ CXX = "aarch64-linux-gnu-g++"
 
 
 @functools.cache
-def _levels():
-    spec = importlib.util.spec_from_file_location("_qkv_levels", PACKAGE / "kernels/_levels.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
+def _levels() -> SimpleNamespace:
+    """qkv/kernels/_levels.py, run by path (it imports nothing from qkv or torch)."""
+    return SimpleNamespace(**runpy.run_path(str(PACKAGE / "kernels" / "_levels.py")))
 
 
 def compile_command(source: str, out: Path, torch_include: list[str]) -> list[str]:
