@@ -30,7 +30,9 @@ if [ ${#need[@]} -gt 0 ]; then
         exit 1
     fi
     echo "arm-test: installing ${need[*]}"
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
 fi
 
 # an aarch64 Debian to run: debootstrap's first stage downloads the packages, which are
