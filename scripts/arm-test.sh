@@ -48,10 +48,14 @@ if [ ! -x "$ROOTFS/usr/bin/python3.11" ]; then
 fi
 export QEMU_LD_PREFIX=$ROOTFS  # where the emulated programs find their loader and libraries
 
-# binfmt_misc runs aarch64 programs through QEMU: the tests start Python subprocesses
-if [ ! -e /proc/sys/fs/binfmt_misc/qemu-aarch64 ]; then
-    [ -e /proc/sys/fs/binfmt_misc/register ] || mount -t binfmt_misc binfmt_misc /proc/sys/fs/binfmt_misc
-    cat /usr/lib/binfmt.d/qemu-aarch64.conf > /proc/sys/fs/binfmt_misc/register
+# binfmt_misc runs aarch64 programs through QEMU (the tests start Python subprocesses):
+# an aarch64 ELF executable's header, unless a handler for it is registered already
+BINFMT=/proc/sys/fs/binfmt_misc
+[ -e $BINFMT/register ] || mount -t binfmt_misc binfmt_misc $BINFMT
+if ! grep -qs "^magic 7f454c460201010000000000000000000200b700" $BINFMT/*; then
+    magic='\x7f\x45\x4c\x46\x02\x01\x01\x00\x00\x00\x00\x00\x00\x00\x00\x00\x02\x00\xb7\x00'
+    mask='\xff\xff\xff\xff\xff\xff\xff\x00\xff\xff\xff\xff\xff\xff\xff\xff\xfe\xff\xff\xff'
+    echo ":qkv-aarch64:M::$magic:$mask:$(command -v qemu-aarch64):" > $BINFMT/register
 fi
 
 # aarch64 wheels into one folder (pip's --platform; the dependencies named, since pip would

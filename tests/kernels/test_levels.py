@@ -178,12 +178,16 @@ def test_a_wait_for_another_build_is_said(tmp_path, monkeypatch, caplog):
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     beat = _native._heartbeat
-    monkeypatch.setattr(_native, "_heartbeat", lambda what: beat(what, every=0.05))
+
+    def waiting(what):  # the other process finishes a while after this one starts to wait
+        threading.Timer(1.0, holder.close).start()
+        return beat(what, every=0.05)
+
+    monkeypatch.setattr(_native, "_heartbeat", waiting)
     name = "qkv_native_test_wait"
     (tmp_path / name).mkdir()
     holder = open(tmp_path / name / "qkv-build.flock", "w")
     fcntl.flock(holder, fcntl.LOCK_EX)
-    threading.Timer(0.3, holder.close).start()  # the other process finishes
     with caplog.at_level("WARNING", logger="qkv.kernels"):
         with _native._build_lock(name):
             pass
