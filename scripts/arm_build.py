@@ -51,7 +51,8 @@ def compile_command(source: str, out: Path, torch_include: list[str]) -> list[st
 
 
 def compile_all(objdir: Path, torch_include: list[str]) -> list[Path]:
-    """Every kernel source to ``objdir/<source>.o``, two at a time; an error names the file."""
+    """Every kernel source to ``objdir/<source>.o``, two at a time, each within 10 min; an
+    error names the file."""
     L = _levels()
     objdir.mkdir(parents=True, exist_ok=True)
     objs = [objdir / f"{s}.o" for s in L.SOURCES]
@@ -59,7 +60,7 @@ def compile_all(objdir: Path, torch_include: list[str]) -> list[Path]:
     def one(pair):
         source, obj = pair
         return source, subprocess.run(compile_command(source, obj, torch_include),
-                                      capture_output=True, text=True)  # fmt: skip
+                                      capture_output=True, text=True, timeout=600)  # fmt: skip
 
     with ThreadPoolExecutor(2) as pool:
         for source, res in pool.map(one, zip(L.SOURCES, objs)):
