@@ -309,9 +309,10 @@ def _cpu_flags() -> set[str]:
 
 
 def _bf16_paths() -> list[str]:
-    """QKV_BF16_MATMUL values whose path this machine has (amx only where oneDNN sees AMX)."""
+    """QKV_BF16_MATMUL values whose path this machine has (amx only on the amx level, where
+    oneDNN sees AMX)."""
     paths = ["dot", "widen", "brgemm"]
-    if "amx_bf16" in _cpu_flags() and os.environ.get("ONEDNN_MAX_CPU_ISA") is None:
+    if native_level() == "amx" and os.environ.get("ONEDNN_MAX_CPU_ISA") is None:
         paths.append("amx")
     return paths
 
@@ -323,12 +324,12 @@ def test_bf16_matmul_switch_picks_the_path_and_rejects_unknown_values(monkeypatc
     monkeypatch.setenv("QKV_BF16_MATMUL", "widen")
     assert native_ops().bf16_path().startswith("widen")
     monkeypatch.delenv("QKV_BF16_MATMUL")  # auto: without AMX or bf16 dot products, widen
-    if "amx_bf16" not in _cpu_flags() and not has_dot:
+    if native_level() != "amx" and not has_dot:  # also a lower level forced on an AMX CPU
         assert native_ops().bf16_path().startswith("widen")
     monkeypatch.setenv("QKV_BF16_MATMUL", "brgemm")
     assert native_ops().bf16_path().startswith("brgemm")
     assert native_status().endswith("bf16 path: " + native_ops().bf16_path())
-    if "amx_bf16" not in _cpu_flags():  # asking for AMX where there is none: a clear error
+    if native_level() != "amx":  # asking for AMX where the CPU or level has none: an error
         monkeypatch.setenv("QKV_BF16_MATMUL", "amx")
         with pytest.raises(RuntimeError, match="QKV_BF16_MATMUL=amx: no AMX here"):
             native_ops().bf16_path()

@@ -78,10 +78,13 @@ inline float exp2_neg(float t) {
   return t < -126.f ? 0.f : p * scale;
 }
 
-// Whether AMX tiles may be used: not when QKV_ISA=avx512_bf16 asks for that level on a CPU
-// that also has AMX (the tiles also need the OS's permission and oneDNN's view of the CPU,
-// which the kernels check).
+// Whether AMX tiles may be used, qkv's own or oneDNN's: only in the build whose level has
+// them, and not when QKV_ISA=avx512_bf16 asks for that level on a CPU that also has AMX (the
+// tiles also need the OS's permission and oneDNN's view of the CPU, which the kernels
+// check). A lower level forced on an AMX machine (QKV_ISA=avx2, avx512) then takes the
+// paths it takes on a CPU without AMX, so that measuring it there measures that level.
 inline bool amx_allowed() {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
   static const bool ok = [] {
     const char* e = std::getenv("QKV_ISA");
     std::string s = e ? e : "";
@@ -89,6 +92,9 @@ inline bool amx_allowed() {
     return s != "avx512_bf16";
   }();
   return ok;
+#else
+  return false;
+#endif
 }
 
 #if defined(QKV_AVX2) || defined(QKV_AVX512)
