@@ -377,12 +377,13 @@ def _amx_tiles() -> bool:
     return "amx tiles" in native_status()
 
 
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [40, 64, 128])
 def test_fp32_many_rows_match_fp64(restore_threads, d):
     """fp32 with 16 or more query rows per kv head (G·Tq: drafts, beams, GQA) takes the scores
-    as Sᵀ by broadcasts (rows padded to 16, tiles transposed back): equal to fp64 over row
-    counts that fill and do not fill the groups, masks, windows, pieces on 2 threads, gathered
-    beams' rows, and a tokens-first cache (rows not d apart: the dot-product form)."""
+    as Sᵀ by broadcasts (rows padded to the vector width, tiles transposed back): equal to
+    fp64 over row counts that fill and do not fill the groups, masks, windows, pieces on 2
+    threads, gathered beams' rows, and a tokens-first cache (key rows not d apart; AVX-512
+    takes the dot-product form there and for d = 40, AVX2 the broadcasts)."""
     g = torch.Generator().manual_seed(3)
     for h, h_kv, Tq, Tk in ((8, 2, 4, 300), (20, 4, 4, 77), (32, 8, 16, 1000), (6, 2, 16, 130)):
         q = torch.randn(2, h, Tq, d, generator=g)

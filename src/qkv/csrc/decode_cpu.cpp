@@ -77,6 +77,11 @@ constexpr int64_t kBlock = 64;  // keys per online-softmax step
 // (scores_bcast; below it the dot-product form wastes less on rows padded to 16) and P·V a
 // whole block at a time
 constexpr int64_t kBcastMinRows = 16;
+#ifdef QKV_AVX512
+constexpr int64_t kBcastPad = 16;  // Qᵀ's rows padded to a multiple of the vector width
+#else
+constexpr int64_t kBcastPad = 8;
+#endif
 // int8 K/V from this many query rows per kv head: runs of keys widened to fp32 once
 // (run_segment_widened). Measured on a 2-core Xeon, Tk = 4096, G = 4, d = 128, 1 thread, same
 // process, read as stored / widened: 1.50 / 2.71 ms at 8 rows, 2.91 / 3.40 at 16, 4.02 / 4.15
@@ -200,7 +205,7 @@ struct Scratch {
   void *ktile, *vtile;
   int64_t *lo, *hi;  // each row's key range [lo, hi) and mask row, set per segment
   const uint8_t** mrow;
-  float* qt = nullptr;  // Qᵀ (d x rows padded to 16) for scores_bcast, else null
+  float* qt = nullptr;  // Qᵀ (d x rows padded to kBcastPad) for the broadcast scores, else null
 };
 
 // The rows' key ranges and mask rows for kv head n (once per segment: not a division per
@@ -1005,6 +1010,106 @@ static void pv_tile_avx2(const T* vp, int64_t vs, int64_t dv, const float* p, in
       }
     }
 }
+
+// The 16 bf16 keys of a tile (rows ks apart) as fp32 rows d apart; pf: the same keys of a
+// later tile, prefetched line by line as they are read
+static void widen_tile_avx2(const BFloat16* kp, int64_t ks, int64_t d, float* out,
+                            const BFloat16* pf) {
+  for (int64_t j = 0; j < kTile; ++j) {
+    const BFloat16* k = kp + j * ks;
+    int64_t c = 0;
+    for (; c + 8 <= d; c += 8) {
+      if (pf && c % 32 == 0) pf_line(pf + j * ks + c);
+      _mm256_storeu_ps(out + j * d + c, load8(k + c));
+    }
+    for (; c < d; ++c) out[j * d + c] = to_float(k[c]);
+    if (pf && d % 32) pf_line(pf + j * ks + d - 1);
+  }
+}
+
+// 8 vectors of 8 -> their transpose: r[i][k] becomes r[k][i]
+static inline void transpose8(__m256* r) {
+  const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+  const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+  const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+  const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+  const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xee);
+  const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xee);
+  const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xee);
+  const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xee);
+  r[0] = _mm256_permute2f128_ps(u0, u4, 0x20), r[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
+  r[2] = _mm256_permute2f128_ps(u2, u6, 0x20), r[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
+  r[4] = _mm256_permute2f128_ps(u0, u4, 0x31), r[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
+  r[6] = _mm256_permute2f128_ps(u2, u6, 0x31), r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
+}
+
+// Raw scores of fp32 keys for many query rows (arithmetic-bound), by broadcasts: for 4 keys
+// (rows ks apart) and kG groups of 8 query rows, out[4g + j] (lanes: rows 8g..8g+7) =
+// Σ_c K[j][c] · Qᵀ[c][8g..8g+7]. One broadcast of K[j][c] serves 8·kG rows and no sum across
+// lanes is needed (dots_avx2 sums its 8 accumulators across lanes for every 4 rows x 2 keys).
+// Qᵀ: d x Rp, packed per segment. kPf: the 4 keys of pf prefetched into L2, line L of key j
+// at step c = 16 L + 4 j (one prefetch per 4 steps, spread over the arithmetic).
+template <int kG, bool kPf>
+[[gnu::noinline]] static void qk_bcast_avx2(const float* qt, int64_t Rp, const float* kr,
+                                            int64_t ks, int64_t d, const float* pf, __m256* out) {
+  __m256 acc[kG * 4];
+#pragma GCC unroll 8
+  for (int i = 0; i < kG * 4; ++i) acc[i] = _mm256_setzero_ps();
+  const float* k[4] = {kr, kr + ks, kr + 2 * ks, kr + 3 * ks};
+  for (int64_t c = 0; c < d; ++c) {
+    if constexpr (kPf)
+      if (c % 4 == 0) pf_line(pf + (c / 4 % 4) * ks + c / 16 * 16);
+    __m256 qv[kG];
+#pragma GCC unroll 4
+    for (int g = 0; g < kG; ++g) {
+      qv[g] = _mm256_loadu_ps(qt + c * Rp + 8 * g);
+      asm("" : "+x"(qv[g]));  // one load per step (GCC would fold it into each FMA)
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      const __m256 kv = _mm256_broadcast_ss(k[j] + c);
+#pragma GCC unroll 4
+      for (int g = 0; g < kG; ++g) acc[4 * g + j] = _mm256_fmadd_ps(kv, qv[g], acc[4 * g + j]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < kG * 4; ++i) out[i] = acc[i];
+}
+
+// Raw scores of R query rows for the 16 keys of a full tile (rows ks apart) into S (row stride
+// ldS), by qk_bcast_avx2: pairs of 8-row groups (8 accumulators; 3 groups, 12 accumulators,
+// left GCC too few registers and ran 1.5x slower), 8 keys at a time, transposed to rows of 8
+// keys. Rows past R (Qᵀ's zero padding) are not stored. pf: the same keys of a later tile,
+// prefetched by the first pass.
+static void scores_bcast_avx2(const float* qt, int64_t R, int64_t Rp, int64_t d, const float* kp,
+                              int64_t ks, float* S, int64_t ldS, const float* pf) {
+  for (int64_t g = 0; g < Rp / 8; g += 2) {
+    const bool two = g + 1 < Rp / 8;
+    for (int64_t j0 = 0; j0 < kTile; j0 += 8) {
+      __m256 x[2][8];  // x[h][4e + j]: row group g + e, key j0 + 4h + j
+      for (int h = 0; h < 2; ++h) {
+        const float* kr = kp + (j0 + 4 * h) * ks;
+        const float* q = qt + 8 * g;
+        if (pf && g == 0) {
+          const float* p = pf + (j0 + 4 * h) * ks;
+          if (two) qk_bcast_avx2<2, true>(q, Rp, kr, ks, d, p, x[h]);
+          else qk_bcast_avx2<1, true>(q, Rp, kr, ks, d, p, x[h]);
+        } else if (two) {
+          qk_bcast_avx2<2, false>(q, Rp, kr, ks, d, nullptr, x[h]);
+        } else {
+          qk_bcast_avx2<1, false>(q, Rp, kr, ks, d, nullptr, x[h]);
+        }
+      }
+      for (int e = 0; e < (two ? 2 : 1); ++e) {  // row group g + e: its 8 keys, transposed
+        __m256 t[8];
+        for (int j = 0; j < 4; ++j) t[j] = x[0][4 * e + j], t[4 + j] = x[1][4 * e + j];
+        transpose8(t);  // t[i]: the 8 keys' scores of row 8(g + e) + i
+        for (int64_t i = 0; i < 8 && 8 * (g + e) + i < R; ++i)
+          _mm256_storeu_ps(S + (8 * (g + e) + i) * ldS + j0, t[i]);
+      }
+    }
+  }
+}
 #endif  // QKV_AVX2 && !QKV_AVX512
 
 // The column order of pv_pairs back to the natural one, in each 32-column chunk of acc's rows.
@@ -1228,7 +1333,7 @@ static void run_segment(const Problem<T>& P, int64_t n, int64_t k0, int64_t k1, 
   const QueryT<T>* Q = P.q + n * R * d;
   constexpr bool kBf16Dot = kDot;
   const float c2 = P.c2;
-  const int64_t Rp = (R + 15) / 16 * 16;
+  const int64_t Rp = (R + kBcastPad - 1) / kBcastPad * kBcastPad;  // Qᵀ's row length
   const bool bcast = sc.qt != nullptr;
   // int8 keys with d = 64 or 128: the queries as int16 rows (each q ≈ qscale[r] · q16, an
   // error of at most 1/65534 of the row's largest |q|) for integer dot products
@@ -1320,7 +1425,22 @@ static void run_segment(const Problem<T>& P, int64_t n, int64_t k0, int64_t k1, 
       // prefetched); visibility and scale below
       const T* kpf = nt == kTile && !P.rows && kt + kAvx2Ahead + kTile <= k1
                          ? P.krow(n, kt + kAvx2Ahead) : nullptr;
-      scores_avx2(sc.qf, dqp, R, kp, ks, d, nt, sc.S + t0, kBlock, kpf);
+      // many rows, a full tile: by broadcasts; bf16 keys widened to fp32 once for all rows
+      // (a tile read from the cache itself, so the scratch is free for them)
+      bool by_bcast = false;
+      if constexpr (std::is_same_v<T, float>)
+        if (bcast && nt == kTile) {
+          scores_bcast_avx2(sc.qt, R, Rp, d, kp, ks, sc.S + t0, kBlock, kpf);
+          by_bcast = true;
+        }
+      if constexpr (std::is_same_v<T, BFloat16>)
+        if (bcast && nt == kTile && !P.rows) {
+          float* kw = static_cast<float*>(sc.ktile);  // kTile x d fp32
+          widen_tile_avx2(kp, ks, d, kw, kpf);
+          scores_bcast_avx2(sc.qt, R, Rp, d, kw, d, sc.S + t0, kBlock, nullptr);
+          by_bcast = true;
+        }
+      if (!by_bcast) scores_avx2(sc.qf, dqp, R, kp, ks, d, nt, sc.S + t0, kBlock, kpf);
 #endif
       for (int64_t r = 0; r < R; ++r) {
         const int64_t a = std::clamp<int64_t>(sc.lo[r] - kt, 0, nt);
@@ -1420,6 +1540,12 @@ static void run_segment(const Problem<T>& P, int64_t n, int64_t k0, int64_t k1, 
     if (!kBf16Dot && R >= kBcastMinRows && nk == kBlock && !P.rows) {
       const T* vpf = kb + 3 * kBlock <= k1 ? P.vrow(n, kb + 2 * kBlock) : nullptr;
       pv_spread(P.vrow(n, kb), P.v2s, dv, sc.P, R, acc, dvp, vpf);
+      continue;
+    }
+#elif defined(QKV_DECODE_AVX2)
+    if (!kInt8<T> && bcast && nk == kBlock && !P.rows) {
+      const T* vpf = kb + 2 * kBlock <= k1 ? P.vrow(n, kb + kBlock) : nullptr;
+      pv_tile_avx2(P.vrow(n, kb), P.v2s, dv, sc.P, R, acc, dvp, kBlock, vpf);
       continue;
     }
 #endif
@@ -1778,8 +1904,10 @@ static void decode_impl(const Problem<T>& P, O* out, float* lse, int64_t splits)
 #ifdef QKV_AVX512
   const bool bcast = (std::is_same_v<T, float> || widen) && R >= kBcastMinRows &&
                      (P.d == 64 || P.d == 128);
+#elif defined(QKV_DECODE_AVX2)
+  const bool bcast = (!kInt8<T> || widen) && R >= kBcastMinRows;
 #else
-  const bool bcast = false;  // scores_bcast is AVX-512 code
+  const bool bcast = false;  // the broadcast scores are vector code
 #endif
   int64_t per_thread = qt_at + (bcast ? P.d * ((R + 15) / 16 * 16) : 0), Racc = R;
   const int64_t widen_at = (per_thread + 15) / 16 * 16;

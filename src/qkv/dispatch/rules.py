@@ -41,15 +41,16 @@ The kernel levels without AVX-512 (:mod:`qkv.kernels._levels`) were measured on 
 EPYC (Zen 3: AVX2, no AVX-512), 1 thread, with ``python bench/level_rules.py`` (q
 ``(1, 8, T, 64)`` for flash; decode as below). On ``avx2`` the fused rows above hold as they
 are (fwd+bwd bf16 6.2-7.5×, fp32 1.1-1.5×; window 2.4-9.6×; forward at ``Tq·Tk >= 1024²``
-1.0-1.6×, bf16 1.0-1.3×); its decode kernel is compute-bound beyond a few rows per kv head,
-so the decode row narrows. On ``portable`` and ``neon`` the flash softmax is the compiler's
+1.0-1.6×, bf16 1.0-1.3×), and the decode row below holds up to 64 rows per kv head (beyond
+16 rows the work is arithmetic, and its scores are taken by broadcasts, 60-74 GFLOP/s, about
+80 % of the fp32 matmul peak). On ``portable`` and ``neon`` the flash softmax is the compiler's
 scalar loops and these rows replace the fused ones (the first five rows hold on every level):
 
 ==================================================  =======  =======================================
 case (first matching row wins)                      backend  why (measured)
 ==================================================  =======  =======================================
-decode-able, ``Tq <= 16``, ``G·Tq <= 16`` rows      decode   avx2: 1.1-2.0× torch on grouped rows
-                                                             (fp32/bf16, 4-16 rows, Tk=1024-16384);
+decode-able, ``Tq <= 16``, ``G·Tq <= 64`` rows      decode   avx2: 1.1-2.0× torch on grouped rows
+                                                             (fp32/bf16, 4-64 rows, Tk=1024-16384);
                                                              portable, neon: bf16 and ``G·Tq <= 4``
                                                              only (2.2×)
 fused, gradients needed, bf16 (portable, neon)      flash    fwd+bwd 4.0-5.6× (T=256-4096)
@@ -113,12 +114,13 @@ FUSED_AREA = 1024 * 1024
 # The kernel levels without AVX-512 (qkv.kernels._levels), the second table of the docstring:
 # the decode kernel up to this many query rows per kv head (G·Tq), for these dtypes: avx2
 # (Zen 3, 1 thread, against torch on the grouped-rows layout that the torch backend runs)
-# Tk = 16384: fp32 1.51× / 1.53× / 1.39× at 4 / 8 / 16 rows, bf16 1.99× / 1.49× / 1.14×;
-# Tk = 1024: fp32 1.51× / 1.28× / 1.33×, bf16 1.94× / 1.45× / 1.12×;
+# Tk = 16384: fp32 1.51× / 1.53× at 4 / 8 rows, 1.63× / 1.32× / 1.49× at 16 / 32 / 64 rows,
+# bf16 1.99× / 1.49×, 1.30× / 1.18× / 1.23×; Tk = 1024: fp32 1.51× / 1.28×, 1.23× / 1.11× /
+# 1.18×, bf16 1.94× / 1.45×, 1.25× / 1.14× / 1.18× (bench/results/decode_attention_zen3_avx2*);
 # the portable loops 2.2× for bf16 at 4 rows (torch's bf16 path is slow there), 0.1-0.9×
 # for everything else
 UNTUNED_DECODE = {
-    "avx2": (16, (torch.float32, torch.bfloat16)),
+    "avx2": (64, (torch.float32, torch.bfloat16)),
     "portable": (4, (torch.bfloat16,)),
     "neon": (4, (torch.bfloat16,)),
 }
