@@ -31,7 +31,7 @@ sync_api = playwright_or_skip()
 pytest.importorskip("uvicorn")
 
 from qkv.apps.serve.long import unpack  # noqa: E402
-from serve_helpers import english_left, open_page, page_text, post_json  # noqa: E402  # noqa: E402
+from serve_helpers import english_left, expect_download, open_page, page_text, post_json  # noqa: E402  # noqa: E402
 from serve_helpers import page_ready as _ready  # noqa: E402
 
 STRINGS = json.loads((ROOT / "src/qkv/apps/serve/static/i18n/strings.json").read_text())
@@ -52,9 +52,8 @@ def _shot(page, name):
 
 def _card_download(page, view: str, fmt: str) -> bytes:
     """A download of the A/B/B − A card of ``view``."""
-    with page.expect_download() as info:
-        page.locator(f"#view-{view} #compare-card .export-bar button[data-format='{fmt}']").click()
-    d = info.value
+    d = expect_download(page, page.locator(
+        f"#view-{view} #compare-card .export-bar button[data-format='{fmt}']"))
     assert d.suggested_filename.endswith(f"_diff.{fmt}")
     data = Path(d.path()).read_bytes()
     if fmt == "svg":  # kept to look at

@@ -28,7 +28,7 @@ HOSTILE = 'The <b>boy</b> & "his" puppy\'s </svg> ]]> dog.'
 sync_api = playwright_or_skip()
 pytest.importorskip("uvicorn")
 
-from serve_helpers import open_page, post_json  # noqa: E402
+from serve_helpers import expect_download, open_page, post_json  # noqa: E402
 from serve_helpers import page_ready as _ready  # noqa: E402
 
 
@@ -38,9 +38,7 @@ def _open(browser, url):
 
 def _download(page, view: str, fmt: str, frame=None) -> tuple[str, bytes]:
     where = frame or page
-    with page.expect_download() as info:
-        where.locator(f"#view-{view} .export-bar button[data-format='{fmt}']").click()
-    d = info.value
+    d = expect_download(page, where.locator(f"#view-{view} .export-bar button[data-format='{fmt}']"))
     data = Path(d.path()).read_bytes()
     if fmt in ("png", "svg"):  # kept to look at
         ARTIFACTS.mkdir(exist_ok=True)
