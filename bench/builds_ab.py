@@ -25,7 +25,7 @@ import torch
 
 HERE = Path(__file__).resolve()
 
-# name: (what, shape note); the worker below builds each case's inputs and calls
+# name: what it times (the worker below builds each case's inputs and calls)
 CASES = {
     "flash-fp32-causal-4096": "flash fwd, fp32, causal, (1, 8, 4096, 64)",
     "flash-fp32-full-1024": "flash fwd, fp32, full, (1, 8, 1024, 64)",
