@@ -423,6 +423,30 @@ def test_every_bf16_path_matches_fp64(path):
     assert_script_ok(_BF16_PATH_CHECK, QKV_DECODE_BF16=path)
 
 
+def _cpu_family() -> tuple[str, int]:
+    """The CPU's vendor and family as Linux reports them (``/proc/cpuinfo``)."""
+    with open("/proc/cpuinfo") as f:
+        info = {k.strip(): v.strip() for k, _, v in (ln.partition(":") for ln in f) if v}
+    return info.get("vendor_id", ""), int(info.get("cpu family", "0") or 0)
+
+
+def test_bf16_path_of_this_cpu():
+    """Without AMX the bf16 cache's pairs (vdpbf16ps) run from 8 query rows per kv head,
+    fewer rows widened, except on Zen 4 (AMD family 25), where the pairs run for every call;
+    with AMX, tiles from 8 rows. The status names the choice the kernel makes."""
+    if native_level() not in ("avx512_bf16", "amx"):
+        pytest.skip(f"no bf16 dot products on this level: {native_level()}")
+    status = native_status()
+    if _amx_tiles():
+        assert "bf16 K/V: amx tiles from 8 rows per kv head, else widened" in status
+        assert "decode path avx512+avx512bf16+amx;" in status
+    elif _cpu_family() == ("AuthenticAMD", 25):
+        assert "bf16 K/V: vdpbf16ps;" in status and "+amx" not in status
+    else:
+        assert "bf16 K/V: vdpbf16ps from 8 rows per kv head, else widened" in status
+        assert "+amx" not in status
+
+
 def test_bad_bf16_path_setting_is_an_error():
     with pytest.raises(AssertionError, match="QKV_DECODE_BF16 must be auto, amx, dot or widen"):
         assert_script_ok(_BF16_PATH_CHECK, QKV_DECODE_BF16="fast")

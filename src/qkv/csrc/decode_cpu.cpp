@@ -58,6 +58,9 @@
 #include <vector>
 
 #include <sys/syscall.h>
+#if defined(__x86_64__)
+#include <cpuid.h>  // zen4(): which AVX-512 CPU this is
+#endif
 #include <unistd.h>
 
 namespace {
@@ -1649,7 +1652,6 @@ static void run_segment_widened(const Problem<int8_t>& P, int64_t n, int64_t k0,
 // Needs d and dv multiples of 32. Tiles: 0 Sᵀ, 1 K / V, 2 Qᵀ, 3 and 6 acc, 4 V, 5 and 7 P.
 #if defined(QKV_AVX512) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define QKV_AMX 1
-#define QKV_AMX_NAME "avx512+avx512bf16+amx"
 
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
@@ -1909,7 +1911,8 @@ static void decode_impl(const Problem<T>& P, O* out, float* lse, int64_t splits)
 #else
   const bool bcast = false;  // the broadcast scores are vector code
 #endif
-  int64_t per_thread = qt_at + (bcast ? P.d * ((R + 15) / 16 * 16) : 0), Racc = R;
+  const int64_t Rp = (R + kBcastPad - 1) / kBcastPad * kBcastPad;  // Qᵀ: d x Rp, as run_segment
+  int64_t per_thread = qt_at + (bcast ? P.d * Rp : 0), Racc = R;
   const int64_t widen_at = (per_thread + 15) / 16 * 16;
   if (widen) per_thread = widen_at + kWiden * (P.d + dv);
 #ifdef QKV_AMX
@@ -2021,15 +2024,37 @@ static void decode_impl(const Problem<T>& P, O* out, float* lse, int64_t splits)
 // FMAs. By default, where oneDNN sees AMX (Intel server cores; the test the flash kernel's bf16
 // path uses): tiles from kAmxMinRows query rows per kv head, widened below (there vdpbf16ps
 // took ~34.5 ns per key in cache, G = 4, d = 128, 1 thread, against ~28 widened); elsewhere
-// the pairs, the faster path on Zen 4. QKV_DECODE_BF16=amx|dot|widen forces one for every call
+// the pairs from kDotMinRows rows, widened below (Zen 4: the pairs for every call).
+// QKV_DECODE_BF16=amx|dot|widen forces one for every call
 // (amx: also for few rows; d or dv not a multiple of 32 still goes widened).
 // Measured on a 2-core Xeon, 16384 keys, G = 4, d = 128, 1 thread, same process: widened /
 // tiles 4.3 / 4.6 ms at 4 rows, 8.5 / 6.0 at 8, 16.3 / 8.8 at 16, ~50 / ~15 at 64.
 constexpr int64_t kAmxMinRows = 8;
-#ifndef QKV_AMX_NAME
-#define QKV_AMX_NAME "avx512+avx512bf16"
+// Without AMX (AVX512_BF16: Zen 5, Cooper Lake) the pairs from this many rows, widened below.
+// With few rows the work keeps pace with DRAM either way, and the widened loop streams it
+// better: Zen 5, G = 4, d = 128, 1 thread, same process, pairs / widened: 16384 keys 2.14 /
+// 1.91 ms at 4 rows, 2.83 / 3.32 at 8, 4.52 / 7.92 at 16; 65536 keys 11.1 / 9.1 at 4 rows,
+// 12.5 / 14.0 at 8 (a cache small enough to stay in L3, read again and again as a benchmark
+// does, runs 4 rows 15 % faster as pairs; a model's cache, layer after layer, comes from DRAM).
+// Zen 4 keeps the pairs at every row count: it runs a 512-bit instruction as two 256-bit
+// halves, so its arithmetic, not DRAM, is the limit there, and the pairs need fewer
+// instructions per key (measured faster there when this path was chosen).
+constexpr int64_t kDotMinRows = 8;
+
+// AMD family 25 with AVX-512: Zen 4 (Zen 3, the same family, has no AVX-512 and never runs
+// this level's code)
+static bool zen4() {
+#if defined(__x86_64__)
+  unsigned a, b, c, d;
+  if (!__get_cpuid(0, &a, &b, &c, &d) || b != 0x68747541u) return false;  // "AuthenticAMD"
+  if (!__get_cpuid(1, &a, &b, &c, &d)) return false;
+  const unsigned base = (a >> 8) & 0xfu;
+  return base + (base == 0xfu ? (a >> 20) & 0xffu : 0u) == 25u;
+#else
+  return false;
 #endif
-enum class Bf16Path { kWiden, kDot, kAmx, kAmxAlways };
+}
+enum class Bf16Path { kWiden, kDot, kDotAlways, kAmx, kAmxAlways };
 static Bf16Path bf16_path() {
   static const Bf16Path path = [] {
     const char* e = std::getenv("QKV_DECODE_BF16");
@@ -2050,10 +2075,11 @@ static Bf16Path bf16_path() {
                        "does not see them)");
       return Bf16Path::kAmxAlways;
     }
-    if (want == "dot") return Bf16Path::kDot;
+    if (want == "dot") return Bf16Path::kDotAlways;
     if (want == "widen") return Bf16Path::kWiden;
     if (amx) return Bf16Path::kAmx;  // unset/empty: as the level
-    return onednn_amx ? Bf16Path::kWiden : Bf16Path::kDot;
+    if (onednn_amx) return Bf16Path::kWiden;
+    return zen4() ? Bf16Path::kDotAlways : Bf16Path::kDot;
   }();
   return path;
 }
@@ -2153,7 +2179,7 @@ std::tuple<Tensor, Tensor> decode_fwd(const Tensor& q, const Tensor& k, const Te
       if (tiles && d % 32 == 0 && dv % 32 == 0)
         return decode_impl<T, O, false, true>(P, out.data_ptr<O>(), lse.data_ptr<float>(), splits);
 #endif
-      if (path == Bf16Path::kDot)
+      if (path == Bf16Path::kDotAlways || (path == Bf16Path::kDot && P.R >= kDotMinRows))
         return decode_impl<T, O, true>(P, out.data_ptr<O>(), lse.data_ptr<float>(), splits);
     }
     decode_impl<T, O, false>(P, out.data_ptr<O>(), lse.data_ptr<float>(), splits);
@@ -2182,9 +2208,13 @@ std::string decode_isa() {
       p == Bf16Path::kAmx ? "amx tiles from " + std::to_string(kAmxMinRows) +
                                 " rows per kv head, else widened to fp32"
       : p == Bf16Path::kAmxAlways ? "amx tiles"
-      : p == Bf16Path::kDot       ? "vdpbf16ps"
+      : p == Bf16Path::kDot       ? "vdpbf16ps from " + std::to_string(kDotMinRows) +
+                                      " rows per kv head, else widened to fp32"
+      : p == Bf16Path::kDotAlways ? "vdpbf16ps"
                                   : "widened to fp32";
-  return std::string(QKV_AMX_NAME) + "; bf16 K/V: " + bf16 + int8;
+  // "+amx" only where the tiles run (a build with AMX code on a CPU without them does not)
+  const bool tiles = p == Bf16Path::kAmx || p == Bf16Path::kAmxAlways;
+  return std::string("avx512+avx512bf16") + (tiles ? "+amx" : "") + "; bf16 K/V: " + bf16 + int8;
 #elif defined(QKV_AVX512)
   return "avx512" + int8;
 #elif defined(QKV_DECODE_AVX2)

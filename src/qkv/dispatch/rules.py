@@ -70,6 +70,11 @@ Tk=16-1024) 1.0-7×, its Python dispatch included. (PyTorch's SDPA on the groupe
 which qkv's "torch" path does not use, is faster for some fp32 caches held in L3: 0.8-0.9× at
 Tk <= 1024, Tq >= 4.) See docs/kernels.md.
 
+On a 2-core AMD EPYC Zen 5 (``avx512_bf16``, no AMX; ``python bench/level_rules.py``, 1
+thread) every fused row of the first table and the decode row (4-64 rows per kv head,
+Tk = 512-16384, fp32 and bf16) ran 2.1-29× the "torch" path
+(``bench/results/level_rules_zen5_avx512_bf16.md``).
+
 Empty inputs (a zero batch dim, ``h``, ``Tq`` or ``Tk``) run the reference whatever the
 request: every backend's answer is the same zeros (see :mod:`qkv.functional`).
 
