@@ -423,6 +423,62 @@ def test_every_bf16_path_matches_fp64(path):
     assert_script_ok(_BF16_PATH_CHECK, QKV_DECODE_BF16=path)
 
 
+_FP32_FEW_CHECK = """
+import torch
+from qkv.functional import attention_steps
+from qkv.kernels._native import decode_ops
+from qkv.kernels.decode import decode_attention
+g = torch.Generator().manual_seed(2)
+# 1-15 query rows per kv head; d = 40 has a tail past the 8-value steps; Tk not a multiple of
+# the 16-key tiles; key rows d apart, or not (a slice of a longer buffer, tokens first)
+for h, h_kv, Tq, Tk, d in ((8, 2, 1, 1000, 128), (32, 8, 2, 333, 128), (4, 1, 3, 217, 64),
+                           (6, 2, 5, 130, 64), (4, 4, 7, 77, 40), (3, 1, 5, 50, 128)):
+    q = torch.randn(2, h, Tq, d, generator=g)
+    for layout in ("plain", "slice", "tokens-first"):
+        if layout == "slice":
+            k = torch.randn(2, h_kv, Tk + 9, d, generator=g)[:, :, :Tk]
+        elif layout == "tokens-first":
+            k = torch.randn(2, Tk, h_kv, d, generator=g).transpose(1, 2)
+        else:
+            k = torch.randn(2, h_kv, Tk, d, generator=g)
+        v = torch.randn(2, h_kv, Tk, d, generator=g)
+        for kw in ({}, {"causal": True, "window": 50}, {"mask": torch.rand(Tq, Tk, generator=g) > 0.3}):
+            out, lse = decode_attention(q, k, v, **kw, return_lse=True)
+            ref = attention_steps(q.double(), k.double(), v.double(), **kw)
+            assert (out.double() - ref.output).abs().max() < 1e-5, (h, Tq, Tk, d, layout, kw)
+            assert (lse.double() - ref.lse).abs().max() < 1e-5, (h, Tq, Tk, d, layout, kw)
+    # the key range cut into pieces merged by log-sum-exp, on two threads
+    torch.set_num_threads(2)
+    out, lse = decode_ops().fwd(q, k.contiguous(), v, None, d**-0.5, False, -1, 3)
+    ref = attention_steps(q.double(), k.double(), v.double())
+    assert (out.double() - ref.output).abs().max() < 1e-5 and (lse.double() - ref.lse).abs().max() < 1e-5
+    torch.set_num_threads(1)
+# beams reordered by a rows table: each tile gathered row by row
+q = torch.randn(3, 8, 1, 64, generator=g)
+k, v = (torch.randn(4, 2, 90, 64, generator=g) for _ in range(2))
+rows = torch.randint(0, 4, (3, 90), generator=g)
+out, lse = decode_ops().fwd(q, k, v, None, 0.125, True, -1, 0, rows)
+kg = k.permute(0, 2, 1, 3)[rows, torch.arange(90)[None, :]].permute(0, 2, 1, 3)
+vg = v.permute(0, 2, 1, 3)[rows, torch.arange(90)[None, :]].permute(0, 2, 1, 3)
+ref = attention_steps(q.double(), kg.double(), vg.double(), causal=True, scale=0.125)
+assert (out.double() - ref.output).abs().max() < 1e-5
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("path", ["avx2", "avx512", "auto"])
+def test_every_fp32_few_rows_path_matches_fp64(path):
+    """fp32 caches with fewer than 16 query rows per kv head take, on the AVX-512 levels, the
+    AVX2 loops (Zen 5) or the AVX-512 ones (elsewhere); each equals fp64 over 1-15 rows, odd
+    head sizes and key counts, strided caches, masks, windows, pieces and gathered beams."""
+    assert_script_ok(_FP32_FEW_CHECK, QKV_DECODE_FP32=path)
+
+
+def test_bad_fp32_path_setting_is_an_error():
+    with pytest.raises(AssertionError, match="QKV_DECODE_FP32 must be auto, avx2 or avx512"):
+        assert_script_ok(_FP32_FEW_CHECK, QKV_DECODE_FP32="fast")
+
+
 def _cpu_family() -> tuple[str, int]:
     """The CPU's vendor and family as Linux reports them (``/proc/cpuinfo``)."""
     with open("/proc/cpuinfo") as f:
@@ -430,13 +486,19 @@ def _cpu_family() -> tuple[str, int]:
     return info.get("vendor_id", ""), int(info.get("cpu family", "0") or 0)
 
 
-def test_bf16_path_of_this_cpu():
-    """Without AMX the bf16 cache's pairs (vdpbf16ps) run from 8 query rows per kv head,
-    fewer rows widened, except on Zen 4 (AMD family 25), where the pairs run for every call;
-    with AMX, tiles from 8 rows. The status names the choice the kernel makes."""
-    if native_level() not in ("avx512_bf16", "amx"):
-        pytest.skip(f"no bf16 dot products on this level: {native_level()}")
+def test_paths_of_this_cpu():
+    """On the AVX-512 levels, fp32 caches with few rows take the AVX2 loops on Zen 5 (AMD
+    family 26 and later) only. Without AMX the bf16 cache's pairs (vdpbf16ps) run from 8 query
+    rows per kv head, fewer rows widened, except on Zen 4 (AMD family 25), where the pairs run
+    for every call; with AMX, tiles from 8 rows. The status names the choice the kernel makes."""
+    if native_level() not in ("avx512", "avx512_bf16", "amx"):
+        pytest.skip(f"no AVX-512 loops on this level: {native_level()}")
     status = native_status()
+    vendor, family = _cpu_family()
+    lines = "fp32 K/V under 16 rows per kv head: avx2 loops" in status
+    assert lines == (vendor == "AuthenticAMD" and family >= 26), status
+    if native_level() == "avx512":
+        return
     if _amx_tiles():
         assert "bf16 K/V: amx tiles from 8 rows per kv head, else widened" in status
         assert "decode path avx512+avx512bf16+amx;" in status

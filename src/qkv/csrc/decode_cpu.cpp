@@ -34,7 +34,9 @@
 //   each query row (sentences that finished left the batch without copying the cache); with
 //   either, k and v may hold more batch rows than q.
 // Built once per level (qkv/kernels/_levels.py): AVX-512 code on the AVX-512 levels, AVX2 code
-// on avx2, plain C++ loops on portable (QKV_ISA forces a level; the tests run each).
+// on avx2, plain C++ loops on portable (QKV_ISA forces a level; the tests run each). The
+// AVX-512 levels run fp32 caches with few rows through the AVX2 loops where those stream DRAM
+// better (Zen 5: fp32_lines).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>  // at::get_num_threads
 #include <ATen/native/CPUBlas.h>  // could_pack: oneDNN sees AMX
@@ -59,7 +61,7 @@
 
 #include <sys/syscall.h>
 #if defined(__x86_64__)
-#include <cpuid.h>  // zen4(): which AVX-512 CPU this is
+#include <cpuid.h>  // amd_family(): which AVX-512 CPU this is
 #endif
 #include <unistd.h>
 
@@ -181,6 +183,9 @@ struct Problem {
   // batch row kv_batch[b] (whole rows: tiles stay contiguous)
   const int64_t* kv_batch = nullptr;
   int64_t t0 = 0;  // the key position of the first stored row (a widened chunk's scratch)
+  // fp32 keys with fewer rows than the broadcast scores take, on an AVX-512 level: the AVX2
+  // loops (fp32_lines)
+  bool lines = false;
   int64_t batch_row(int64_t n, int64_t t) const {
     return rows ? rows[(n / h_kv) * rows_s + t] : kv_batch ? kv_batch[n / h_kv] : n / h_kv;
   }
@@ -845,7 +850,9 @@ static inline void pv_tile(const T* vp, int64_t vs, int64_t dv, const float* p, 
 // are widened to fp32 in registers (bf16: a 16-bit shift; int8: a conversion), so a bf16
 // cache reads half the bytes of an fp32 one for the same arithmetic.
 #if defined(QKV_AVX2) && !defined(QKV_AVX512)
-#define QKV_DECODE_AVX2 1
+#define QKV_DECODE_AVX2 1  // the avx2 level: every loop below
+#endif
+#ifdef QKV_AVX2  // also on the AVX-512 levels: fp32 keys with few rows (run_segment)
 using qkv_simd::exp2_v8;
 using qkv_simd::hmax8;
 using qkv_simd::hsum8;
@@ -1014,6 +1021,9 @@ static void pv_tile_avx2(const T* vp, int64_t vs, int64_t dv, const float* p, in
     }
 }
 
+#endif  // QKV_AVX2
+
+#ifdef QKV_DECODE_AVX2
 // The 16 bf16 keys of a tile (rows ks apart) as fp32 rows d apart; pf: the same keys of a
 // later tile, prefetched line by line as they are read
 static void widen_tile_avx2(const BFloat16* kp, int64_t ks, int64_t d, float* out,
@@ -1113,7 +1123,7 @@ static void scores_bcast_avx2(const float* qt, int64_t R, int64_t Rp, int64_t d,
     }
   }
 }
-#endif  // QKV_AVX2 && !QKV_AVX512
+#endif  // QKV_DECODE_AVX2
 
 // The column order of pv_pairs back to the natural one, in each 32-column chunk of acc's rows.
 static inline void unpermute_pairs(float* acc, int64_t R, int64_t dvp) {
@@ -1418,6 +1428,17 @@ static void run_segment(const Problem<T>& P, int64_t n, int64_t k0, int64_t k1, 
           scores_bcast(sc.qt, R, Rp, d, kp, kpf, kt, nt, t0, sc, c2);
           continue;
         }
+      // fp32 keys, fewer rows than the broadcasts take: on CPUs where they keep DRAM streaming
+      // better (fp32_lines), the AVX2 loops: a 64-byte line of 2 keys for 4 rows per step,
+      // prefetched kAvx2Ahead keys ahead
+      bool raw = false;
+      if constexpr (std::is_same_v<T, float>)
+        if (P.lines) {
+          const T* pf2 = nt == kTile && !P.rows && kt + kAvx2Ahead + kTile <= k1
+                             ? P.krow(n, kt + kAvx2Ahead) : nullptr;
+          scores_avx2(sc.qf, dqp, R, kp, ks, d, nt, sc.S + t0, kBlock, pf2);
+          raw = true;
+        }
       const T* pf_left = kpf;  // the first dot-product call of the tile prefetches
       __m512 blk[4];
       int64_t blk_r = -1;  // the rows [blk_r, blk_r + 3 or 4) whose scores are in blk
@@ -1458,6 +1479,11 @@ static void run_segment(const Problem<T>& P, int64_t n, int64_t k0, int64_t k1, 
           continue;
         }
         __m512 x;
+        if (raw) {  // the row's raw scores, scaled; -inf where not visible
+          x = _mm512_mask_mul_ps(_mm512_set1_ps(kNegInf), vis, _mm512_loadu_ps(s), _mm512_set1_ps(c2));
+          _mm512_storeu_ps(s, x);
+          continue;
+        }
 #ifdef QKV_I16_DOTS
         if constexpr (kInt8<T>)
           if (i16) {  // blocks of up to 4 rows, each computed at its first visible row
@@ -1567,6 +1593,13 @@ static void run_segment(const Problem<T>& P, int64_t n, int64_t k0, int64_t k1, 
       // the same value tile two blocks ahead, prefetched into L2 line by line (as the keys)
       const T* vpf = nt == kTile && !P.rows && kt + 2 * kBlock + kTile <= k1
                          ? P.vrow(n, kt + 2 * kBlock) : nullptr;
+      if constexpr (std::is_same_v<T, float>)
+        if (P.lines) {  // as the scores above
+          const T* vpf2 = nt == kTile && !P.rows && kt + kAvx2Ahead + kTile <= k1
+                              ? P.vrow(n, kt + kAvx2Ahead) : nullptr;
+          pv_tile_avx2(vp, vs, dv, pt, R, acc, dvp, nt, vpf2);
+          continue;
+        }
       if constexpr (kBf16Dot) {
         pv_pairs(reinterpret_cast<const BFloat16*>(vp), vs, dv,
                  reinterpret_cast<const BFloat16*>(sc.P) + t0, R, acc, dvp,
@@ -2041,18 +2074,38 @@ constexpr int64_t kAmxMinRows = 8;
 // instructions per key (measured faster there when this path was chosen).
 constexpr int64_t kDotMinRows = 8;
 
-// AMD family 25 with AVX-512: Zen 4 (Zen 3, the same family, has no AVX-512 and never runs
-// this level's code)
-static bool zen4() {
+// The CPU family of an AMD CPU (0: another vendor). On the AVX-512 levels: 25 is Zen 4 (Zen 3,
+// the same family, has no AVX-512), 26 Zen 5.
+static unsigned amd_family() {
 #if defined(__x86_64__)
   unsigned a, b, c, d;
-  if (!__get_cpuid(0, &a, &b, &c, &d) || b != 0x68747541u) return false;  // "AuthenticAMD"
-  if (!__get_cpuid(1, &a, &b, &c, &d)) return false;
+  if (!__get_cpuid(0, &a, &b, &c, &d) || b != 0x68747541u) return 0;  // "AuthenticAMD"
+  if (!__get_cpuid(1, &a, &b, &c, &d)) return 0;
   const unsigned base = (a >> 8) & 0xfu;
-  return base + (base == 0xfu ? (a >> 20) & 0xffu : 0u) == 25u;
+  return base + (base == 0xfu ? (a >> 20) & 0xffu : 0u);
 #else
-  return false;
+  return 0;
 #endif
+}
+
+// fp32 K/V with fewer than kBcastMinRows query rows per kv head on an AVX-512 level: whether
+// the AVX2 loops run (a 64-byte line of 2 keys for 4 rows per step, P·V in 6-row blocks,
+// prefetch kAvx2Ahead keys ahead) instead of the AVX-512 ones (16-key tiles summed across
+// lanes, prefetch 2 blocks ahead). Memory-bound work either way; which streams DRAM better
+// depends on the core. Zen 5, G = 4, Tq = 1, 1 thread, same process, AVX-512 / AVX2 loops:
+// 16384 keys 5.55 / 3.58 ms, 65536 keys 22.5 / 16.3 ms. A Xeon (Sapphire Rapids class) ran
+// the avx2 level's loops 0.94x its AVX-512 ones, so there, and on Zen 4 (not measured), the
+// AVX-512 loops stay. QKV_DECODE_FP32=avx2|avx512 forces one (no effect on the other levels).
+static bool fp32_lines() {
+  static const bool lines = [] {
+    const char* e = std::getenv("QKV_DECODE_FP32");
+    const std::string want = e ? e : "";
+    TORCH_CHECK(want.empty() || want == "auto" || want == "avx2" || want == "avx512",
+                "QKV_DECODE_FP32 must be auto, avx2 or avx512; got '", want, "'");
+    if (want == "avx2" || want == "avx512") return want == "avx2";
+    return amd_family() >= 26u;
+  }();
+  return lines;
 }
 enum class Bf16Path { kWiden, kDot, kDotAlways, kAmx, kAmxAlways };
 static Bf16Path bf16_path() {
@@ -2079,7 +2132,7 @@ static Bf16Path bf16_path() {
     if (want == "widen") return Bf16Path::kWiden;
     if (amx) return Bf16Path::kAmx;  // unset/empty: as the level
     if (onednn_amx) return Bf16Path::kWiden;
-    return zen4() ? Bf16Path::kDotAlways : Bf16Path::kDot;
+    return amd_family() == 25u ? Bf16Path::kDotAlways : Bf16Path::kDot;  // Zen 4: always
   }();
   return path;
 }
@@ -2159,6 +2212,7 @@ std::tuple<Tensor, Tensor> decode_fwd(const Tensor& q, const Tensor& k, const Te
   // choose something
   if (int8) (void)int8_on_int16();
   else if (k.scalar_type() == at::kBFloat16) (void)bf16_path();
+  else (void)fp32_lines();
   const Structure st{Tq, Tk, causal, window};
   const float c2 = static_cast<float>(scale) * kLog2e;
   // queries in the cache's dtype (fp32 over an int8 cache)
@@ -2172,6 +2226,9 @@ std::tuple<Tensor, Tensor> decode_fwd(const Tensor& q, const Tensor& k, const Te
                  v.stride(2), st, mk, c2};
     if (gather) P.rows = rows->const_data_ptr<int64_t>(), P.rows_s = rows->stride(0);
     if (mapped) P.kv_batch = kv_batch->const_data_ptr<int64_t>();
+#if defined(QKV_AVX512) && defined(QKV_AVX2)
+    P.lines = std::is_same_v<T, float> && P.R < kBcastMinRows && fp32_lines();
+#endif
     if constexpr (kPairs<T>) {
       const Bf16Path path = bf16_path();
 #ifdef QKV_AMX
@@ -2202,6 +2259,10 @@ std::string decode_isa() {
   (void)int8_on_int16();  // a bad setting is an error here too
   const std::string int8 = "; int8 K/V: widened to fp32";
 #endif
+  // fp32 K/V with few rows (a bad setting is an error on every level)
+  [[maybe_unused]] const std::string fp32 =
+      fp32_lines() ? "; fp32 K/V under " + std::to_string(kBcastMinRows) + " rows per kv head: avx2 loops"
+                   : "";
 #if defined(QKV_AVX512) && defined(__AVX512BF16__)
   const Bf16Path p = bf16_path();
   const std::string bf16 =
@@ -2214,9 +2275,10 @@ std::string decode_isa() {
                                   : "widened to fp32";
   // "+amx" only where the tiles run (a build with AMX code on a CPU without them does not)
   const bool tiles = p == Bf16Path::kAmx || p == Bf16Path::kAmxAlways;
-  return std::string("avx512+avx512bf16") + (tiles ? "+amx" : "") + "; bf16 K/V: " + bf16 + int8;
+  return std::string("avx512+avx512bf16") + (tiles ? "+amx" : "") + "; bf16 K/V: " + bf16 + fp32 +
+         int8;
 #elif defined(QKV_AVX512)
-  return "avx512" + int8;
+  return "avx512" + fp32 + int8;
 #elif defined(QKV_DECODE_AVX2)
   return "avx2 (bf16 and int8 K/V widened in registers)" + int8;
 #else
