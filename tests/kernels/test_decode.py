@@ -462,15 +462,21 @@ kg = k.permute(0, 2, 1, 3)[rows, torch.arange(90)[None, :]].permute(0, 2, 1, 3)
 vg = v.permute(0, 2, 1, 3)[rows, torch.arange(90)[None, :]].permute(0, 2, 1, 3)
 ref = attention_steps(q.double(), kg.double(), vg.double(), causal=True, scale=0.125)
 assert (out.double() - ref.output).abs().max() < 1e-5
+# a call that reads 32 MiB of K + V (auto takes the AVX2 loops from there on Zen 5)
+q = torch.randn(1, 32, 1, 128, generator=g)
+k, v = (torch.randn(1, 8, 4096, 128, generator=g) for _ in range(2))
+out = decode_attention(q, k, v)
+assert (out.double() - attention_steps(q.double(), k.double(), v.double()).output).abs().max() < 1e-5
 print("ok")
 """
 
 
 @pytest.mark.parametrize("path", ["avx2", "avx512", "auto"])
 def test_every_fp32_few_rows_path_matches_fp64(path):
-    """fp32 caches with fewer than 16 query rows per kv head take, on the AVX-512 levels, the
-    AVX2 loops (Zen 5) or the AVX-512 ones (elsewhere); each equals fp64 over 1-15 rows, odd
-    head sizes and key counts, strided caches, masks, windows, pieces and gathered beams."""
+    """fp32 caches with few query rows per kv head take, on the AVX-512 levels, the AVX2 loops
+    (Zen 5, calls of 32 MiB or more; forced: every call under 16 rows) or the AVX-512 ones;
+    each equals fp64 over 1-15 rows, odd head sizes and key counts, strided caches, masks,
+    windows, pieces and gathered beams."""
     assert_script_ok(_FP32_FEW_CHECK, QKV_DECODE_FP32=path)
 
 
@@ -487,15 +493,15 @@ def _cpu_family() -> tuple[str, int]:
 
 
 def test_paths_of_this_cpu():
-    """On the AVX-512 levels, fp32 caches with few rows take the AVX2 loops on Zen 5 (AMD
-    family 26 and later) only. Without AMX the bf16 cache's pairs (vdpbf16ps) run from 8 query
+    """On the AVX-512 levels, fp32 caches with few rows take the AVX2 loops (from 32 MiB a
+    call) on Zen 5 (AMD family 26 and later) only. Without AMX the bf16 cache's pairs (vdpbf16ps) run from 8 query
     rows per kv head, fewer rows widened, except on Zen 4 (AMD family 25), where the pairs run
     for every call; with AMX, tiles from 8 rows. The status names the choice the kernel makes."""
     if native_level() not in ("avx512", "avx512_bf16", "amx"):
         pytest.skip(f"no AVX-512 loops on this level: {native_level()}")
     status = native_status()
     vendor, family = _cpu_family()
-    lines = "fp32 K/V under 16 rows per kv head: avx2 loops" in status
+    lines = "fp32 K/V up to 8 rows per kv head, 32 MiB or more a call: avx2 loops" in status
     assert lines == (vendor == "AuthenticAMD" and family >= 26), status
     if native_level() == "avx512":
         return

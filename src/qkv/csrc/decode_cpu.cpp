@@ -36,7 +36,7 @@
 // Built once per level (qkv/kernels/_levels.py): AVX-512 code on the AVX-512 levels, AVX2 code
 // on avx2, plain C++ loops on portable (QKV_ISA forces a level; the tests run each). The
 // AVX-512 levels run fp32 caches with few rows through the AVX2 loops where those stream DRAM
-// better (Zen 5: fp32_lines).
+// better (Zen 5: fp32_path).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>  // at::get_num_threads
 #include <ATen/native/CPUBlas.h>  // could_pack: oneDNN sees AMX
@@ -183,8 +183,7 @@ struct Problem {
   // batch row kv_batch[b] (whole rows: tiles stay contiguous)
   const int64_t* kv_batch = nullptr;
   int64_t t0 = 0;  // the key position of the first stored row (a widened chunk's scratch)
-  // fp32 keys with fewer rows than the broadcast scores take, on an AVX-512 level: the AVX2
-  // loops (fp32_lines)
+  // fp32 keys with few rows on an AVX-512 level: the AVX2 loops (fp32_path)
   bool lines = false;
   int64_t batch_row(int64_t n, int64_t t) const {
     return rows ? rows[(n / h_kv) * rows_s + t] : kv_batch ? kv_batch[n / h_kv] : n / h_kv;
@@ -1429,7 +1428,7 @@ static void run_segment(const Problem<T>& P, int64_t n, int64_t k0, int64_t k1, 
           continue;
         }
       // fp32 keys, fewer rows than the broadcasts take: on CPUs where they keep DRAM streaming
-      // better (fp32_lines), the AVX2 loops: a 64-byte line of 2 keys for 4 rows per step,
+      // better (fp32_path), the AVX2 loops: a 64-byte line of 2 keys for 4 rows per step,
       // prefetched kAvx2Ahead keys ahead
       bool raw = false;
       if constexpr (std::is_same_v<T, float>)
@@ -2088,24 +2087,32 @@ static unsigned amd_family() {
 #endif
 }
 
-// fp32 K/V with fewer than kBcastMinRows query rows per kv head on an AVX-512 level: whether
-// the AVX2 loops run (a 64-byte line of 2 keys for 4 rows per step, P·V in 6-row blocks,
-// prefetch kAvx2Ahead keys ahead) instead of the AVX-512 ones (16-key tiles summed across
-// lanes, prefetch 2 blocks ahead). Memory-bound work either way; which streams DRAM better
-// depends on the core. Zen 5, G = 4, Tq = 1, 1 thread, same process, AVX-512 / AVX2 loops:
-// 16384 keys 5.55 / 3.58 ms, 65536 keys 22.5 / 16.3 ms. A Xeon (Sapphire Rapids class) ran
-// the avx2 level's loops 0.94x its AVX-512 ones, so there, and on Zen 4 (not measured), the
-// AVX-512 loops stay. QKV_DECODE_FP32=avx2|avx512 forces one (no effect on the other levels).
-static bool fp32_lines() {
-  static const bool lines = [] {
+// fp32 K/V with few query rows per kv head on an AVX-512 level: whether the AVX2 loops run
+// (a 64-byte line of 2 keys for 4 rows per step, P·V in 6-row blocks, prefetch kAvx2Ahead
+// keys ahead) instead of the AVX-512 ones (16-key tiles summed across lanes, prefetch 2
+// blocks ahead). The AVX2 loops do more work per key but keep DRAM streaming better on Zen 5:
+// G = 4, 1 thread, same process, AVX-512 / AVX2 loops, 4 rows: 4096 keys (32 MiB of K+V)
+// 1.01 / 0.82-0.87 ms, 16384 keys 5.44-5.65 / 3.66-3.87, 65536 keys 22.9 / 16.7-17.5;
+// 8 rows, 16384 keys 7.05-7.29 / 6.09-6.14; 12 rows 8.49 / 8.07 but 4096 keys 1.78 / 2.02.
+// K/V that stay in L3 (3072 keys and fewer: 24 MiB) run 0.6-0.9x on them, so they are taken
+// for calls that read at least kLinesMinBytes with up to kLinesMaxRows rows. A Xeon (Sapphire
+// Rapids class) ran the avx2 level's loops 0.94x its AVX-512 ones, so there, and on Zen 4
+// (not measured), the AVX-512 loops stay. QKV_DECODE_FP32=avx2 takes the AVX2 loops for every
+// call with fewer than kBcastMinRows rows, =avx512 never (no effect on the other levels).
+constexpr int64_t kLinesMaxRows = 8;
+constexpr int64_t kLinesMinBytes = int64_t(32) << 20;
+enum class Fp32Path { kAvx512, kAvx2, kAuto };
+static Fp32Path fp32_path() {
+  static const Fp32Path path = [] {
     const char* e = std::getenv("QKV_DECODE_FP32");
     const std::string want = e ? e : "";
     TORCH_CHECK(want.empty() || want == "auto" || want == "avx2" || want == "avx512",
                 "QKV_DECODE_FP32 must be auto, avx2 or avx512; got '", want, "'");
-    if (want == "avx2" || want == "avx512") return want == "avx2";
-    return amd_family() >= 26u;
+    if (want == "avx2") return Fp32Path::kAvx2;
+    if (want == "avx512") return Fp32Path::kAvx512;
+    return amd_family() >= 26u ? Fp32Path::kAuto : Fp32Path::kAvx512;
   }();
-  return lines;
+  return path;
 }
 enum class Bf16Path { kWiden, kDot, kDotAlways, kAmx, kAmxAlways };
 static Bf16Path bf16_path() {
@@ -2212,7 +2219,7 @@ std::tuple<Tensor, Tensor> decode_fwd(const Tensor& q, const Tensor& k, const Te
   // choose something
   if (int8) (void)int8_on_int16();
   else if (k.scalar_type() == at::kBFloat16) (void)bf16_path();
-  else (void)fp32_lines();
+  else (void)fp32_path();
   const Structure st{Tq, Tk, causal, window};
   const float c2 = static_cast<float>(scale) * kLog2e;
   // queries in the cache's dtype (fp32 over an int8 cache)
@@ -2227,7 +2234,13 @@ std::tuple<Tensor, Tensor> decode_fwd(const Tensor& q, const Tensor& k, const Te
     if (gather) P.rows = rows->const_data_ptr<int64_t>(), P.rows_s = rows->stride(0);
     if (mapped) P.kv_batch = kv_batch->const_data_ptr<int64_t>();
 #if defined(QKV_AVX512) && defined(QKV_AVX2)
-    P.lines = std::is_same_v<T, float> && P.R < kBcastMinRows && fp32_lines();
+    if constexpr (std::is_same_v<T, float>) {
+      const Fp32Path path = fp32_path();
+      const int64_t bytes = P.N * P.Tk * (P.d + P.dv) * int64_t(sizeof(float));  // K + V read
+      P.lines = path == Fp32Path::kAvx2 ? P.R < kBcastMinRows
+                : path == Fp32Path::kAuto ? P.R <= kLinesMaxRows && bytes >= kLinesMinBytes
+                                          : false;
+    }
 #endif
     if constexpr (kPairs<T>) {
       const Bf16Path path = bf16_path();
@@ -2260,9 +2273,12 @@ std::string decode_isa() {
   const std::string int8 = "; int8 K/V: widened to fp32";
 #endif
   // fp32 K/V with few rows (a bad setting is an error on every level)
+  const Fp32Path f = fp32_path();
   [[maybe_unused]] const std::string fp32 =
-      fp32_lines() ? "; fp32 K/V under " + std::to_string(kBcastMinRows) + " rows per kv head: avx2 loops"
-                   : "";
+      f == Fp32Path::kAvx2   ? "; fp32 K/V under " + std::to_string(kBcastMinRows) + " rows per kv head: avx2 loops"
+      : f == Fp32Path::kAuto ? "; fp32 K/V up to " + std::to_string(kLinesMaxRows) + " rows per kv head, " +
+                                   std::to_string(kLinesMinBytes >> 20) + " MiB or more a call: avx2 loops"
+                             : "";
 #if defined(QKV_AVX512) && defined(__AVX512BF16__)
   const Bf16Path p = bf16_path();
   const std::string bf16 =
