@@ -53,6 +53,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <initializer_list>
 #include <limits>
 #include <optional>
 #include <string>
@@ -1242,15 +1243,26 @@ static inline void softmax_block(const float* S, float* P, int64_t R, float* m, 
   }
 }
 
+// A path setting from the environment (QKV_DECODE_*): one of `allowed` (the first is the
+// default, also for an unset or empty variable), else an error naming them all. Each is
+// read once per process and parsed on every build, so a bad value is an error whatever the CPU.
+static std::string path_setting(const char* name, std::initializer_list<const char*> allowed) {
+  const char* e = std::getenv(name);
+  const std::string want = e && *e ? e : *allowed.begin();
+  std::string names;
+  size_t i = 0;
+  for (const char* a : allowed) {
+    if (want == a) return want;
+    names += (i == 0 ? "" : i + 1 == allowed.size() ? " or " : ", ") + std::string(a), ++i;
+  }
+  TORCH_CHECK(false, name, " must be ", names, "; got '", want, "'");
+}
+
 // int8 K/V on int16 pairs (the default where the build has VNNI), or widened to fp32 as on
-// CPUs without it: QKV_DECODE_INT8=int16|widen, read once per process (the tests run both).
-// Parsed on every build, so that a bad value is an error whatever the CPU.
+// CPUs without it: QKV_DECODE_INT8=int16|widen (the tests run both).
 static bool int8_on_int16() {
   static const bool on = [] {
-    const char* e = std::getenv("QKV_DECODE_INT8");
-    const std::string want = e ? e : "";
-    TORCH_CHECK(want.empty() || want == "auto" || want == "int16" || want == "widen",
-                "QKV_DECODE_INT8 must be auto, int16 or widen; got '", want, "'");
+    const std::string want = path_setting("QKV_DECODE_INT8", {"auto", "int16", "widen"});
 #ifdef QKV_I16_DOTS
     return want != "widen";
 #else
@@ -2104,10 +2116,7 @@ constexpr int64_t kLinesMinBytes = int64_t(32) << 20;
 enum class Fp32Path { kAvx512, kAvx2, kAuto };
 static Fp32Path fp32_path() {
   static const Fp32Path path = [] {
-    const char* e = std::getenv("QKV_DECODE_FP32");
-    const std::string want = e ? e : "";
-    TORCH_CHECK(want.empty() || want == "auto" || want == "avx2" || want == "avx512",
-                "QKV_DECODE_FP32 must be auto, avx2 or avx512; got '", want, "'");
+    const std::string want = path_setting("QKV_DECODE_FP32", {"auto", "avx2", "avx512"});
     if (want == "avx2") return Fp32Path::kAvx2;
     if (want == "avx512") return Fp32Path::kAvx512;
     return amd_family() >= 26u ? Fp32Path::kAuto : Fp32Path::kAvx512;
@@ -2117,11 +2126,7 @@ static Fp32Path fp32_path() {
 enum class Bf16Path { kWiden, kDot, kDotAlways, kAmx, kAmxAlways };
 static Bf16Path bf16_path() {
   static const Bf16Path path = [] {
-    const char* e = std::getenv("QKV_DECODE_BF16");
-    const std::string want = e ? e : "";
-    TORCH_CHECK(want.empty() || want == "auto" || want == "dot" || want == "widen" ||
-                    want == "amx",
-                "QKV_DECODE_BF16 must be auto, amx, dot or widen; got '", want, "'");
+    const std::string want = path_setting("QKV_DECODE_BF16", {"auto", "amx", "dot", "widen"});
     // oneDNN sees AMX and the level allows it (QKV_ISA=avx512_bf16 turns it off)
     const bool onednn_amx =
         at::native::cpublas::could_pack(at::kBFloat16) && qkv_simd::amx_allowed();
