@@ -323,6 +323,27 @@ print("ok")
 """
 
 
+def _beams_check(dtype: str, tol: float, lse_tol: float) -> str:
+    """Script lines (after a check script's imports and generator ``g``): beams reordered by a
+    rows table and sentences that left by kv_batch, K/V in ``dtype``, against fp64."""
+    return f"""
+# beams reordered by a rows table, sentences that left by kv_batch: keys gathered per position
+q = torch.randn(3, 8, 2, 64, generator=g).to({dtype})
+k = torch.randn(4, 2, 90, 64, generator=g).to({dtype})
+v = torch.randn(4, 2, 90, 64, generator=g).to({dtype})
+rows = torch.randint(0, 4, (3, 90), generator=g)
+out, lse = decode_ops().fwd(q, k, v, None, 0.125, True, -1, 0, rows)
+kg = k.permute(0, 2, 1, 3)[rows, torch.arange(90)[None, :]].permute(0, 2, 1, 3)
+vg = v.permute(0, 2, 1, 3)[rows, torch.arange(90)[None, :]].permute(0, 2, 1, 3)
+ref = attention_steps(q.double(), kg.double(), vg.double(), causal=True, scale=0.125)
+assert (out.double() - ref.output).abs().max() < {tol} and (lse.double() - ref.lse).abs().max() < {lse_tol}
+kv_batch = torch.tensor([3, 0, 2])
+out, lse = decode_ops().fwd(q, k, v, None, 0.125, False, -1, 0, None, kv_batch)
+ref = attention_steps(q.double(), k[kv_batch].double(), v[kv_batch].double(), scale=0.125)
+assert (out.double() - ref.output).abs().max() < {tol} and (lse.double() - ref.lse).abs().max() < {lse_tol}
+"""
+
+
 _BF16_PATH_CHECK = """
 import torch
 from qkv.functional import attention_steps
@@ -352,22 +373,7 @@ for h, h_kv, Tq, Tk, d in ((8, 2, 1, 1000, 128), (8, 2, 4, 1000, 128), (32, 8, 1
     ref = attention_steps(qd, k.double(), v.double())
     assert (out.double() - ref.output).abs().max() < 2e-2 and (lse.double() - ref.lse).abs().max() < 1e-3
     torch.set_num_threads(1)
-# beams reordered by a rows table, sentences that left by kv_batch: keys gathered per position
-q = torch.randn(3, 8, 2, 64, generator=g).bfloat16()
-k = torch.randn(4, 2, 90, 64, generator=g).bfloat16()
-v = torch.randn(4, 2, 90, 64, generator=g).bfloat16()
-rows = torch.randint(0, 4, (3, 90), generator=g)
-out, lse = decode_ops().fwd(q, k, v, None, 0.125, True, -1, 0, rows)
-kg = k.permute(0, 2, 1, 3)[rows, torch.arange(90)[None, :]].permute(0, 2, 1, 3)
-vg = v.permute(0, 2, 1, 3)[rows, torch.arange(90)[None, :]].permute(0, 2, 1, 3)
-ref = attention_steps(q.double(), kg.double(), vg.double(), causal=True, scale=0.125)
-assert (out.double() - ref.output).abs().max() < 2e-2 and (lse.double() - ref.lse).abs().max() < 1e-3
-kv_batch = torch.tensor([3, 0, 2])
-out, lse = decode_ops().fwd(q, k, v, None, 0.125, False, -1, 0, None, kv_batch)
-ref = attention_steps(q.double(), k[kv_batch].double(), v[kv_batch].double(), scale=0.125)
-assert (out.double() - ref.output).abs().max() < 2e-2 and (lse.double() - ref.lse).abs().max() < 1e-3
-print("ok")
-"""
+""" + _beams_check("torch.bfloat16", 2e-2, 1e-3) + 'print("ok")\n'
 
 
 def _amx_tiles() -> bool:
@@ -453,15 +459,7 @@ for h, h_kv, Tq, Tk, d in ((8, 2, 1, 1000, 128), (32, 8, 2, 333, 128), (4, 1, 3,
     ref = attention_steps(q.double(), k.double(), v.double())
     assert (out.double() - ref.output).abs().max() < 1e-5 and (lse.double() - ref.lse).abs().max() < 1e-5
     torch.set_num_threads(1)
-# beams reordered by a rows table: each tile gathered row by row
-q = torch.randn(3, 8, 1, 64, generator=g)
-k, v = (torch.randn(4, 2, 90, 64, generator=g) for _ in range(2))
-rows = torch.randint(0, 4, (3, 90), generator=g)
-out, lse = decode_ops().fwd(q, k, v, None, 0.125, True, -1, 0, rows)
-kg = k.permute(0, 2, 1, 3)[rows, torch.arange(90)[None, :]].permute(0, 2, 1, 3)
-vg = v.permute(0, 2, 1, 3)[rows, torch.arange(90)[None, :]].permute(0, 2, 1, 3)
-ref = attention_steps(q.double(), kg.double(), vg.double(), causal=True, scale=0.125)
-assert (out.double() - ref.output).abs().max() < 1e-5
+""" + _beams_check("torch.float32", 1e-5, 1e-5) + """
 # a call that reads 32 MiB of K + V (auto takes the AVX2 loops from there on Zen 5)
 q = torch.randn(1, 32, 1, 128, generator=g)
 k, v = (torch.randn(1, 8, 4096, 128, generator=g) for _ in range(2))
@@ -494,9 +492,10 @@ def _cpu_family() -> tuple[str, int]:
 
 def test_paths_of_this_cpu():
     """On the AVX-512 levels, fp32 caches with few rows take the AVX2 loops (from 32 MiB a
-    call) on Zen 5 (AMD family 26 and later) only. Without AMX the bf16 cache's pairs (vdpbf16ps) run from 8 query
-    rows per kv head, fewer rows widened, except on Zen 4 (AMD family 25), where the pairs run
-    for every call; with AMX, tiles from 8 rows. The status names the choice the kernel makes."""
+    call) on Zen 5 (AMD family 26 and later) only. Without AMX the bf16 cache's pairs
+    (vdpbf16ps) run from 8 query rows per kv head, fewer rows widened, except on Zen 4 (AMD
+    family 25), where the pairs run for every call; with AMX, tiles from 8 rows. The status
+    names the choice the kernel makes."""
     if native_level() not in ("avx512", "avx512_bf16", "amx"):
         pytest.skip(f"no AVX-512 loops on this level: {native_level()}")
     status = native_status()
@@ -508,7 +507,7 @@ def test_paths_of_this_cpu():
     if _amx_tiles():
         assert "bf16 K/V: amx tiles from 8 rows per kv head, else widened" in status
         assert "decode path avx512+avx512bf16+amx;" in status
-    elif _cpu_family() == ("AuthenticAMD", 25):
+    elif (vendor, family) == ("AuthenticAMD", 25):
         assert "bf16 K/V: vdpbf16ps;" in status and "+amx" not in status
     else:
         assert "bf16 K/V: vdpbf16ps from 8 rows per kv head, else widened" in status

@@ -1356,6 +1356,14 @@ static void run_segment(const Problem<T>& P, int64_t n, int64_t k0, int64_t k1, 
   // the query rows of this head, unscaled: fp32 (bf16 pairs for the bf16 dot products)
   const QueryT<T>* Q = P.q + n * R * d;
   constexpr bool kBf16Dot = kDot;
+  // the keys / values of the tile `ahead` keys after the nt at kt, prefetched while those are
+  // read: only for a full tile that is not gathered and whose later tile lies in [k0, k1)
+  [[maybe_unused]] auto k_ahead = [&](int64_t kt, int64_t nt, int64_t ahead) -> const T* {
+    return nt == kTile && !P.rows && kt + ahead + kTile <= k1 ? P.krow(n, kt + ahead) : nullptr;
+  };
+  [[maybe_unused]] auto v_ahead = [&](int64_t kt, int64_t nt, int64_t ahead) -> const T* {
+    return nt == kTile && !P.rows && kt + ahead + kTile <= k1 ? P.vrow(n, kt + ahead) : nullptr;
+  };
   const float c2 = P.c2;
   const int64_t Rp = (R + kBcastPad - 1) / kBcastPad * kBcastPad;  // Qᵀ's row length
   const bool bcast = sc.qt != nullptr;
@@ -1430,8 +1438,7 @@ static void run_segment(const Problem<T>& P, int64_t n, int64_t k0, int64_t k1, 
       // 2-core Zen 4, Tk = 16384, Tq = 1, 1 thread, CPU time, GB/s of K+V (fp32 / bf16):
       // no prefetch 6-7; bursts of a whole tile into L1 6-7, into L2 9-12; spread one block
       // ahead 12.5-14; two blocks 13-15.6; four blocks 9-13.
-      const T* kpf = nt == kTile && !P.rows && kt + 2 * kBlock + kTile <= k1
-                         ? P.krow(n, kt + 2 * kBlock) : nullptr;
+      const T* kpf = k_ahead(kt, nt, 2 * kBlock);
 #endif
 #ifdef QKV_AVX512
       if constexpr (std::is_same_v<T, float>)
@@ -1445,9 +1452,8 @@ static void run_segment(const Problem<T>& P, int64_t n, int64_t k0, int64_t k1, 
       bool raw = false;
       if constexpr (std::is_same_v<T, float>)
         if (P.lines) {
-          const T* pf2 = nt == kTile && !P.rows && kt + kAvx2Ahead + kTile <= k1
-                             ? P.krow(n, kt + kAvx2Ahead) : nullptr;
-          scores_avx2(sc.qf, dqp, R, kp, ks, d, nt, sc.S + t0, kBlock, pf2);
+          scores_avx2(sc.qf, dqp, R, kp, ks, d, nt, sc.S + t0, kBlock,
+                      k_ahead(kt, nt, kAvx2Ahead));
           raw = true;
         }
       const T* pf_left = kpf;  // the first dot-product call of the tile prefetches
@@ -1458,8 +1464,7 @@ static void run_segment(const Problem<T>& P, int64_t n, int64_t k0, int64_t k1, 
 #ifdef QKV_DECODE_AVX2
       // raw dot products of every row with the tile's keys (the same keys kAvx2Ahead later
       // prefetched); visibility and scale below
-      const T* kpf = nt == kTile && !P.rows && kt + kAvx2Ahead + kTile <= k1
-                         ? P.krow(n, kt + kAvx2Ahead) : nullptr;
+      const T* kpf = k_ahead(kt, nt, kAvx2Ahead);
       // many rows, a full tile: by broadcasts; bf16 keys widened to fp32 once for all rows
       // (a tile read from the cache itself, so the scratch is free for them)
       bool by_bcast = false;
@@ -1602,13 +1607,10 @@ static void run_segment(const Problem<T>& P, int64_t n, int64_t k0, int64_t k1, 
       const float* pt = sc.P + t0;  // P[r][t0 + j] at pt[r * kBlock + j]
 #ifdef QKV_AVX512
       // the same value tile two blocks ahead, prefetched into L2 line by line (as the keys)
-      const T* vpf = nt == kTile && !P.rows && kt + 2 * kBlock + kTile <= k1
-                         ? P.vrow(n, kt + 2 * kBlock) : nullptr;
+      const T* vpf = v_ahead(kt, nt, 2 * kBlock);
       if constexpr (std::is_same_v<T, float>)
         if (P.lines) {  // as the scores above
-          const T* vpf2 = nt == kTile && !P.rows && kt + kAvx2Ahead + kTile <= k1
-                              ? P.vrow(n, kt + kAvx2Ahead) : nullptr;
-          pv_tile_avx2(vp, vs, dv, pt, R, acc, dvp, nt, vpf2);
+          pv_tile_avx2(vp, vs, dv, pt, R, acc, dvp, nt, v_ahead(kt, nt, kAvx2Ahead));
           continue;
         }
       if constexpr (kBf16Dot) {
@@ -1619,8 +1621,7 @@ static void run_segment(const Problem<T>& P, int64_t n, int64_t k0, int64_t k1, 
       }
       pv_tile(vp, vs, dv, pt, R, acc, dvp, vpf);
 #elif defined(QKV_DECODE_AVX2)
-      const T* vpf = nt == kTile && !P.rows && kt + kAvx2Ahead + kTile <= k1
-                         ? P.vrow(n, kt + kAvx2Ahead) : nullptr;
+      const T* vpf = v_ahead(kt, nt, kAvx2Ahead);
       pv_tile_avx2(vp, vs, dv, pt, R, acc, dvp, nt, vpf);
 #else
       for (int64_t j = 0; j < nt; ++j) {
