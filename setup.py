@@ -23,8 +23,9 @@ ROOT = Path(__file__).resolve().parent
 CSRC = ROOT / "src" / "qkv" / "csrc"
 
 
-def _levels_module():
-    spec = importlib.util.spec_from_file_location("_qkv_levels", ROOT / "src/qkv/kernels/_levels.py")
+def _kernels_module(name: str):
+    """qkv/kernels/<name>.py, loaded by path (qkv is not installed yet)."""
+    spec = importlib.util.spec_from_file_location(f"_qkv{name}", ROOT / f"src/qkv/kernels/{name}.py")
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # dataclasses look their module up there
     spec.loader.exec_module(mod)
@@ -35,7 +36,8 @@ def _extensions():
     import torch
     from torch.utils.cpp_extension import BuildExtension, CppExtension
 
-    L = _levels_module()
+    L = _kernels_module("_levels")
+    linkage = _kernels_module("_linkage")
     wanted = os.environ.get("QKV_BUILD_LEVELS")
     levels = L.levels_for_machine()
     if wanted:
@@ -47,7 +49,7 @@ def _extensions():
             f"qkv._C_{lv.name}",
             sources,
             extra_compile_args=[*L.COMMON_FLAGS, *lv.flags, f"-DQKV_LEVEL={lv.name}"],
-            extra_link_args=["-fopenmp"],
+            extra_link_args=list(L.LINK_FLAGS),
         )
         for lv in levels
     ]
@@ -79,6 +81,14 @@ def _extensions():
             finally:
                 self.build_temp = temp
 
+        def _outs(self):  # where the libraries and _built.json go
+            return {Path(self.build_lib), ROOT / "src"} if self.inplace else {Path(self.build_lib)}
+
+        def _remove_built(self):
+            for out in self._outs():
+                for p in [*(out / "qkv").glob("_C_*"), out / "qkv/kernels/_built.json"]:
+                    p.unlink(missing_ok=True)
+
         def run(self):
             # libraries an earlier build left under another name (build/lib is reused) must
             # not ship in a wheel beside the current ones
@@ -86,6 +96,10 @@ def _extensions():
                 if old.suffix != ".kernels":
                     old.unlink()
             super().run()
+            for ext in self.extensions:
+                if why := linkage.private_runtime(self.get_ext_fullpath(ext.name)):
+                    self._remove_built()  # nothing left that a later import could load
+                    raise SystemExit(f"qkv: build refused: {why}")
             info = {
                 "torch": torch.__version__,
                 "sources": L.source_digest(CSRC),
@@ -96,7 +110,7 @@ def _extensions():
                     for ext in self.extensions
                 },
             }
-            for out in {Path(self.build_lib), ROOT / "src"} if self.inplace else {Path(self.build_lib)}:
+            for out in self._outs():
                 target = out / "qkv" / "kernels" / "_built.json"
                 if target.parent.is_dir():
                     target.write_text(json.dumps(info, indent=1) + "\n")

@@ -89,7 +89,7 @@ def build(site: Path, out: Path) -> Path:
         record.unlink(missing_ok=True)  # no record: a build cut short is never taken as current
         objs = compile_all(out / "build" / "obj", [
             str(site / "torch/include"), str(site / "torch/include/torch/csrc/api/include")])
-        subprocess.run([CXX, "-shared", "-fopenmp", *map(str, objs), f"-L{site / 'torch/lib'}",
+        subprocess.run([CXX, "-shared", *L.LINK_FLAGS, *map(str, objs), f"-L{site / 'torch/lib'}",
                         "-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python", "-o", str(kernels)],
                        check=True)  # fmt: skip
         info = {"torch": version, "sources": digest, "levels": ["neon"],

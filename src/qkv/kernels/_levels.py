@@ -18,13 +18,17 @@ import platform
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["COMMON_FLAGS", "LEVELS", "Level", "best_level", "cpu_features", "level_named",
+__all__ = ["COMMON_FLAGS", "LINK_FLAGS", "LEVELS", "Level", "best_level", "cpu_features", "level_named",
            "levels_for_machine", "runnable_levels", "select_level", "source_digest", "SOURCES"]
 
 # No -ffast-math: the kernels rely on IEEE infinities; their reductions are vectorised by hand
 # or `omp simd`. -fopenmp: their threads are PyTorch's own OpenMP runtime (libtorch links
 # libgomp). -g0: Python's own CFLAGS carry -g, which costs a third of the build time.
 COMMON_FLAGS = ("-O3", "-g0", "-fopenmp", "-fno-math-errno", "-fno-trapping-math")
+# -lstdc++ ahead of the compiler's own libraries: the shared C++ runtime, the one torch loaded,
+# even where a compiler adds -static-libstdc++ (a private copy can crash the process;
+# _linkage.py checks the result).
+LINK_FLAGS = ("-fopenmp", "-lstdc++")
 SOURCES = ("flash_cpu.cpp", "decode_cpu.cpp", "search_cpu.cpp", "packed_cpu.cpp", "int8_cpu.cpp",
            "step_cpu.cpp", "module.cpp")
 

@@ -16,7 +16,9 @@ under a name that carries the level and the sources' digest: a cache shared by m
 different CPUs never hands one CPU another's build, and two checkouts of different sources
 never rebuild over each other. A build, and a wait for another process's build, say so on
 stderr with the time spent; a library is loaded only if its sha256 matches the one recorded
-after its build (a truncated or damaged file is rebuilt, with a message). ``QKV_NATIVE=0`` turns the kernels off;
+after its build (a truncated or damaged file is rebuilt, with a message), and only if it
+shares torch's C++ runtime (:mod:`qkv.kernels._linkage`: a compiler that links libstdc++
+statically makes a library that crashes the process at its first error message). ``QKV_NATIVE=0`` turns the kernels off;
 ``QKV_NATIVE=prebuilt`` forbids the build on first use, ``QKV_NATIVE=compile`` makes it
 (ignoring the prebuilt kernels).
 
@@ -54,7 +56,7 @@ from pathlib import Path
 
 import torch
 
-from qkv.kernels import _levels
+from qkv.kernels import _levels, _linkage
 
 __all__ = ["decode_ops", "int8_ops", "native_level", "native_module", "native_ops",
            "native_status"]
@@ -208,6 +210,7 @@ def _compile(build: str) -> object:
                 name=name,
                 sources=[str(CSRC / s) for s in _levels.SOURCES],
                 extra_cflags=_flags(build),
+                extra_ldflags=list(_levels.LINK_FLAGS),
                 is_python_module=True,
                 verbose=False,
             )
@@ -241,6 +244,12 @@ def _load() -> object | None:
             logger.warning("qkv: fused CPU kernels %s; flash uses its PyTorch-ops kernel",
                            _status)  # fmt: skip
             return None
+    if why := _linkage.private_runtime(module.__file__):  # loaded, but never called
+        if how.startswith("compiled"):  # rebuilt by the next process, perhaps with CXX fixed
+            Path(module.__file__).unlink(missing_ok=True)
+        _status = f"unavailable: {why}"
+        logger.warning("qkv: fused CPU kernels %s", _status)
+        return None
     try:
         ops = torch.ops.qkv_flash
         assert ops.level() == build, (ops.level(), build)
