@@ -225,11 +225,11 @@ def test_every_level_reads_int8_rows(level):
     assert_level_ok(_LEVEL_INT8, level)
 
 
-_WIDENED_INT8 = f"""
-import sys
+_INT8_CASES = f"""
+import os, sys
 sys.path[:0] = {[str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]!r}
 from qkv.kernels._native import native_status
-assert "int8 K/V: widened to fp32" in native_status(), native_status()
+assert os.environ["QKV_INT8_PATH"] in native_status(), native_status()
 import conftest  # the suite's Hypothesis profile, as under pytest
 import test_kv_int8 as t
 t.test_decode_over_int8_rows_matches_fp64()
@@ -243,14 +243,30 @@ print("ok")
 
 @needs_kernel
 def test_int8_rows_widened_to_fp32_as_without_vnni():
-    """QKV_DECODE_INT8=widen: the path of CPUs without AVX-512 VNNI (keys and values widened
-    to fp32 for the FMA loops), in its own process, over the same cases."""
-    assert_script_ok(_WIDENED_INT8, QKV_DECODE_INT8="widen")
+    """QKV_DECODE_INT8=widen: keys and values widened to fp32 for the FMA loops, in its own
+    process, over the same cases."""
+    assert_script_ok(_INT8_CASES, QKV_DECODE_INT8="widen",
+                     QKV_INT8_PATH="int8 K/V: widened to fp32")  # fmt: skip
+
+
+# the int8 path each level takes by default (d = 64 or 128, fewer than 32 rows per kv head)
+_INT8_PATHS = {"portable": "widened to fp32", "avx2": "int16 dot products (vpmaddwd)",
+               "avx512": "widened to fp32", "avx512_bf16": "int16 dot products (vpdpwssd)",
+               "amx": "int16 dot products (vpdpwssd)", "neon": "widened to fp32"}  # fmt: skip
+
+
+@needs_kernel
+@pytest.mark.parametrize("level", other_levels())
+def test_every_level_takes_its_int8_path_and_matches_fp64(level):
+    """Head sizes 64 and 128 (the int16-pair loops), the levels that are not loaded by default
+    here, each forced in its own process: the avx2 level's vpmaddwd loops run on AVX-512
+    machines only this way."""
+    assert_script_ok(_INT8_CASES, QKV_ISA=level, QKV_INT8_PATH=f"int8 K/V: {_INT8_PATHS[level]}")
 
 
 def test_bad_int8_path_setting_is_an_error():
     with pytest.raises(AssertionError, match="QKV_DECODE_INT8 must be auto, int16 or widen"):
-        assert_script_ok(_WIDENED_INT8, QKV_DECODE_INT8="fast")
+        assert_script_ok(_INT8_CASES, QKV_DECODE_INT8="fast", QKV_INT8_PATH="")
 
 
 # --- the cache ------------------------------------------------------------------------------

@@ -1123,6 +1123,164 @@ static void scores_bcast_avx2(const float* qt, int64_t R, int64_t Rp, int64_t d,
     }
   }
 }
+
+// ---- int8 K/V on int16 pairs (vpmaddwd: 16 products of int16 pairs summed into 8 exact
+// int32 lanes per instruction, then vpaddd). Widening int8 to fp32 took two instructions per
+// 8 values ahead of 8 FMAs, and those, on the FP pipes, bound the loop; here the integer
+// multiplies do twice the work per instruction. Queries are int16 rows (q ≈ qscale · q16, as
+// on VNNI), weights P int16 per row (as pv_i16). |sums| <= d · 32767 · 128 < 2^31 for d <= 128
+// and kBlock · 32767 · 128 for P·V.
+#define QKV_I16_AVX2 1
+
+// lane i = Σ of the 8 int32 lanes of a[i], as fp32 (hsum8x8's tree, exact in int32)
+static inline __m256 hsum8x8_i32(const __m256i* a) {
+  const __m256i t0 = _mm256_hadd_epi32(a[0], a[1]), t1 = _mm256_hadd_epi32(a[2], a[3]);
+  const __m256i t2 = _mm256_hadd_epi32(a[4], a[5]), t3 = _mm256_hadd_epi32(a[6], a[7]);
+  const __m256i u0 = _mm256_hadd_epi32(t0, t1), u1 = _mm256_hadd_epi32(t2, t3);
+  return _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20),
+                                             _mm256_permute2x128_si256(u0, u1, 0x31)));
+}
+
+// Raw integer scores S[r][j] = q16_r · k_j (as fp32) of kR int16 query rows (row stride qs)
+// and int8 keys [0, nj) in groups of kJ, d a multiple of 64 (one line of each key per
+// iteration; kPf: the same line of pf's keys prefetched first). As dots_avx2.
+template <int kR, int kJ, bool kPf>
+[[gnu::noinline]] static void dots_i16_avx2(const int16_t* q, int64_t qs, const int8_t* kp,
+                                            int64_t ks, int64_t d, int64_t nj, float* S,
+                                            int64_t ldS, const int8_t* pf) {
+  static_assert(kR * kJ == 8);
+  __m256i a[8];
+  for (int64_t j0 = 0; j0 < nj; j0 += kJ) {
+    const int8_t* kr = kp + j0 * ks;
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_si256();
+    for (int64_t c = 0; c < d; c += 64) {
+      if constexpr (kPf)
+#pragma GCC unroll 8
+        for (int j = 0; j < kJ; ++j) pf_line(pf + (j0 + j) * ks + c);
+#pragma GCC unroll 4
+      for (int64_t u = c; u < c + 64; u += 16) {
+        __m256i kv[kJ];
+#pragma GCC unroll 8
+        for (int j = 0; j < kJ; ++j)
+          kv[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kr + j * ks + u)));
+#pragma GCC unroll 8
+        for (int r = 0; r < kR; ++r) {
+          __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + r * qs + u));
+          asm("" : "+x"(qv));  // one load per row and step
+#pragma GCC unroll 8
+          for (int j = 0; j < kJ; ++j)
+            a[r * kJ + j] = _mm256_add_epi32(a[r * kJ + j], _mm256_madd_epi16(qv, kv[j]));
+        }
+      }
+    }
+    alignas(32) float t[8];
+    _mm256_store_ps(t, hsum8x8_i32(a));  // lane r·kJ + j: row r, key j0 + j
+#pragma GCC unroll 8
+    for (int r = 0; r < kR; ++r) std::memcpy(S + r * ldS + j0, t + r * kJ, kJ * sizeof(float));
+  }
+}
+
+// Raw integer scores of R int16 query rows for the nt int8 keys of a tile (d = 64 or 128);
+// pf: the same keys of a later tile, prefetched by the first row block
+static void scores_i16_avx2(const int16_t* q, int64_t qs, int64_t R, const int8_t* kp,
+                            int64_t ks, int64_t d, int64_t nt, float* S, int64_t ldS,
+                            const int8_t* pf) {
+  auto rows = [&](auto kR_, auto kJ_, int64_t r) {
+    constexpr int kR = decltype(kR_)::value, kJ = decltype(kJ_)::value;
+    const int64_t nj = nt / kJ * kJ;
+    if (nj > 0) {
+      if (pf && r == 0) dots_i16_avx2<kR, kJ, true>(q + r * qs, qs, kp, ks, d, nj, S + r * ldS, ldS, pf);
+      else dots_i16_avx2<kR, kJ, false>(q + r * qs, qs, kp, ks, d, nj, S + r * ldS, ldS, pf);
+    }
+    for (int64_t j = nj; j < nt; ++j)  // the keys left over, one by one
+      for (int64_t i = r; i < r + kR; ++i) {
+        int32_t x = 0;
+        for (int64_t c = 0; c < d; ++c) x += int32_t(q[i * qs + c]) * kp[j * ks + c];
+        S[i * ldS + j] = static_cast<float>(x);
+      }
+  };
+  int64_t r = 0;
+  for (; r + 4 <= R; r += 4) rows(std::integral_constant<int, 4>{}, std::integral_constant<int, 2>{}, r);
+  for (; r + 2 <= R; r += 2) rows(std::integral_constant<int, 2>{}, std::integral_constant<int, 4>{}, r);
+  for (; r < R; ++r) rows(std::integral_constant<int, 1>{}, std::integral_constant<int, 8>{}, r);
+}
+
+// acc[r] += P V for kR rows, columns [c, c + 16), from the int16 weight pairs w (row stride
+// kBlock / 2) of one block of int8 value rows vr (zero rows past its keys): rows 2i, 2i + 1
+// interleaved byte by byte (vpunpck{l,h}bw) and widened to int16 pairs, so one vpmaddwd adds
+// p_2i·v_2i + p_2i+1·v_2i+1 for 8 columns, in order. kPf: every line of pf's rows (pfs
+// apart) prefetched, two rows per step.
+template <int kR, bool kPf>
+[[gnu::noinline]] static void pv_i16_rows_avx2(const int8_t* const* vr, int64_t c,
+                                               const int32_t* w, const float* wscale, float* o,
+                                               int64_t dvp, const int8_t* pf, int64_t pfs) {
+  __m256i a[kR][2];
+#pragma GCC unroll 8
+  for (int r = 0; r < kR; ++r) a[r][0] = a[r][1] = _mm256_setzero_si256();
+  for (int64_t jp = 0; jp < kBlock / 2; ++jp) {
+    if constexpr (kPf)
+      for (int64_t b = 2 * jp * pfs; b < (2 * jp + 2) * pfs; b += 64) pf_line(pf + b);
+    const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(vr[2 * jp] + c));
+    const __m128i y = _mm_loadu_si128(reinterpret_cast<const __m128i*>(vr[2 * jp + 1] + c));
+    const __m256i v0 = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(x, y));  // columns c..c+7
+    const __m256i v1 = _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(x, y));  // c+8..c+15
+#pragma GCC unroll 8
+    for (int r = 0; r < kR; ++r) {
+      const __m256i p = _mm256_set1_epi32(w[r * (kBlock / 2) + jp]);
+      a[r][0] = _mm256_add_epi32(a[r][0], _mm256_madd_epi16(p, v0));
+      a[r][1] = _mm256_add_epi32(a[r][1], _mm256_madd_epi16(p, v1));
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < kR; ++r) {
+    const __m256 s = _mm256_set1_ps(wscale[r]);
+    float* orow = o + r * dvp + c;
+    for (int h = 0; h < 2; ++h)
+      _mm256_storeu_ps(orow + 8 * h, _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[r][h]), s,
+                                                     _mm256_loadu_ps(orow + 8 * h)));
+  }
+}
+
+// acc += P V for one block of int8 value rows (vr[j]: row of key j, its scale folded into P;
+// zero rows past the block's keys), R < kWidenRows rows, dv a multiple of 16: P quantized per
+// row to int16 (at most 1/65534 of the row's largest weight), then pv_i16_rows_avx2 on 16
+// columns at a time. pf: the rows (pfs apart) of a later block, prefetched by the first pass.
+static void pv_i16_avx2(const int8_t* const* vr, int64_t dv, const float* P, int64_t R,
+                        float* acc, int64_t dvp, const int8_t* pf, int64_t pfs) {
+  alignas(32) int32_t pairs[kWidenRows][kBlock / 2];  // (w_2i, w_2i+1) as int16 pairs
+  float wscale[kWidenRows];
+  for (int64_t r = 0; r < R; ++r) {
+    const float* p = P + r * kBlock;
+    __m256 mx = _mm256_loadu_ps(p);
+    for (int64_t j = 8; j < kBlock; j += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(p + j));
+    const float m = hmax8(mx);  // weights are >= 0
+    wscale[r] = m / 32767.f;
+    const __m256 inv = _mm256_set1_ps(m > 0.f ? 32767.f / m : 0.f);
+    for (int64_t j = 0; j < kBlock; j += 16) {
+      const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(p + j), inv));
+      const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(p + j + 8), inv));
+      // packs works per 128-bit lane: 64-bit quarters 0, 2, 1, 3 put the words in order
+      const __m256i w = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xd8);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(pairs[r] + j / 2), w);
+    }
+  }
+  for (int64_t c = 0; c < dv; c += 16) {
+    int64_t r = 0;
+    auto run = [&](auto kR_) {
+      constexpr int kR = decltype(kR_)::value;
+      const int32_t* w = pairs[r];
+      if (pf && c == 0 && r == 0)
+        pv_i16_rows_avx2<kR, true>(vr, c, w, wscale + r, acc + r * dvp, dvp, pf, pfs);
+      else
+        pv_i16_rows_avx2<kR, false>(vr, c, w, wscale + r, acc + r * dvp, dvp, pf, pfs);
+      r += kR;
+    };
+    while (r + 4 <= R) run(std::integral_constant<int, 4>{});
+    while (r + 2 <= R) run(std::integral_constant<int, 2>{});
+    while (r < R) run(std::integral_constant<int, 1>{});
+  }
+}
 #endif  // QKV_DECODE_AVX2
 
 // The column order of pv_pairs back to the natural one, in each 32-column chunk of acc's rows.
@@ -1258,12 +1416,12 @@ static std::string path_setting(const char* name, std::initializer_list<const ch
   TORCH_CHECK(false, name, " must be ", names, "; got '", want, "'");
 }
 
-// int8 K/V on int16 pairs (the default where the build has VNNI), or widened to fp32 as on
-// CPUs without it: QKV_DECODE_INT8=int16|widen (the tests run both).
+// int8 K/V on int16 pairs (the default where the build has VNNI, and on the avx2 level), or
+// widened to fp32: QKV_DECODE_INT8=int16|widen (the tests run both).
 static bool int8_on_int16() {
   static const bool on = [] {
     const std::string want = path_setting("QKV_DECODE_INT8", {"auto", "int16", "widen"});
-#ifdef QKV_I16_DOTS
+#if defined(QKV_I16_DOTS) || defined(QKV_I16_AVX2)
     return want != "widen";
 #else
     return false;
@@ -1369,7 +1527,7 @@ static void run_segment(const Problem<T>& P, int64_t n, int64_t k0, int64_t k1, 
   const bool bcast = sc.qt != nullptr;
   // int8 keys with d = 64 or 128: the queries as int16 rows (each q ≈ qscale[r] · q16, an
   // error of at most 1/65534 of the row's largest |q|) for integer dot products
-#ifdef QKV_I16_DOTS
+#if defined(QKV_I16_DOTS) || defined(QKV_I16_AVX2)
   const bool i16 = kInt8<T> && (d == 64 || d == 128) && int8_on_int16();
 #else
   constexpr bool i16 = false;
@@ -1480,6 +1638,11 @@ static void run_segment(const Problem<T>& P, int64_t n, int64_t k0, int64_t k1, 
           scores_bcast_avx2(sc.qt, R, Rp, d, kw, d, sc.S + t0, kBlock, nullptr);
           by_bcast = true;
         }
+      if constexpr (kInt8<T>)
+        if (i16) {
+          scores_i16_avx2(q16, dqp, R, kp, ks, d, nt, sc.S + t0, kBlock, kpf);
+          by_bcast = true;  // (by integer dot products)
+        }
       if (!by_bcast) scores_avx2(sc.qf, dqp, R, kp, ks, d, nt, sc.S + t0, kBlock, kpf);
 #endif
       for (int64_t r = 0; r < R; ++r) {
@@ -1532,9 +1695,10 @@ static void run_segment(const Problem<T>& P, int64_t n, int64_t k0, int64_t k1, 
         x = _mm512_mask_mul_ps(_mm512_set1_ps(kNegInf), vis, x, c2v);
         _mm512_storeu_ps(s, x);
 #elif defined(QKV_DECODE_AVX2)
+        const float qs_r = i16 ? qscale[r] : 1.f;  // integer scores: the query's scale
         for (int64_t j = 0; j < kTile; ++j) {
           const bool visible = j >= a && j < b && (!mr || mr[kt + j]);
-          if constexpr (kInt8<T>) s[j] = visible ? s[j] * kscale[j] : kNegInf;
+          if constexpr (kInt8<T>) s[j] = visible ? s[j] * (kscale[j] * qs_r) : kNegInf;
           else s[j] = visible ? s[j] * c2 : kNegInf;
         }
 #else
@@ -1572,6 +1736,14 @@ static void run_segment(const Problem<T>& P, int64_t n, int64_t k0, int64_t k1, 
         for (int64_t j = nk; j < kBlock; ++j) rows[j] = zero;  // keys past nk: weight 0
         const bool ahead = !P.rows && kb + 3 * kBlock <= k1;
         pv_i16(rows, dv, sc.P, R, acc, dvp, ahead ? P.vrow(n, kb + 2 * kBlock) : nullptr, P.v2s);
+        continue;
+      }
+#elif defined(QKV_I16_AVX2)
+      if (dv % 16 == 0 && dv > 0 && int8_on_int16()) {  // P·V in int16 pairs
+        const int8_t* zero = static_cast<const int8_t*>(sc.vtile);  // zeroed per segment
+        for (int64_t j = nk; j < kBlock; ++j) rows[j] = zero;  // keys past nk: weight 0
+        const bool ahead = !P.rows && kb + 3 * kBlock <= k1;
+        pv_i16_avx2(rows, dv, sc.P, R, acc, dvp, ahead ? P.vrow(n, kb + 2 * kBlock) : nullptr, P.v2s);
         continue;
       }
 #endif
@@ -2270,9 +2442,13 @@ std::tuple<Tensor, Tensor> decode_fwd(const Tensor& q, const Tensor& k, const Te
 
 // Which instruction paths this build uses (for benchmarks and native_status).
 std::string decode_isa() {
+#if defined(QKV_I16_DOTS) || defined(QKV_I16_AVX2)
 #ifdef QKV_I16_DOTS
-  const std::string int8 = std::string("; int8 K/V: ") +
-                           (int8_on_int16() ? "int16 dot products (vpdpwssd)" : "widened to fp32") +
+  const char* i16 = "int16 dot products (vpdpwssd)";
+#else
+  const char* i16 = "int16 dot products (vpmaddwd)";
+#endif
+  const std::string int8 = std::string("; int8 K/V: ") + (int8_on_int16() ? i16 : "widened to fp32") +
                            ", widened runs from " + std::to_string(kWidenRows) + " rows";
 #else
   (void)int8_on_int16();  // a bad setting is an error here too
@@ -2302,7 +2478,7 @@ std::string decode_isa() {
 #elif defined(QKV_AVX512)
   return "avx512" + fp32 + int8;
 #elif defined(QKV_DECODE_AVX2)
-  return "avx2 (bf16 and int8 K/V widened in registers)" + int8;
+  return "avx2 (bf16 K/V widened in registers)" + int8;
 #else
   return "portable" + int8;
 #endif
