@@ -1132,6 +1132,10 @@ static void scores_bcast_avx2(const float* qt, int64_t R, int64_t Rp, int64_t d,
 // and kBlock · 32767 · 128 for P·V.
 #define QKV_I16_AVX2 1
 
+// a += m, in a's register: GCC otherwise adds into m's and copies the sum back, one extra
+// instruction per vpmaddwd (Zen 5, int8 decode from L3: 1.15-1.2x faster in place)
+static inline void add_into(__m256i& a, __m256i m) { asm("vpaddd %1, %0, %0" : "+x"(a) : "x"(m)); }
+
 // lane i = Σ of the 8 int32 lanes of a[i], as fp32 (hsum8x8's tree, exact in int32)
 static inline __m256 hsum8x8_i32(const __m256i* a) {
   const __m256i t0 = _mm256_hadd_epi32(a[0], a[1]), t1 = _mm256_hadd_epi32(a[2], a[3]);
@@ -1170,7 +1174,7 @@ template <int kR, int kJ, bool kPf>
           asm("" : "+x"(qv));  // one load per row and step
 #pragma GCC unroll 8
           for (int j = 0; j < kJ; ++j)
-            a[r * kJ + j] = _mm256_add_epi32(a[r * kJ + j], _mm256_madd_epi16(qv, kv[j]));
+            add_into(a[r * kJ + j], _mm256_madd_epi16(qv, kv[j]));
         }
       }
     }
@@ -1228,8 +1232,8 @@ template <int kR, bool kPf>
 #pragma GCC unroll 8
     for (int r = 0; r < kR; ++r) {
       const __m256i p = _mm256_set1_epi32(w[r * (kBlock / 2) + jp]);
-      a[r][0] = _mm256_add_epi32(a[r][0], _mm256_madd_epi16(p, v0));
-      a[r][1] = _mm256_add_epi32(a[r][1], _mm256_madd_epi16(p, v1));
+      add_into(a[r][0], _mm256_madd_epi16(p, v0));
+      add_into(a[r][1], _mm256_madd_epi16(p, v1));
     }
   }
 #pragma GCC unroll 8
