@@ -938,10 +938,80 @@ static inline float dot_avx2(const float* q, const T* k, int64_t d) {
   return x;
 }
 
-// Raw scores of R query rows for the nt keys of a tile into S (row stride ldS); the same
-// keys of a later tile (pf, or nullptr) are prefetched into L2, one line per 64 bytes.
-template <typename T>
-static void scores_avx2(const float* q, int64_t qs, int64_t R, const T* kp, int64_t ks,
+#ifdef QKV_DECODE_AVX2
+// ---- int8 K/V on int16 pairs (vpmaddwd: 16 products of int16 pairs summed into 8 exact
+// int32 lanes per instruction, then vpaddd). Widening int8 to fp32 took two instructions per
+// 8 values ahead of 8 FMAs, and those, on the FP pipes, bound the loop; here the integer
+// multiplies do twice the work per instruction. Queries are int16 rows (q ≈ qscale · q16, as
+// on VNNI), weights P int16 per row (as pv_i16). |sums| <= d · 32767 · 128 < 2^31 for d <= 128
+// and kBlock · 32767 · 128 for P·V.
+#define QKV_I16_AVX2 1
+
+// a += m, in a's register: GCC otherwise adds into m's and copies the sum back, one extra
+// instruction per vpmaddwd (Zen 5, int8 decode from L3: 1.15-1.2x faster in place)
+static inline void add_into(__m256i& a, __m256i m) { asm("vpaddd %1, %0, %0" : "+x"(a) : "x"(m)); }
+
+// lane i = Σ of the 8 int32 lanes of a[i], as fp32 (hsum8x8's tree, exact in int32)
+static inline __m256 hsum8x8_i32(const __m256i* a) {
+  const __m256i t0 = _mm256_hadd_epi32(a[0], a[1]), t1 = _mm256_hadd_epi32(a[2], a[3]);
+  const __m256i t2 = _mm256_hadd_epi32(a[4], a[5]), t3 = _mm256_hadd_epi32(a[6], a[7]);
+  const __m256i u0 = _mm256_hadd_epi32(t0, t1), u1 = _mm256_hadd_epi32(t2, t3);
+  return _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20),
+                                             _mm256_permute2x128_si256(u0, u1, 0x31)));
+}
+
+// dots_avx2 for int16 query rows over int8 keys: raw integer scores S[r][j] = q16_r · k_j (as
+// fp32), d a multiple of 64 (one line of each key per iteration, its prefetch first).
+template <int kR, int kJ, bool kPf>
+[[gnu::noinline]] static void dots_avx2(const int16_t* q, int64_t qs, const int8_t* kp,
+                                        int64_t ks, int64_t d, int64_t nj, float* S,
+                                        int64_t ldS, const int8_t* pf) {
+  static_assert(kR * kJ == 8);
+  __m256i a[8];
+  for (int64_t j0 = 0; j0 < nj; j0 += kJ) {
+    const int8_t* kr = kp + j0 * ks;
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_si256();
+    for (int64_t c = 0; c < d; c += 64) {
+      if constexpr (kPf)
+#pragma GCC unroll 8
+        for (int j = 0; j < kJ; ++j) pf_line(pf + (j0 + j) * ks + c);
+#pragma GCC unroll 4
+      for (int64_t u = c; u < c + 64; u += 16) {
+        __m256i kv[kJ];
+#pragma GCC unroll 8
+        for (int j = 0; j < kJ; ++j)
+          kv[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kr + j * ks + u)));
+#pragma GCC unroll 8
+        for (int r = 0; r < kR; ++r) {
+          __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + r * qs + u));
+          asm("" : "+x"(qv));  // one load per row and step
+#pragma GCC unroll 8
+          for (int j = 0; j < kJ; ++j)
+            add_into(a[r * kJ + j], _mm256_madd_epi16(qv, kv[j]));
+        }
+      }
+    }
+    alignas(32) float t[8];
+    _mm256_store_ps(t, hsum8x8_i32(a));  // lane r·kJ + j: row r, key j0 + j
+#pragma GCC unroll 8
+    for (int r = 0; r < kR; ++r) std::memcpy(S + r * ldS + j0, t + r * kJ, kJ * sizeof(float));
+  }
+}
+
+// q16 · k over d values, exact in int32 (a leftover key of a tile)
+static inline float dot_avx2(const int16_t* q, const int8_t* k, int64_t d) {
+  int32_t x = 0;
+  for (int64_t c = 0; c < d; ++c) x += int32_t(q[c]) * k[c];
+  return static_cast<float>(x);
+}
+#endif  // QKV_DECODE_AVX2
+
+// Raw scores of R query rows for the nt keys of a tile into S (row stride ldS): fp32 queries
+// over keys of any dtype, or (the avx2 level) int16 queries over int8 keys; the same keys of
+// a later tile (pf, or nullptr) are prefetched into L2, one line per 64 bytes.
+template <typename Q, typename T>
+static void scores_avx2(const Q* q, int64_t qs, int64_t R, const T* kp, int64_t ks,
                         int64_t d, int64_t nt, float* S, int64_t ldS, const T* pf) {
   // blocks of kR rows by kJ keys over the tile's first nt / kJ · kJ keys (the first row block
   // prefetches pf's keys), then the keys left over one by one
@@ -1019,6 +1089,27 @@ static void pv_tile_avx2(const T* vp, int64_t vs, int64_t dv, const float* p, in
         for (int64_t c = d16; c < dv; ++c) o[c] += w * to_float(vp[j * vs + c]);
       }
     }
+}
+
+// The weights P (R rows of kBlock, >= 0) of one block as int16 for P·V on int16 pairs: row r
+// as w · wscale[r] (at most 1/65534 of the row's largest weight off), words in key order,
+// pairs[r][i] = (w_2i, w_2i+1). The VNNI and the avx2 level's int8 loops both take it.
+static void weights_i16(const float* P, int64_t R, int32_t (*pairs)[kBlock / 2], float* wscale) {
+  for (int64_t r = 0; r < R; ++r) {
+    const float* p = P + r * kBlock;
+    __m256 mx = _mm256_loadu_ps(p);
+    for (int64_t j = 8; j < kBlock; j += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(p + j));
+    const float m = hmax8(mx);
+    wscale[r] = m / 32767.f;
+    const __m256 inv = _mm256_set1_ps(m > 0.f ? 32767.f / m : 0.f);
+    for (int64_t j = 0; j < kBlock; j += 16) {
+      const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(p + j), inv));
+      const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(p + j + 8), inv));
+      // packs works per 128-bit lane: 64-bit quarters 0, 2, 1, 3 put the words in order
+      const __m256i w = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xd8);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pairs[r] + j / 2), w);
+    }
+  }
 }
 
 #endif  // QKV_AVX2
@@ -1124,92 +1215,6 @@ static void scores_bcast_avx2(const float* qt, int64_t R, int64_t Rp, int64_t d,
   }
 }
 
-// ---- int8 K/V on int16 pairs (vpmaddwd: 16 products of int16 pairs summed into 8 exact
-// int32 lanes per instruction, then vpaddd). Widening int8 to fp32 took two instructions per
-// 8 values ahead of 8 FMAs, and those, on the FP pipes, bound the loop; here the integer
-// multiplies do twice the work per instruction. Queries are int16 rows (q ≈ qscale · q16, as
-// on VNNI), weights P int16 per row (as pv_i16). |sums| <= d · 32767 · 128 < 2^31 for d <= 128
-// and kBlock · 32767 · 128 for P·V.
-#define QKV_I16_AVX2 1
-
-// a += m, in a's register: GCC otherwise adds into m's and copies the sum back, one extra
-// instruction per vpmaddwd (Zen 5, int8 decode from L3: 1.15-1.2x faster in place)
-static inline void add_into(__m256i& a, __m256i m) { asm("vpaddd %1, %0, %0" : "+x"(a) : "x"(m)); }
-
-// lane i = Σ of the 8 int32 lanes of a[i], as fp32 (hsum8x8's tree, exact in int32)
-static inline __m256 hsum8x8_i32(const __m256i* a) {
-  const __m256i t0 = _mm256_hadd_epi32(a[0], a[1]), t1 = _mm256_hadd_epi32(a[2], a[3]);
-  const __m256i t2 = _mm256_hadd_epi32(a[4], a[5]), t3 = _mm256_hadd_epi32(a[6], a[7]);
-  const __m256i u0 = _mm256_hadd_epi32(t0, t1), u1 = _mm256_hadd_epi32(t2, t3);
-  return _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20),
-                                             _mm256_permute2x128_si256(u0, u1, 0x31)));
-}
-
-// Raw integer scores S[r][j] = q16_r · k_j (as fp32) of kR int16 query rows (row stride qs)
-// and int8 keys [0, nj) in groups of kJ, d a multiple of 64 (one line of each key per
-// iteration; kPf: the same line of pf's keys prefetched first). As dots_avx2.
-template <int kR, int kJ, bool kPf>
-[[gnu::noinline]] static void dots_i16_avx2(const int16_t* q, int64_t qs, const int8_t* kp,
-                                            int64_t ks, int64_t d, int64_t nj, float* S,
-                                            int64_t ldS, const int8_t* pf) {
-  static_assert(kR * kJ == 8);
-  __m256i a[8];
-  for (int64_t j0 = 0; j0 < nj; j0 += kJ) {
-    const int8_t* kr = kp + j0 * ks;
-#pragma GCC unroll 8
-    for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_si256();
-    for (int64_t c = 0; c < d; c += 64) {
-      if constexpr (kPf)
-#pragma GCC unroll 8
-        for (int j = 0; j < kJ; ++j) pf_line(pf + (j0 + j) * ks + c);
-#pragma GCC unroll 4
-      for (int64_t u = c; u < c + 64; u += 16) {
-        __m256i kv[kJ];
-#pragma GCC unroll 8
-        for (int j = 0; j < kJ; ++j)
-          kv[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kr + j * ks + u)));
-#pragma GCC unroll 8
-        for (int r = 0; r < kR; ++r) {
-          __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + r * qs + u));
-          asm("" : "+x"(qv));  // one load per row and step
-#pragma GCC unroll 8
-          for (int j = 0; j < kJ; ++j)
-            add_into(a[r * kJ + j], _mm256_madd_epi16(qv, kv[j]));
-        }
-      }
-    }
-    alignas(32) float t[8];
-    _mm256_store_ps(t, hsum8x8_i32(a));  // lane r·kJ + j: row r, key j0 + j
-#pragma GCC unroll 8
-    for (int r = 0; r < kR; ++r) std::memcpy(S + r * ldS + j0, t + r * kJ, kJ * sizeof(float));
-  }
-}
-
-// Raw integer scores of R int16 query rows for the nt int8 keys of a tile (d = 64 or 128);
-// pf: the same keys of a later tile, prefetched by the first row block
-static void scores_i16_avx2(const int16_t* q, int64_t qs, int64_t R, const int8_t* kp,
-                            int64_t ks, int64_t d, int64_t nt, float* S, int64_t ldS,
-                            const int8_t* pf) {
-  auto rows = [&](auto kR_, auto kJ_, int64_t r) {
-    constexpr int kR = decltype(kR_)::value, kJ = decltype(kJ_)::value;
-    const int64_t nj = nt / kJ * kJ;
-    if (nj > 0) {
-      if (pf && r == 0) dots_i16_avx2<kR, kJ, true>(q + r * qs, qs, kp, ks, d, nj, S + r * ldS, ldS, pf);
-      else dots_i16_avx2<kR, kJ, false>(q + r * qs, qs, kp, ks, d, nj, S + r * ldS, ldS, pf);
-    }
-    for (int64_t j = nj; j < nt; ++j)  // the keys left over, one by one
-      for (int64_t i = r; i < r + kR; ++i) {
-        int32_t x = 0;
-        for (int64_t c = 0; c < d; ++c) x += int32_t(q[i * qs + c]) * kp[j * ks + c];
-        S[i * ldS + j] = static_cast<float>(x);
-      }
-  };
-  int64_t r = 0;
-  for (; r + 4 <= R; r += 4) rows(std::integral_constant<int, 4>{}, std::integral_constant<int, 2>{}, r);
-  for (; r + 2 <= R; r += 2) rows(std::integral_constant<int, 2>{}, std::integral_constant<int, 4>{}, r);
-  for (; r < R; ++r) rows(std::integral_constant<int, 1>{}, std::integral_constant<int, 8>{}, r);
-}
-
 // acc[r] += P V for kR rows, columns [c, c + 16), from the int16 weight pairs w (row stride
 // kBlock / 2) of one block of int8 value rows vr (zero rows past its keys): rows 2i, 2i + 1
 // interleaved byte by byte (vpunpck{l,h}bw) and widened to int16 pairs, so one vpmaddwd adds
@@ -1254,21 +1259,7 @@ static void pv_i16_avx2(const int8_t* const* vr, int64_t dv, const float* P, int
                         float* acc, int64_t dvp, const int8_t* pf, int64_t pfs) {
   alignas(32) int32_t pairs[kWidenRows][kBlock / 2];  // (w_2i, w_2i+1) as int16 pairs
   float wscale[kWidenRows];
-  for (int64_t r = 0; r < R; ++r) {
-    const float* p = P + r * kBlock;
-    __m256 mx = _mm256_loadu_ps(p);
-    for (int64_t j = 8; j < kBlock; j += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(p + j));
-    const float m = hmax8(mx);  // weights are >= 0
-    wscale[r] = m / 32767.f;
-    const __m256 inv = _mm256_set1_ps(m > 0.f ? 32767.f / m : 0.f);
-    for (int64_t j = 0; j < kBlock; j += 16) {
-      const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(p + j), inv));
-      const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(p + j + 8), inv));
-      // packs works per 128-bit lane: 64-bit quarters 0, 2, 1, 3 put the words in order
-      const __m256i w = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xd8);
-      _mm256_store_si256(reinterpret_cast<__m256i*>(pairs[r] + j / 2), w);
-    }
-  }
+  weights_i16(P, R, pairs, wscale);
   for (int64_t c = 0; c < dv; c += 16) {
     int64_t r = 0;
     auto run = [&](auto kR_) {
@@ -1449,22 +1440,7 @@ static void pv_i16(const int8_t* const* vr, int64_t dv, const float* P, int64_t 
                    int64_t dvp, const int8_t* pf, int64_t pfs) {
   alignas(64) int32_t pairs[kWidenRows][kBlock / 2];  // (w_2i, w_2i+1) as int16 pairs
   float wscale[kWidenRows];
-  for (int64_t r = 0; r < R; ++r) {
-    const float* p = P + r * kBlock;
-    __m512 mx = _mm512_loadu_ps(p);
-    for (int64_t j = 16; j < kBlock; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(p + j));
-    const float m = _mm512_reduce_max_ps(mx);  // weights are >= 0
-    wscale[r] = m / 32767.f;
-    const __m512 inv = _mm512_set1_ps(m > 0.f ? 32767.f / m : 0.f);
-    for (int64_t j = 0; j < kBlock; j += 32) {
-      const __m512i a = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(p + j), inv));
-      const __m512i b = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(p + j + 16), inv));
-      // int16 words w_j.. in order: packs interleaves 128-bit lanes, so permute them back
-      const __m512i w = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7),
-                                                 _mm512_packs_epi32(a, b));
-      _mm512_store_si512(pairs[r] + j / 2, w);
-    }
-  }
+  weights_i16(P, R, pairs, wscale);
   const __m512i lo_idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
   const __m512i hi_idx = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
   for (int64_t c = 0; c < dv; c += 64) {
@@ -1644,7 +1620,7 @@ static void run_segment(const Problem<T>& P, int64_t n, int64_t k0, int64_t k1, 
         }
       if constexpr (kInt8<T>)
         if (i16) {
-          scores_i16_avx2(q16, dqp, R, kp, ks, d, nt, sc.S + t0, kBlock, kpf);
+          scores_avx2(q16, dqp, R, kp, ks, d, nt, sc.S + t0, kBlock, kpf);
           by_bcast = true;  // (by integer dot products)
         }
       if (!by_bcast) scores_avx2(sc.qf, dqp, R, kp, ks, d, nt, sc.S + t0, kBlock, kpf);
