@@ -1482,6 +1482,24 @@ static void pv_i16(const int8_t* const* vr, int64_t dv, const float* P, int64_t 
 }
 #endif
 
+#if defined(QKV_I16_DOTS) || defined(QKV_I16_AVX2)
+// P·V of a block of int8 value rows on int16 pairs: the VNNI loops (columns in chunks of 64)
+// or the avx2 level's (chunks of 16)
+#ifdef QKV_I16_DOTS
+constexpr int64_t kPairCols = 64;
+#else
+constexpr int64_t kPairCols = 16;
+#endif
+static inline void pv_int16_pairs(const int8_t* const* vr, int64_t dv, const float* P, int64_t R,
+                                  float* acc, int64_t dvp, const int8_t* pf, int64_t pfs) {
+#ifdef QKV_I16_DOTS
+  pv_i16(vr, dv, P, R, acc, dvp, pf, pfs);
+#else
+  pv_i16_avx2(vr, dv, P, R, acc, dvp, pf, pfs);
+#endif
+}
+#endif
+
 // -------------------------------------------------------------------------------------------
 // One segment: kv head n, keys [k0, k1). Leaves m (log2 units), l and the unnormalised acc
 // (R x dvp, zeroed by the caller) of every row.
@@ -1710,20 +1728,12 @@ static void run_segment(const Problem<T>& P, int64_t n, int64_t k0, int64_t k1, 
       for (int64_t j = 0; j < nk; ++j) vscale[j] = row_scale(rows[j], dv);
       for (int64_t r = 0; r < R; ++r)
         for (int64_t j = 0; j < nk; ++j) sc.P[r * kBlock + j] *= vscale[j];
-#ifdef QKV_I16_DOTS
-      if (dv % 64 == 0 && dv > 0 && int8_on_int16()) {  // P·V in int16 pairs
+#if defined(QKV_I16_DOTS) || defined(QKV_I16_AVX2)
+      if (dv % kPairCols == 0 && dv > 0 && int8_on_int16()) {  // P·V in int16 pairs
         const int8_t* zero = static_cast<const int8_t*>(sc.vtile);  // zeroed per segment
         for (int64_t j = nk; j < kBlock; ++j) rows[j] = zero;  // keys past nk: weight 0
         const bool ahead = !P.rows && kb + 3 * kBlock <= k1;
-        pv_i16(rows, dv, sc.P, R, acc, dvp, ahead ? P.vrow(n, kb + 2 * kBlock) : nullptr, P.v2s);
-        continue;
-      }
-#elif defined(QKV_I16_AVX2)
-      if (dv % 16 == 0 && dv > 0 && int8_on_int16()) {  // P·V in int16 pairs
-        const int8_t* zero = static_cast<const int8_t*>(sc.vtile);  // zeroed per segment
-        for (int64_t j = nk; j < kBlock; ++j) rows[j] = zero;  // keys past nk: weight 0
-        const bool ahead = !P.rows && kb + 3 * kBlock <= k1;
-        pv_i16_avx2(rows, dv, sc.P, R, acc, dvp, ahead ? P.vrow(n, kb + 2 * kBlock) : nullptr, P.v2s);
+        pv_int16_pairs(rows, dv, sc.P, R, acc, dvp, ahead ? P.vrow(n, kb + 2 * kBlock) : nullptr, P.v2s);
         continue;
       }
 #endif
