@@ -17,10 +17,10 @@ different CPUs never hands one CPU another's build, and two checkouts of differe
 never rebuild over each other. A build, and a wait for another process's build, say so on
 stderr with the time spent; a library is loaded only if its sha256 matches the one recorded
 after its build (a truncated or damaged file is rebuilt, with a message), and only if it
-shares torch's C++ runtime (:mod:`qkv.kernels._linkage`: a compiler that links libstdc++
-statically makes a library that crashes the process at its first error message). ``QKV_NATIVE=0`` turns the kernels off;
-``QKV_NATIVE=prebuilt`` forbids the build on first use, ``QKV_NATIVE=compile`` makes it
-(ignoring the prebuilt kernels).
+shares torch's C++ runtime (:mod:`qkv.kernels._linkage`: a library with its own static copy
+of libstdc++ can crash the process at its first error message). ``QKV_NATIVE=0`` turns the
+kernels off; ``QKV_NATIVE=prebuilt`` forbids the build on first use, ``QKV_NATIVE=compile``
+makes it (ignoring the prebuilt kernels).
 
 ``flash_cpu.cpp`` registers ``torch.ops.qkv_flash.fwd`` / ``.bwd`` (the flash backend),
 ``decode_cpu.cpp`` ``torch.ops.qkv_decode.fwd`` (the decode backend, a few queries over a
