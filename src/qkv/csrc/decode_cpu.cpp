@@ -1484,11 +1484,13 @@ static void pv_i16(const int8_t* const* vr, int64_t dv, const float* P, int64_t 
 
 #if defined(QKV_I16_DOTS) || defined(QKV_I16_AVX2)
 // P·V of a block of int8 value rows on int16 pairs: the VNNI loops (columns in chunks of 64)
-// or the avx2 level's (chunks of 16)
+// or the avx2 level's (chunks of 16); kPairOp names the instruction (native_status)
 #ifdef QKV_I16_DOTS
 constexpr int64_t kPairCols = 64;
+constexpr const char* kPairOp = "vpdpwssd";
 #else
 constexpr int64_t kPairCols = 16;
+constexpr const char* kPairOp = "vpmaddwd";
 #endif
 static inline void pv_int16_pairs(const int8_t* const* vr, int64_t dv, const float* P, int64_t R,
                                   float* acc, int64_t dvp, const int8_t* pf, int64_t pfs) {
@@ -1622,26 +1624,27 @@ static void run_segment(const Problem<T>& P, int64_t n, int64_t k0, int64_t k1, 
       // prefetched); visibility and scale below
       const T* kpf = k_ahead(kt, nt, kAvx2Ahead);
       // many rows, a full tile: by broadcasts; bf16 keys widened to fp32 once for all rows
-      // (a tile read from the cache itself, so the scratch is free for them)
-      bool by_bcast = false;
+      // (a tile read from the cache itself, so the scratch is free for them); int8 keys with
+      // int16 queries: integer dot products. scored: the tile's raw scores are in S
+      bool scored = false;
       if constexpr (std::is_same_v<T, float>)
         if (bcast && nt == kTile) {
           scores_bcast_avx2(sc.qt, R, Rp, d, kp, ks, sc.S + t0, kBlock, kpf);
-          by_bcast = true;
+          scored = true;
         }
       if constexpr (std::is_same_v<T, BFloat16>)
         if (bcast && nt == kTile && !P.rows) {
           float* kw = static_cast<float*>(sc.ktile);  // kTile x d fp32
           widen_tile_avx2(kp, ks, d, kw, kpf);
           scores_bcast_avx2(sc.qt, R, Rp, d, kw, d, sc.S + t0, kBlock, nullptr);
-          by_bcast = true;
+          scored = true;
         }
       if constexpr (kInt8<T>)
         if (i16) {
           scores_avx2(q16, dqp, R, kp, ks, d, nt, sc.S + t0, kBlock, kpf);
-          by_bcast = true;  // (by integer dot products)
+          scored = true;
         }
-      if (!by_bcast) scores_avx2(sc.qf, dqp, R, kp, ks, d, nt, sc.S + t0, kBlock, kpf);
+      if (!scored) scores_avx2(sc.qf, dqp, R, kp, ks, d, nt, sc.S + t0, kBlock, kpf);
 #endif
       for (int64_t r = 0; r < R; ++r) {
         const int64_t a = std::clamp<int64_t>(sc.lo[r] - kt, 0, nt);
@@ -2433,12 +2436,8 @@ std::tuple<Tensor, Tensor> decode_fwd(const Tensor& q, const Tensor& k, const Te
 // Which instruction paths this build uses (for benchmarks and native_status).
 std::string decode_isa() {
 #if defined(QKV_I16_DOTS) || defined(QKV_I16_AVX2)
-#ifdef QKV_I16_DOTS
-  const char* i16 = "int16 dot products (vpdpwssd)";
-#else
-  const char* i16 = "int16 dot products (vpmaddwd)";
-#endif
-  const std::string int8 = std::string("; int8 K/V: ") + (int8_on_int16() ? i16 : "widened to fp32") +
+  const std::string i16 = std::string("int16 dot products (") + kPairOp + ")";
+  const std::string int8 = "; int8 K/V: " + (int8_on_int16() ? i16 : "widened to fp32") +
                            ", widened runs from " + std::to_string(kWidenRows) + " rows";
 #else
   (void)int8_on_int16();  // a bad setting is an error here too
