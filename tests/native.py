@@ -24,10 +24,9 @@ def other_levels() -> list[str]:
     from qkv.kernels import _levels
 
     default = _levels.select_level("")[1]
-    runnable = _levels.runnable_levels()
-    if default == "amx":  # the avx512_bf16 build with its tiles off is a level of its own
-        return runnable
-    return [lv for lv in runnable if lv != default]
+    # with a build's extra instructions off (avx512_bf16 on an AMX CPU, avx2 on an AVX-VNNI
+    # one) it is a level of its own
+    return [name for name in _levels.runnable_names() if name != default]
 
 
 _LEVEL_CHECK = """import os

@@ -10,6 +10,7 @@ from torch import nn
 
 from qkv import MultiHeadAttention, dispatch
 from qkv.functional import explain_dispatch, scaled_dot_product_attention
+from qkv.kernels._levels import build_of
 from strategies import draw_mask_and_bias
 
 
@@ -271,7 +272,7 @@ def _auto(level, monkeypatch, q, k, v, **kw):
     return dispatch.choose(dispatch.describe(q, k, v, **kw)).backend
 
 
-@pytest.mark.parametrize("level", ["avx512", "avx512_bf16", "amx", "avx2", "portable"])
+@pytest.mark.parametrize("level", ["avx512", "avx512_bf16", "amx", "avx2", "avx2_vnni", "portable"])
 def test_each_level_has_its_measured_rules(level, monkeypatch):
     """On the portable level the fused flash kernel loses to torch's dense kernels where the
     AVX-512 table picks it (avx2 keeps that table's flash rows); on both, the decode kernel
@@ -286,15 +287,16 @@ def test_each_level_has_its_measured_rules(level, monkeypatch):
     assert _auto(level, monkeypatch, *grad, causal=True) == "flash"
     fp32_grad = [t.clone().requires_grad_() for t in big]
     assert _auto(level, monkeypatch, *fp32_grad, causal=True) == ("flash" if tuned else "torch")
-    # decode: G·Tq query rows per kv head (GQA 4:1)
+    # decode: G·Tq query rows per kv head (GQA 4:1, and 16:1 for 128 rows)
     cache = [torch.randn(1, 2, 2048, 32) for _ in range(2)]
-    for Tq, dtype in ((1, torch.float32), (4, torch.float32), (16, torch.float32),
-                      (1, torch.bfloat16), (4, torch.bfloat16)):  # fmt: skip
-        q = torch.randn(1, 8, Tq, 32).to(dtype)
+    for G, Tq, dtype in ((4, 1, torch.float32), (4, 4, torch.float32), (4, 16, torch.float32),
+                         (16, 8, torch.float32), (4, 1, torch.bfloat16), (4, 4, torch.bfloat16)):  # fmt: skip
+        q = torch.randn(1, 2 * G, Tq, 32).to(dtype)
         got = _auto(level, monkeypatch, q, *(t.to(dtype) for t in cache))
-        limit = dispatch.UNTUNED_DECODE.get(level)  # None: the first table's decode row
-        want = "decode" if limit is None or (4 * Tq <= limit[0] and dtype in limit[1]) else "torch"
-        assert got == want, (level, Tq, dtype, got)
+        # None: the first table's decode row (avx2_vnni: the avx2 build's rows)
+        limit = dispatch.UNTUNED_DECODE.get(build_of(level))
+        want = "decode" if limit is None or (G * Tq <= limit[0] and dtype in limit[1]) else "torch"
+        assert got == want, (level, G, Tq, dtype, got)
 
 
 def test_a_bias_row_hidden_by_a_huge_finite_value_gets_right_gradients():

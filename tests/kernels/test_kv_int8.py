@@ -251,6 +251,7 @@ def test_int8_rows_widened_to_fp32_as_without_vnni():
 
 # the int8 path each level takes by default (d = 64 or 128, fewer than 32 rows per kv head)
 _INT8_PATHS = {"portable": "widened to fp32", "avx2": "int16 dot products (vpmaddwd)",
+               "avx2_vnni": "int16 dot products (vpdpwssd, AVX-VNNI)",
                "avx512": "widened to fp32", "avx512_bf16": "int16 dot products (vpdpwssd)",
                "amx": "int16 dot products (vpdpwssd)", "neon": "widened to fp32"}  # fmt: skip
 

@@ -945,11 +945,11 @@ static inline float dot_avx2(const float* q, const T* k, int64_t d) {
 // multiplies do twice the work per instruction. Queries are int16 rows (q ≈ qscale · q16, as
 // on VNNI), weights P int16 per row (as pv_i16). |sums| <= d · 32767 · 128 < 2^31 for d <= 128
 // and kBlock · 32767 · 128 for P·V.
+// Where the CPU has AVX-VNNI (qkv_simd::avxvnni_allowed) one vpdpwssd replaces each
+// vpmaddwd + vpaddd (kVnni; a Xeon forced to this level: 1.07-1.18x at 4 query rows per kv
+// head, 1.16-1.23x at 16).
 #define QKV_I16_AVX2 1
-
-// a += m, in a's register: GCC otherwise adds into m's and copies the sum back, one extra
-// instruction per vpmaddwd (Zen 5, int8 decode from L3: 1.15-1.2x faster in place)
-static inline void add_into(__m256i& a, __m256i m) { asm("vpaddd %1, %0, %0" : "+x"(a) : "x"(m)); }
+using qkv_simd::dpwssd;
 
 // lane i = Σ of the 8 int32 lanes of a[i], as fp32 (hsum8x8's tree, exact in int32)
 static inline __m256 hsum8x8_i32(const __m256i* a) {
@@ -962,10 +962,10 @@ static inline __m256 hsum8x8_i32(const __m256i* a) {
 
 // dots_avx2 for int16 query rows over int8 keys: raw integer scores S[r][j] = q16_r · k_j (as
 // fp32), d a multiple of 64 (one line of each key per iteration, its prefetch first).
-template <int kR, int kJ, bool kPf>
-[[gnu::noinline]] static void dots_avx2(const int16_t* q, int64_t qs, const int8_t* kp,
-                                        int64_t ks, int64_t d, int64_t nj, float* S,
-                                        int64_t ldS, const int8_t* pf) {
+template <int kR, int kJ, bool kPf, bool kVnni>
+[[gnu::noinline]] static void dots_i16_avx2(const int16_t* q, int64_t qs, const int8_t* kp,
+                                            int64_t ks, int64_t d, int64_t nj, float* S,
+                                            int64_t ldS, const int8_t* pf) {
   static_assert(kR * kJ == 8);
   __m256i a[8];
   for (int64_t j0 = 0; j0 < nj; j0 += kJ) {
@@ -988,7 +988,7 @@ template <int kR, int kJ, bool kPf>
           asm("" : "+x"(qv));  // one load per row and step
 #pragma GCC unroll 8
           for (int j = 0; j < kJ; ++j)
-            add_into(a[r * kJ + j], _mm256_madd_epi16(qv, kv[j]));
+            dpwssd<kVnni>(a[r * kJ + j], qv, kv[j]);
         }
       }
     }
@@ -997,6 +997,13 @@ template <int kR, int kJ, bool kPf>
 #pragma GCC unroll 8
     for (int r = 0; r < kR; ++r) std::memcpy(S + r * ldS + j0, t + r * kJ, kJ * sizeof(float));
   }
+}
+
+template <int kR, int kJ, bool kPf>
+static void dots_avx2(const int16_t* q, int64_t qs, const int8_t* kp, int64_t ks, int64_t d,
+                      int64_t nj, float* S, int64_t ldS, const int8_t* pf) {
+  if (qkv_simd::avxvnni_allowed()) dots_i16_avx2<kR, kJ, kPf, true>(q, qs, kp, ks, d, nj, S, ldS, pf);
+  else dots_i16_avx2<kR, kJ, kPf, false>(q, qs, kp, ks, d, nj, S, ldS, pf);
 }
 
 // q16 · k over d values, exact in int32 (a leftover key of a tile)
@@ -1220,7 +1227,7 @@ static void scores_bcast_avx2(const float* qt, int64_t R, int64_t Rp, int64_t d,
 // interleaved byte by byte (vpunpck{l,h}bw) and widened to int16 pairs, so one vpmaddwd adds
 // p_2i·v_2i + p_2i+1·v_2i+1 for 8 columns, in order. kPf: every line of pf's rows (pfs
 // apart) prefetched, two rows per step.
-template <int kR, bool kPf>
+template <int kR, bool kPf, bool kVnni>
 [[gnu::noinline]] static void pv_i16_rows_avx2(const int8_t* const* vr, int64_t c,
                                                const int32_t* w, const float* wscale, float* o,
                                                int64_t dvp, const int8_t* pf, int64_t pfs) {
@@ -1237,8 +1244,8 @@ template <int kR, bool kPf>
 #pragma GCC unroll 8
     for (int r = 0; r < kR; ++r) {
       const __m256i p = _mm256_set1_epi32(w[r * (kBlock / 2) + jp]);
-      add_into(a[r][0], _mm256_madd_epi16(p, v0));
-      add_into(a[r][1], _mm256_madd_epi16(p, v1));
+      dpwssd<kVnni>(a[r][0], p, v0);
+      dpwssd<kVnni>(a[r][1], p, v1);
     }
   }
 #pragma GCC unroll 8
@@ -1260,15 +1267,18 @@ static void pv_i16_avx2(const int8_t* const* vr, int64_t dv, const float* P, int
   alignas(32) int32_t pairs[kWidenRows][kBlock / 2];  // (w_2i, w_2i+1) as int16 pairs
   float wscale[kWidenRows];
   weights_i16(P, R, pairs, wscale);
+  const bool vnni = qkv_simd::avxvnni_allowed();
   for (int64_t c = 0; c < dv; c += 16) {
     int64_t r = 0;
     auto run = [&](auto kR_) {
       constexpr int kR = decltype(kR_)::value;
       const int32_t* w = pairs[r];
-      if (pf && c == 0 && r == 0)
-        pv_i16_rows_avx2<kR, true>(vr, c, w, wscale + r, acc + r * dvp, dvp, pf, pfs);
-      else
-        pv_i16_rows_avx2<kR, false>(vr, c, w, wscale + r, acc + r * dvp, dvp, pf, pfs);
+      const bool first = pf && c == 0 && r == 0;
+      auto go = [&](auto kPf, auto kVnni) {
+        pv_i16_rows_avx2<kR, decltype(kPf)::value, decltype(kVnni)::value>(vr, c, w, wscale + r, acc + r * dvp, dvp, pf, pfs);
+      };
+      if (vnni) first ? go(std::true_type{}, std::true_type{}) : go(std::false_type{}, std::true_type{});
+      else first ? go(std::true_type{}, std::false_type{}) : go(std::false_type{}, std::false_type{});
       r += kR;
     };
     while (r + 4 <= R) run(std::integral_constant<int, 4>{});
@@ -1484,13 +1494,13 @@ static void pv_i16(const int8_t* const* vr, int64_t dv, const float* P, int64_t 
 
 #if defined(QKV_I16_DOTS) || defined(QKV_I16_AVX2)
 // P·V of a block of int8 value rows on int16 pairs: the VNNI loops (columns in chunks of 64)
-// or the avx2 level's (chunks of 16); kPairOp names the instruction (native_status)
+// or the avx2 level's (chunks of 16); pair_op names the instruction (native_status)
 #ifdef QKV_I16_DOTS
 constexpr int64_t kPairCols = 64;
-constexpr const char* kPairOp = "vpdpwssd";
+static const char* pair_op() { return "vpdpwssd"; }
 #else
 constexpr int64_t kPairCols = 16;
-constexpr const char* kPairOp = "vpmaddwd";
+static const char* pair_op() { return qkv_simd::avxvnni_allowed() ? "vpdpwssd, AVX-VNNI" : "vpmaddwd"; }
 #endif
 static inline void pv_int16_pairs(const int8_t* const* vr, int64_t dv, const float* P, int64_t R,
                                   float* acc, int64_t dvp, const int8_t* pf, int64_t pfs) {
@@ -2436,7 +2446,7 @@ std::tuple<Tensor, Tensor> decode_fwd(const Tensor& q, const Tensor& k, const Te
 // Which instruction paths this build uses (for benchmarks and native_status).
 std::string decode_isa() {
 #if defined(QKV_I16_DOTS) || defined(QKV_I16_AVX2)
-  const std::string i16 = std::string("int16 dot products (") + kPairOp + ")";
+  const std::string i16 = std::string("int16 dot products (") + pair_op() + ")";
   const std::string int8 = "; int8 K/V: " + (int8_on_int16() ? i16 : "widened to fp32") +
                            ", widened runs from " + std::to_string(kWidenRows) + " rows";
 #else

@@ -15,7 +15,8 @@
 // `vpdpbusd` multiplies 64 uint8 × int8 pairs and adds them, 4 by 4, into 16 int32 lanes
 // (one lane per output channel). A micro-kernel holds up to 4 rows × 64 output channels of
 // accumulators in registers; the dequantization, bias and ReLU are fused into the store.
-// AVX2 widens both to int16 and adds exact pairs with vpmaddwd (vpmaddubsw could saturate);
+// AVX2 widens both to int16 and adds exact pairs with vpmaddwd (vpmaddubsw could saturate),
+// or, where the CPU has AVX-VNNI, adds 4 byte products per lane with vpdpbusd on 8 lanes;
 // in the portable build plain C++ loops compute the same integers.
 // Threads split the output channels (and the rows when there are many) with
 // at::parallel_for; a call too small to pay for the fork runs on the calling thread.
@@ -138,6 +139,45 @@ struct Problem {
   int64_t M, N, Kp;
 };
 
+#if defined(QKV_AVX2) && !defined(QKV_AVX512)
+// block_s32 (below) where the avx2 build has AVX-VNNI (qkv_simd::avxvnni_allowed): one
+// vpdpbusd per row adds 4 k of 8 channels, the packed layout's 32 bytes as they are; a pass
+// keeps R rows x 16 channels (one tile) of accumulators in registers.
+template <int R>
+static void block_s32_avxvnni(const Problem& P, int64_t m0, int64_t n0, int32_t* out) {
+  const int64_t groups = P.Kp / 4;
+  const int8_t* wt = P.w + (n0 / 16) * P.Kp * 16;
+  for (int t = 0; t < 4; ++t) {
+    const int8_t* w = wt + t * P.Kp * 16;
+    __m256i acc[R][2];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+    for (int64_t g = 0; g < groups; ++g) {
+      const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * 64));
+      const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * 64 + 32));
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        int32_t four;  // q[k = 4g .. 4g + 3] of row r, for every channel
+        std::memcpy(&four, P.q + (m0 + r) * P.Kp + 4 * g, 4);
+        const __m256i x = _mm256_set1_epi32(four);
+        qkv_simd::dpbusd(acc[r][0], x, w0);  // channels 16t .. 16t + 7
+        qkv_simd::dpbusd(acc[r][1], x, w1);  // 16t + 8 .. 16t + 15
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const __m256i z = _mm256_set1_epi32(P.zero[m0 + r]);
+      for (int h = 0; h < 2; ++h) {
+        const __m256i sw =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(P.wsum + n0 + 16 * t + 8 * h));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * 64 + 16 * t + 8 * h),
+                            _mm256_sub_epi32(acc[r][h], _mm256_mullo_epi32(z, sw)));
+      }
+    }
+  }
+}
+#endif
+
 // acc[r][c] = Σ_k q[m0 + r, k] W_q[n0 + c, k] - z · Σ_k W_q[n0 + c, k], for R rows and the
 // 64 output channels from n0 (a multiple of 64), written to out (R, 64) int32.
 template <int R>
@@ -195,6 +235,9 @@ static void block_s32(const Problem& P, int64_t m0, int64_t n0, int32_t* out) {
     }
   }
 #elif defined(QKV_AVX2)
+#ifndef QKV_AVX512
+  if (qkv_simd::avxvnni_allowed()) return block_s32_avxvnni<R>(P, m0, n0, out);
+#endif
   // AVX2 has no u8·s8 dot product that cannot saturate (vpmaddubsw's pair sums overflow int16
   // at 255·127·2), so both operands are widened to int16 and vpmaddwd adds exact pairs into
   // int32: lane 2c + e holds channel c's sum over k = 2e, 2e + 1 of each group of 4. Per tile
@@ -461,7 +504,7 @@ std::string int8_isa() {
 #ifdef QKV_VNNI
   return "avx512_vnni";
 #elif defined(QKV_AVX2)
-  return "avx2 (int16 pairs)";
+  return qkv_simd::avxvnni_allowed() ? "avx2_vnni (vpdpbusd)" : "avx2 (int16 pairs)";
 #else
   return "portable";
 #endif

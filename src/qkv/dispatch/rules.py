@@ -99,6 +99,7 @@ from torch import Tensor
 from qkv._validate import check_qkv
 from qkv.block_mask import BlockMask
 from qkv.dispatch.case import Case, describe
+from qkv.kernels._levels import build_of
 from qkv.kernels._native import native_level
 from qkv.kernels.decode import MAX_TQ, decode_rejects
 from qkv.kernels.flash import fused_kernel_rejects
@@ -180,7 +181,8 @@ def _decode_limit(case: Case) -> tuple[int, tuple[torch.dtype, ...]] | None:
     """On a kernel level without AVX-512: the query rows per kv head (G·Tq) and dtypes up to
     which "auto" takes the decode kernel (the second table); ``None`` on the others (the
     AVX-512 table's levels, and devices other than the CPU)."""
-    return UNTUNED_DECODE.get(native_level()) if case.device == "cpu" else None
+    level = native_level()  # avx2_vnni: the avx2 build (AVX-VNNI changes int8 caches only)
+    return UNTUNED_DECODE.get(build_of(level) if level else None) if case.device == "cpu" else None
 
 
 def _rule(case: Case, fused_why: str | None, decode_why: str | None) -> tuple[str, str]:

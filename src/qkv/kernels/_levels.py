@@ -18,8 +18,8 @@ import platform
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["COMMON_FLAGS", "LINK_FLAGS", "LEVELS", "Level", "best_level", "cpu_features", "level_named",
-           "levels_for_machine", "runnable_levels", "select_level", "source_digest", "SOURCES"]
+__all__ = ["COMMON_FLAGS", "LINK_FLAGS", "LEVELS", "Level", "best_level", "build_of", "cpu_features",
+           "level_named", "levels_for_machine", "runnable_levels", "runnable_names", "select_level", "source_digest", "SOURCES"]
 
 # No -ffast-math: the kernels rely on IEEE infinities; their reductions are vectorised by hand
 # or `omp simd`. -fopenmp: their threads are PyTorch's own OpenMP runtime (libtorch links
@@ -67,7 +67,9 @@ _BF16 = _V4 | {"avx512_bf16", "avx512_vnni"}
 
 # Ordered from the least to the most capable. avx512_bf16 and amx are one build: its AMX
 # code runs only where the CPU has AMX tiles, the OS grants them (arch_prctl) and oneDNN sees
-# them; QKV_ISA=avx512_bf16 turns them off on such a CPU.
+# them; QKV_ISA=avx512_bf16 turns them off on such a CPU. Likewise avx2 and avx2_vnni: the
+# avx2 build's int8 loops issue AVX-VNNI (vpdpwssd, vpdpbusd on 8 lanes: Intel since Alder
+# Lake, AMD since Zen 5) where the CPU has it; QKV_ISA=avx2 runs them as on a CPU without.
 LEVELS: tuple[Level, ...] = (
     Level("portable", ("-march=x86-64", "-mtune=generic"), frozenset(), "x86_64"),
     Level("avx2", ("-march=x86-64-v3", "-mtune=generic"), _V3, "x86_64"),
@@ -79,9 +81,14 @@ LEVELS: tuple[Level, ...] = (
     # aarch64: NEON (ASIMD) is part of the base architecture; one level
     Level("neon", ("-march=armv8-a",), frozenset(), "aarch64"),
 )
-# QKV_ISA names that map to a build: amx is the avx512_bf16 build with its AMX tiles on
-_ALIASES = {"amx": "avx512_bf16"}
-_AMX = frozenset({"amx_tile", "amx_bf16"})
+# QKV_ISA names that map to a build with instructions on top (what the CPU must have for them)
+_ALIASES = {"amx": "avx512_bf16", "avx2_vnni": "avx2"}
+_EXTRA = {"amx": frozenset({"amx_tile", "amx_bf16"}), "avx2_vnni": frozenset({"avx_vnni"})}
+
+
+def build_of(name: str) -> str:
+    """The build a level runs (``avx512_bf16`` for ``amx``, ``avx2`` for ``avx2_vnni``)."""
+    return _ALIASES.get(name, name)
 
 
 def _machine() -> str:
@@ -121,6 +128,14 @@ def runnable_levels(features: frozenset[str] | None = None,
     return [lv.name for lv in levels_for_machine(machine) if lv.needs <= features]
 
 
+def runnable_names(features: frozenset[str] | None = None, machine: str | None = None) -> list[str]:
+    """Every level name ``QKV_ISA`` accepts on this CPU: the runnable builds, each followed by
+    its names with instructions on top that the CPU also has (``avx2_vnni``, ``amx``)."""
+    features = cpu_features() if features is None else features
+    return [n for b in runnable_levels(features, machine)
+            for n in (b, *(a for a, ab in _ALIASES.items() if ab == b and _EXTRA[a] <= features))]
+
+
 def best_level(features: frozenset[str] | None = None, machine: str | None = None) -> str:
     """The most capable built level whose instructions the CPU has."""
     ok = runnable_levels(features, machine)
@@ -132,22 +147,21 @@ def best_level(features: frozenset[str] | None = None, machine: str | None = Non
 def select_level(requested: str | None = None, features: frozenset[str] | None = None,
                  machine: str | None = None) -> tuple[str, str]:
     """``(build, name)``: the build to load and the level's name (they differ for ``amx``,
-    which runs the ``avx512_bf16`` build). ``requested`` (default ``$QKV_ISA``; ``auto`` or
+    which runs the ``avx512_bf16`` build, and ``avx2_vnni``). ``requested`` (default ``$QKV_ISA``; ``auto`` or
     empty: the best level) must be a level of this machine that the CPU can run."""
     requested = os.environ.get("QKV_ISA", "") if requested is None else requested
     requested = requested.strip().lower()
     features = cpu_features() if features is None else features
     if requested in ("", "auto"):
         best = best_level(features, machine)
-        amx = best == "avx512_bf16" and _AMX <= features
-        return best, "amx" if amx else best
+        return best, runnable_names(features, machine)[-1]
     names = [lv.name for lv in levels_for_machine(machine)]
     build = _ALIASES.get(requested, requested)
     if build not in names:
         choices = ", ".join(["auto", *names, *(a for a, b in _ALIASES.items() if b in names)])
         raise ValueError(f"QKV_ISA must be one of {choices}; got {requested!r}")
     level = level_named(build)
-    missing = sorted(level.needs - features | (_AMX - features if requested == "amx" else set()))
+    missing = sorted(level.needs - features | (_EXTRA.get(requested, frozenset()) - features))
     if missing:
         raise RuntimeError(
             f"QKV_ISA={requested}: this CPU cannot run that level (it lacks "
