@@ -360,7 +360,7 @@ from qkv.kernels._native import native_status
 from qkv.kernels.int8 import int8_path, int8_linear, quantize_rows, quantize_weight
 from qkv.kernels.int8 import _quantize_rows_torch
 g = torch.Generator().manual_seed(0)
-for M, K, N in ((1, 256, 130), (9, 67, 64), (40, 1024, 70)):
+for M, K, N in ((1, 256, 130), (9, 67, 64), (40, 1024, 70), (6, 100, 64), (7, 36, 200)):  # R = 1-4
     x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g)
     x[0] = x[0].clamp_min(0)
     pw = quantize_weight(w)

@@ -147,31 +147,37 @@ template <int R>
 static void block_s32_avxvnni(const Problem& P, int64_t m0, int64_t n0, int32_t* out) {
   const int64_t groups = P.Kp / 4;
   const int8_t* wt = P.w + (n0 / 16) * P.Kp * 16;
+  const uint8_t* q0 = P.q + m0 * P.Kp;
+  const uint8_t *q1 = q0 + P.Kp, *q2 = q1 + P.Kp, *q3 = q2 + P.Kp;  // read only below R
+  auto bcast = [](const uint8_t* p) {  // q[k .. k + 3] of a row, for every channel
+    int32_t four;
+    std::memcpy(&four, p, 4);
+    return _mm256_set1_epi32(four);
+  };
+  using qkv_simd::dpbusd;
   for (int t = 0; t < 4; ++t) {
     const int8_t* w = wt + t * P.Kp * 16;
-    __m256i acc[R][2];
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+    // accumulators as named variables: in an array GCC kept them on the stack, a load and a
+    // store around every vpdpbusd (2x slower)
+    __m256i c00 = _mm256_setzero_si256(), c01 = c00, c10 = c00, c11 = c00, c20 = c00,
+            c21 = c00, c30 = c00, c31 = c00;
     for (int64_t g = 0; g < groups; ++g) {
       const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * 64));
       const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * 64 + 32));
-#pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) {
-        int32_t four;  // q[k = 4g .. 4g + 3] of row r, for every channel
-        std::memcpy(&four, P.q + (m0 + r) * P.Kp + 4 * g, 4);
-        const __m256i x = _mm256_set1_epi32(four);
-        qkv_simd::dpbusd(acc[r][0], x, w0);  // channels 16t .. 16t + 7
-        qkv_simd::dpbusd(acc[r][1], x, w1);  // 16t + 8 .. 16t + 15
-      }
+      __m256i x = bcast(q0 + 4 * g);
+      dpbusd(c00, x, w0), dpbusd(c01, x, w1);  // channels 16t .. 16t + 7, 16t + 8 .. 16t + 15
+      if constexpr (R > 1) x = bcast(q1 + 4 * g), dpbusd(c10, x, w0), dpbusd(c11, x, w1);
+      if constexpr (R > 2) x = bcast(q2 + 4 * g), dpbusd(c20, x, w0), dpbusd(c21, x, w1);
+      if constexpr (R > 3) x = bcast(q3 + 4 * g), dpbusd(c30, x, w0), dpbusd(c31, x, w1);
     }
-#pragma GCC unroll 4
+    const __m256i c[4][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}};
     for (int r = 0; r < R; ++r) {
       const __m256i z = _mm256_set1_epi32(P.zero[m0 + r]);
       for (int h = 0; h < 2; ++h) {
         const __m256i sw =
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(P.wsum + n0 + 16 * t + 8 * h));
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * 64 + 16 * t + 8 * h),
-                            _mm256_sub_epi32(acc[r][h], _mm256_mullo_epi32(z, sw)));
+                            _mm256_sub_epi32(c[r][h], _mm256_mullo_epi32(z, sw)));
       }
     }
   }
@@ -279,8 +285,8 @@ static void block_s32(const Problem& P, int64_t m0, int64_t n0, int32_t* out) {
           std::memcpy(&four, P.q + (m0 + r) * P.Kp + 4 * g, 4);
           x = _mm256_cvtepu8_epi16(_mm_set1_epi32(four));
         }
-        acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(x, w0));
-        acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(x, w1));
+        qkv_simd::dpwssd<false>(acc[r][0], x, w0);  // vpmaddwd, then vpaddd in place
+        qkv_simd::dpwssd<false>(acc[r][1], x, w1);
       }
     }
 #pragma GCC unroll 4
