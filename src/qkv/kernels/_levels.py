@@ -18,8 +18,9 @@ import platform
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["COMMON_FLAGS", "LINK_FLAGS", "LEVELS", "Level", "best_level", "build_of", "cpu_features",
-           "level_named", "levels_for_machine", "runnable_levels", "runnable_names", "select_level", "source_digest", "SOURCES"]
+__all__ = ["COMMON_FLAGS", "LINK_FLAGS", "LEVELS", "Level", "best_level", "build_of",
+           "cpu_features", "level_named", "levels_for_machine", "runnable_levels",
+           "runnable_names", "select_level", "source_digest", "SOURCES"]
 
 # No -ffast-math: the kernels rely on IEEE infinities; their reductions are vectorised by hand
 # or `omp simd`. -fopenmp: their threads are PyTorch's own OpenMP runtime (libtorch links
@@ -128,12 +129,14 @@ def runnable_levels(features: frozenset[str] | None = None,
     return [lv.name for lv in levels_for_machine(machine) if lv.needs <= features]
 
 
-def runnable_names(features: frozenset[str] | None = None, machine: str | None = None) -> list[str]:
+def runnable_names(features: frozenset[str] | None = None,
+                   machine: str | None = None) -> list[str]:
     """Every level name ``QKV_ISA`` accepts on this CPU: the runnable builds, each followed by
     its names with instructions on top that the CPU also has (``avx2_vnni``, ``amx``)."""
     features = cpu_features() if features is None else features
+    extra = [(a, b) for a, b in _ALIASES.items() if _EXTRA[a] <= features]
     return [n for b in runnable_levels(features, machine)
-            for n in (b, *(a for a, ab in _ALIASES.items() if ab == b and _EXTRA[a] <= features))]
+            for n in (b, *(a for a, ab in extra if ab == b))]
 
 
 def best_level(features: frozenset[str] | None = None, machine: str | None = None) -> str:
@@ -147,8 +150,9 @@ def best_level(features: frozenset[str] | None = None, machine: str | None = Non
 def select_level(requested: str | None = None, features: frozenset[str] | None = None,
                  machine: str | None = None) -> tuple[str, str]:
     """``(build, name)``: the build to load and the level's name (they differ for ``amx``,
-    which runs the ``avx512_bf16`` build, and ``avx2_vnni``). ``requested`` (default ``$QKV_ISA``; ``auto`` or
-    empty: the best level) must be a level of this machine that the CPU can run."""
+    which runs the ``avx512_bf16`` build, and for ``avx2_vnni``). ``requested`` (default
+    ``$QKV_ISA``; ``auto`` or empty: the best level) must be a level of this machine that the
+    CPU can run."""
     requested = os.environ.get("QKV_ISA", "") if requested is None else requested
     requested = requested.strip().lower()
     features = cpu_features() if features is None else features
