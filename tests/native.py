@@ -37,11 +37,11 @@ assert native_level() == "amx" or "bf16 path: amx" not in native_status(), nativ
 """
 
 
-def assert_level_ok(script: str, level: str) -> None:
+def assert_level_ok(script: str, level: str, **env: str) -> None:
     """Run ``script`` in a fresh process on kernel level ``level`` (``QKV_ISA``; the level is
-    fixed per process), checking first that this level is the one loaded; it must print ``ok``
-    as its last line."""
-    assert_script_ok(_LEVEL_CHECK + script, QKV_ISA=level)
+    fixed per process; ``env`` added), checking first that this level is the one loaded; it
+    must print ``ok`` as its last line."""
+    assert_script_ok(_LEVEL_CHECK + script, QKV_ISA=level, **env)
 
 
 def assert_script_ok(script: str, **env: str) -> None:

@@ -272,7 +272,8 @@ def _auto(level, monkeypatch, q, k, v, **kw):
     return dispatch.choose(dispatch.describe(q, k, v, **kw)).backend
 
 
-@pytest.mark.parametrize("level", ["avx512", "avx512_bf16", "amx", "avx2", "avx2_vnni", "portable"])
+@pytest.mark.parametrize("level", ["avx512", "avx512_vnni", "avx512_bf16", "amx", "avx2", "avx2_vnni",
+                                   "portable"])
 def test_each_level_has_its_measured_rules(level, monkeypatch):
     """On the portable level the fused flash kernel loses to torch's dense kernels where the
     AVX-512 table picks it (avx2 keeps that table's flash rows); on both, the decode kernel

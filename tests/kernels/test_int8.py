@@ -355,10 +355,12 @@ def test_doctests():
 
 
 _LEVEL_CHECK_SCRIPT = """
+import os
 import torch
 from qkv.kernels._native import native_status
 from qkv.kernels.int8 import int8_path, int8_linear, quantize_rows, quantize_weight
 from qkv.kernels.int8 import _quantize_rows_torch
+assert int8_path() == os.environ["QKV_INT8_LINEAR_PATH"], (int8_path(), native_status())
 g = torch.Generator().manual_seed(0)
 for M, K, N in ((1, 256, 130), (9, 67, 64), (40, 1024, 70), (6, 100, 64), (7, 36, 200)):  # R = 1-4
     x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g)
@@ -377,9 +379,16 @@ print("ok")
 """
 
 
+# the int8 products each level runs (int8_path)
+_LINEAR_PATHS = {"portable": "portable", "avx2": "avx2 (int16 pairs)",
+                 "avx2_vnni": "avx2_vnni (vpdpbusd)", "avx512": "avx2 (int16 pairs)",
+                 "avx512_vnni": "avx512_vnni", "avx512_bf16": "avx512_vnni",
+                 "amx": "avx512_vnni", "neon": "portable"}  # fmt: skip
+
+
 @pytest.mark.parametrize("level", other_levels())
 def test_every_level_gives_the_same_integers(level):
-    """Each other kernel level this CPU can run (the plain-C++ path: what a CPU without
-    AVX512-VNNI runs) gives the same quantized rows (as the PyTorch formula) and the same
+    """Each other kernel level this CPU can run, on its own int8 loops (vpdpbusd, int16
+    pairs, plain C++), gives the same quantized rows (as the PyTorch formula) and the same
     integer sums (as an int64 matmul)."""
-    assert_level_ok(_LEVEL_CHECK_SCRIPT, level)
+    assert_level_ok(_LEVEL_CHECK_SCRIPT, level, QKV_INT8_LINEAR_PATH=_LINEAR_PATHS[level])

@@ -26,7 +26,7 @@ ALDER_LAKE = ZEN3 | {"avx_vnni"}  # AVX2 with AVX-VNNI, AVX-512 fused off
 @pytest.mark.parametrize(
     ("features", "build", "name"),
     [(OLD, "portable", "portable"), (ZEN3, "avx2", "avx2"), (SKYLAKE_X, "avx512", "avx512"),
-     (ICE_LAKE, "avx512", "avx512"), (ZEN4, "avx512_bf16", "avx512_bf16"),
+     (ICE_LAKE, "avx512", "avx512_vnni"), (ZEN4, "avx512_bf16", "avx512_bf16"),
      (SAPPHIRE_RAPIDS, "avx512_bf16", "amx"), (ALDER_LAKE, "avx2", "avx2_vnni"),
      (SAPPHIRE_RAPIDS | {"avx_vnni"}, "avx512_bf16", "amx")],
 )  # fmt: skip
@@ -52,8 +52,13 @@ def test_forcing_a_level():
     assert _levels.select_level("avx2", ALDER_LAKE, "x86_64") == ("avx2", "avx2")
     assert _levels.select_level("avx2_vnni", ALDER_LAKE, "x86_64") == ("avx2", "avx2_vnni")
     assert _levels.runnable_names(ALDER_LAKE, "x86_64") == ["portable", "avx2", "avx2_vnni"]
+    # avx512 on an AVX512_VNNI CPU: that build as on Skylake-X; avx512_vnni with it
+    assert _levels.select_level("avx512", ICE_LAKE, "x86_64") == ("avx512", "avx512")
+    assert _levels.select_level("avx512_vnni", ICE_LAKE, "x86_64") == ("avx512", "avx512_vnni")
+    assert _levels.select_level(" AVX512_VNNI\n", ZEN4, "x86_64") == ("avx512", "avx512_vnni")
+    assert _levels.runnable_names(SKYLAKE_X, "x86_64") == ["portable", "avx2", "avx512"]
     assert _levels.runnable_names(SAPPHIRE_RAPIDS | {"avx_vnni"}, "x86_64") == [
-        "portable", "avx2", "avx2_vnni", "avx512", "avx512_bf16", "amx"]
+        "portable", "avx2", "avx2_vnni", "avx512", "avx512_vnni", "avx512_bf16", "amx"]
 
 
 @pytest.mark.parametrize(
@@ -61,7 +66,8 @@ def test_forcing_a_level():
     [(ZEN3, "avx512", "avx512bw, avx512cd, avx512dq, avx512f, avx512vl"),
      (ICE_LAKE, "avx512_bf16", "avx512_bf16"), (ZEN4, "amx", "amx_bf16, amx_tile"),
      (ZEN3, "avx2_vnni", "avx_vnni"), (OLD, "avx2_vnni", "abm, avx2, avx_vnni, bmi1, bmi2, f16c, fma, movbe"),
-     (OLD, "avx2", "abm, avx2, bmi1, bmi2, f16c, fma, movbe")],
+     (OLD, "avx2", "abm, avx2, bmi1, bmi2, f16c, fma, movbe"), (SKYLAKE_X, "avx512_vnni", "avx512_vnni"),
+     (ZEN3, "avx512_vnni", "avx512_vnni, avx512bw, avx512cd, avx512dq, avx512f, avx512vl")],
 )  # fmt: skip
 def test_a_level_the_cpu_lacks_is_refused_naming_what_is_missing(features, requested, missing):
     with pytest.raises(RuntimeError, match=f"QKV_ISA={requested}: this CPU cannot run that "
@@ -71,7 +77,7 @@ def test_a_level_the_cpu_lacks_is_refused_naming_what_is_missing(features, reque
 
 def test_an_unknown_level_is_refused_listing_the_choices():
     with pytest.raises(ValueError, match="QKV_ISA must be one of auto, portable, avx2, avx512, "
-                                         "avx512_bf16, amx, avx2_vnni; got 'sse4'"):  # fmt: skip
+                                         "avx512_bf16, amx, avx2_vnni, avx512_vnni; got 'sse4'"):  # fmt: skip
         _levels.select_level("sse4", ZEN3, "x86_64")
 
 

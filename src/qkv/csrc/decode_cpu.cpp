@@ -414,12 +414,13 @@ struct Bf16Dots {
 };
 #endif
 
-#ifdef __AVX512VNNI__
 #define QKV_I16_DOTS 1
 // int8 keys against queries rounded to int16: vpdpwssd sums 32 products of int16 pairs per
 // instruction into exact int32 lanes (|sum| <= d · 32767 · 127 < 2^31 for d <= 512), where
 // widening each key to fp32 took two instructions per 16 values before the FMAs; the lanes
-// are converted to fp32 for the reduction.
+// are converted to fp32 for the reduction. kVnni false: vpmaddwd + vpaddd (the avx512 build
+// where the CPU lacks AVX512_VNNI; qkv_simd::dpwssd).
+template <bool kVnni>
 struct I16Dots {
   using Q = int16_t;
   using K = int8_t;
@@ -431,10 +432,12 @@ struct I16Dots {
     return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
   static V query(const Q* p) { return _mm512_loadu_si512(p); }
-  static Acc madd(Acc a, V q, V k) { return _mm512_dpwssd_epi32(a, q, k); }
+  static Acc madd(Acc a, V q, V k) {
+    qkv_simd::dpwssd<kVnni>(a, q, k);
+    return a;
+  }
   static __m512 sums(Acc a) { return _mm512_cvtepi32_ps(a); }
 };
-#endif
 
 // Scores of kR = 1..4 query rows (row stride qs) for a tile of 16 keys, d = kC chunks:
 // blocks of kR rows x 4 keys keep their accumulators in registers, so each chunk of a key
@@ -532,12 +535,15 @@ static inline __m512 qk_tile_bf16(const BFloat16* q, const BFloat16* kp, int64_t
 // The scores of nr = 1..4 rows of int16 queries (d = 64 or 128) for a tile of 16 int8 keys.
 static inline void qk_rows_i16(int64_t nr, const int16_t* q, int64_t qs, const int8_t* kp,
                                int64_t ks, int64_t d, const int8_t* pf, __m512* out) {
-  switch (nr) {
-    case 1: dots16xR_fixed<I16Dots, 1>(q, qs, kp, ks, d, pf, out); break;
-    case 2: dots16xR_fixed<I16Dots, 2>(q, qs, kp, ks, d, pf, out); break;
-    case 3: dots16xR_fixed<I16Dots, 3>(q, qs, kp, ks, d, pf, out); break;
-    default: dots16xR_fixed<I16Dots, 4>(q, qs, kp, ks, d, pf, out); break;
-  }
+  qkv_simd::with_vnni512([&](auto kVnni) {
+    using Ops = I16Dots<decltype(kVnni)::value>;
+    switch (nr) {
+      case 1: dots16xR_fixed<Ops, 1>(q, qs, kp, ks, d, pf, out); break;
+      case 2: dots16xR_fixed<Ops, 2>(q, qs, kp, ks, d, pf, out); break;
+      case 3: dots16xR_fixed<Ops, 3>(q, qs, kp, ks, d, pf, out); break;
+      default: dots16xR_fixed<Ops, 4>(q, qs, kp, ks, d, pf, out); break;
+    }
+  });
 }
 #endif
 
@@ -1274,11 +1280,13 @@ static void pv_i16_avx2(const int8_t* const* vr, int64_t dv, const float* P, int
       constexpr int kR = decltype(kR_)::value;
       const int32_t* w = pairs[r];
       const bool first = pf && c == 0 && r == 0;
-      auto go = [&](auto kPf, auto kVnni) {
-        pv_i16_rows_avx2<kR, decltype(kPf)::value, decltype(kVnni)::value>(vr, c, w, wscale + r, acc + r * dvp, dvp, pf, pfs);
+      auto go = [&](auto kVnni) {
+        constexpr bool v = decltype(kVnni)::value;
+        if (first) pv_i16_rows_avx2<kR, true, v>(vr, c, w, wscale + r, acc + r * dvp, dvp, pf, pfs);
+        else pv_i16_rows_avx2<kR, false, v>(vr, c, w, wscale + r, acc + r * dvp, dvp, pf, pfs);
       };
-      if (vnni) first ? go(std::true_type{}, std::true_type{}) : go(std::false_type{}, std::true_type{});
-      else first ? go(std::true_type{}, std::false_type{}) : go(std::false_type{}, std::false_type{});
+      if (vnni) go(std::true_type{});
+      else go(std::false_type{});
       r += kR;
     };
     while (r + 4 <= R) run(std::integral_constant<int, 4>{});
@@ -1421,12 +1429,15 @@ static std::string path_setting(const char* name, std::initializer_list<const ch
   TORCH_CHECK(false, name, " must be ", names, "; got '", want, "'");
 }
 
-// int8 K/V on int16 pairs (the default where the build has VNNI, and on the avx2 level), or
-// widened to fp32: QKV_DECODE_INT8=int16|widen (the tests run both).
+// int8 K/V on int16 pairs (the default where the AVX-512 builds may issue VNNI, and on the
+// avx2 level), or widened to fp32: QKV_DECODE_INT8=int16|widen (the tests run both). The
+// avx512 build on a CPU without VNNI widens unless told int16 (then vpmaddwd + vpaddd).
 static bool int8_on_int16() {
   static const bool on = [] {
     const std::string want = path_setting("QKV_DECODE_INT8", {"auto", "int16", "widen"});
-#if defined(QKV_I16_DOTS) || defined(QKV_I16_AVX2)
+#if defined(QKV_I16_DOTS)
+    return want == "int16" || (want == "auto" && qkv_simd::vnni512_allowed());
+#elif defined(QKV_I16_AVX2)
     return want != "widen";
 #else
     return false;
@@ -1437,58 +1448,82 @@ static bool int8_on_int16() {
 
 #ifdef QKV_I16_DOTS
 
+// acc += P V for kR rows, columns [c, c + 64), from the int16 weight pairs w (row stride
+// kBlock / 2) of one block of int8 value rows vr (zero rows past its keys), multiplied in
+// exact int32 sums by vpdpwssd on key pairs: the rows 2i, 2i + 1 are interleaved byte by byte
+// (vpunpck{l,h}bw per 128-bit lane, then widened to int16 pairs), so one instruction adds
+// p_2i·v_2i + p_2i+1·v_2i+1 for 16 columns, where widening every value to fp32 took two
+// instructions before the FMAs. Lanes of the "lo" half hold columns 0-7 and 16-23 of each
+// 32, "hi" 8-15 and 24-31: put back in order when the sums are added to acc. The row count
+// is fixed and every loop over the accumulators unrolled, so that they stay in registers
+// (with a run-time count GCC kept them on the stack: a load and a store around each
+// vpdpwssd). pf: every line of pf's rows (pfs apart) prefetched, two rows per step.
+template <int kR, bool kVnni>
+[[gnu::noinline]] static void pv_i16_rows(const int8_t* const* vr, int64_t c, const int32_t* w,
+                                          const float* wscale, float* o, int64_t dvp,
+                                          const int8_t* pf, int64_t pfs) {
+  const __m512i lo_idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+  const __m512i hi_idx = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  __m512i a[kR][4];
+#pragma GCC unroll 16
+  for (int i = 0; i < kR * 4; ++i) a[i / 4][i % 4] = _mm512_setzero_si512();
+  for (int64_t jp = 0; jp < kBlock / 2; ++jp) {
+    if (pf)
+      for (int64_t b = 2 * jp * pfs; b < (2 * jp + 2) * pfs; b += 64) pf_line(pf + b);
+    const int8_t* x = vr[2 * jp] + c;
+    const int8_t* y = vr[2 * jp + 1] + c;
+    __m512i v[4];
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      const __m256i xa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32 * h));
+      const __m256i ya = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y + 32 * h));
+      v[2 * h] = _mm512_cvtepi8_epi16(_mm256_unpacklo_epi8(xa, ya));
+      v[2 * h + 1] = _mm512_cvtepi8_epi16(_mm256_unpackhi_epi8(xa, ya));
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < kR; ++r) {
+      const __m512i p = _mm512_set1_epi32(w[r * (kBlock / 2) + jp]);
+#pragma GCC unroll 4
+      for (int u = 0; u < 4; ++u) qkv_simd::dpwssd<kVnni>(a[r][u], p, v[u]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < kR; ++r) {
+    float* orow = o + r * dvp + c;
+    const __m512 s = _mm512_set1_ps(wscale[r]);
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      const __m512 lo = _mm512_cvtepi32_ps(a[r][2 * h]), hi = _mm512_cvtepi32_ps(a[r][2 * h + 1]);
+      float* oh = orow + 32 * h;
+      _mm512_storeu_ps(oh, _mm512_fmadd_ps(_mm512_permutex2var_ps(lo, lo_idx, hi), s, _mm512_loadu_ps(oh)));
+      _mm512_storeu_ps(oh + 16, _mm512_fmadd_ps(_mm512_permutex2var_ps(lo, hi_idx, hi), s, _mm512_loadu_ps(oh + 16)));
+    }
+  }
+}
+
 // acc += P V for one block of int8 value rows (vr[j]: row of key j, its scale already folded
 // into P, zero rows past the block's keys), P quantized per row to int16 (at most 1/65534 of
-// the row's largest weight) and multiplied in exact int32 sums by vpdpwssd on key pairs:
-// the rows j, j+1 are interleaved byte by byte (vpunpck{l,h}bw per 128-bit lane, then
-// widened to int16 pairs), so one instruction adds p_j·v_j + p_{j+1}·v_{j+1} for 16 columns,
-// where widening every value to fp32 took two instructions before the FMAs. Lanes of the
-// "lo" half hold columns 0-7 and 16-23 of each 32, "hi" 8-15 and 24-31: put back in order
-// when the block's sums are added to acc. Needs dv a multiple of 64. pf: the rows (pfs
-// apart) of the block two ahead, prefetched into L2 over the first pass, or nullptr.
+// the row's largest weight), then pv_i16_rows on blocks of up to 4 rows x 64 columns. Needs
+// dv a multiple of 64. pf: the rows (pfs apart) of the block two ahead, prefetched into L2
+// over the first pass, or nullptr.
+template <bool kVnni>
 static void pv_i16(const int8_t* const* vr, int64_t dv, const float* P, int64_t R, float* acc,
                    int64_t dvp, const int8_t* pf, int64_t pfs) {
   alignas(64) int32_t pairs[kWidenRows][kBlock / 2];  // (w_2i, w_2i+1) as int16 pairs
   float wscale[kWidenRows];
   weights_i16(P, R, pairs, wscale);
-  const __m512i lo_idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
-  const __m512i hi_idx = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-  for (int64_t c = 0; c < dv; c += 64) {
-    for (int64_t r0 = 0; r0 < R; r0 += 4) {
-      const int64_t nr = std::min<int64_t>(4, R - r0);
-      __m512i a[4][4];
-      for (int i = 0; i < 4; ++i)
-        for (int u = 0; u < 4; ++u) a[i][u] = _mm512_setzero_si512();
-      const bool fetch = pf && c == 0 && r0 == 0;
-      for (int64_t jp = 0; jp < kBlock / 2; ++jp) {
-        if (fetch)  // the lines of rows 2jp, 2jp + 1 of the block two ahead
-          for (int64_t b = 2 * jp * pfs; b < (2 * jp + 2) * pfs; b += 64) pf_line(pf + b);
-        const int8_t* x = vr[2 * jp] + c;
-        const int8_t* y = vr[2 * jp + 1] + c;
-        __m512i v[4];
-        for (int h = 0; h < 2; ++h) {
-          const __m256i xa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32 * h));
-          const __m256i ya = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y + 32 * h));
-          v[2 * h] = _mm512_cvtepi8_epi16(_mm256_unpacklo_epi8(xa, ya));
-          v[2 * h + 1] = _mm512_cvtepi8_epi16(_mm256_unpackhi_epi8(xa, ya));
-        }
-        for (int64_t i = 0; i < nr; ++i) {
-          const __m512i w = _mm512_set1_epi32(pairs[r0 + i][jp]);
-          for (int u = 0; u < 4; ++u) a[i][u] = _mm512_dpwssd_epi32(a[i][u], w, v[u]);
-        }
-      }
-      for (int64_t i = 0; i < nr; ++i) {
-        float* o = acc + (r0 + i) * dvp + c;
-        const __m512 s = _mm512_set1_ps(wscale[r0 + i]);
-        for (int h = 0; h < 2; ++h) {
-          const __m512 lo = _mm512_cvtepi32_ps(a[i][2 * h]), hi = _mm512_cvtepi32_ps(a[i][2 * h + 1]);
-          float* oh = o + 32 * h;
-          _mm512_storeu_ps(oh, _mm512_fmadd_ps(_mm512_permutex2var_ps(lo, lo_idx, hi), s, _mm512_loadu_ps(oh)));
-          _mm512_storeu_ps(oh + 16, _mm512_fmadd_ps(_mm512_permutex2var_ps(lo, hi_idx, hi), s, _mm512_loadu_ps(oh + 16)));
-        }
+  for (int64_t c = 0; c < dv; c += 64)
+    for (int64_t r = 0; r < R; r += 4) {
+      const int8_t* f = c == 0 && r == 0 ? pf : nullptr;
+      const int32_t* w = pairs[r];
+      float* o = acc + r * dvp;
+      switch (std::min<int64_t>(4, R - r)) {
+        case 4: pv_i16_rows<4, kVnni>(vr, c, w, wscale + r, o, dvp, f, pfs); break;
+        case 3: pv_i16_rows<3, kVnni>(vr, c, w, wscale + r, o, dvp, f, pfs); break;
+        case 2: pv_i16_rows<2, kVnni>(vr, c, w, wscale + r, o, dvp, f, pfs); break;
+        default: pv_i16_rows<1, kVnni>(vr, c, w, wscale + r, o, dvp, f, pfs); break;
       }
     }
-  }
 }
 #endif
 
@@ -1497,7 +1532,13 @@ static void pv_i16(const int8_t* const* vr, int64_t dv, const float* P, int64_t 
 // or the avx2 level's (chunks of 16); pair_op names the instruction (native_status)
 #ifdef QKV_I16_DOTS
 constexpr int64_t kPairCols = 64;
-static const char* pair_op() { return "vpdpwssd"; }
+static const char* pair_op() {
+#ifdef QKV_VNNI512
+  return "vpdpwssd";
+#else
+  return qkv_simd::vnni512_allowed() ? "vpdpwssd, AVX512_VNNI" : "vpmaddwd";
+#endif
+}
 #else
 constexpr int64_t kPairCols = 16;
 static const char* pair_op() { return qkv_simd::avxvnni_allowed() ? "vpdpwssd, AVX-VNNI" : "vpmaddwd"; }
@@ -1505,7 +1546,7 @@ static const char* pair_op() { return qkv_simd::avxvnni_allowed() ? "vpdpwssd, A
 static inline void pv_int16_pairs(const int8_t* const* vr, int64_t dv, const float* P, int64_t R,
                                   float* acc, int64_t dvp, const int8_t* pf, int64_t pfs) {
 #ifdef QKV_I16_DOTS
-  pv_i16(vr, dv, P, R, acc, dvp, pf, pfs);
+  qkv_simd::with_vnni512([&](auto kVnni) { pv_i16<decltype(kVnni)::value>(vr, dv, P, R, acc, dvp, pf, pfs); });
 #else
   pv_i16_avx2(vr, dv, P, R, acc, dvp, pf, pfs);
 #endif

@@ -26,9 +26,6 @@
 #include <torch/library.h>
 
 #include "simd.h"
-#ifdef QKV_VNNI512
-#define QKV_VNNI 1
-#endif
 
 #include <algorithm>
 #include <cfloat>
@@ -81,7 +78,7 @@ static RowQuant quantize_row(const float* x, int64_t K, int64_t Kp, uint8_t* q) 
   float lo = 0.f, hi = 0.f;
   bool finite = true;
   int64_t k = 0;
-#ifdef QKV_VNNI
+#ifdef QKV_AVX512
   __m512 vlo = _mm512_setzero_ps(), vhi = _mm512_setzero_ps(), vnan = _mm512_setzero_ps();
   for (; k + 16 <= K; k += 16) {
     const __m512 v = _mm512_loadu_ps(x + k);
@@ -108,7 +105,7 @@ static RowQuant quantize_row(const float* x, int64_t K, int64_t Kp, uint8_t* q) 
   if (!finite) p = row_params(0.f, 0.f, false);  // quantized as zeros; the output is NaN
   const float inv = 1.f / p.scale;
   k = 0;
-#ifdef QKV_VNNI
+#ifdef QKV_AVX512
   const __m512 vinv = _mm512_set1_ps(inv);
   const __m512i vz = _mm512_set1_epi32(p.zero), v0 = _mm512_setzero_si512(),
                 v255 = _mm512_set1_epi32(255);
@@ -184,14 +181,16 @@ static void block_s32_avxvnni(const Problem& P, int64_t m0, int64_t n0, int32_t*
 }
 #endif
 
-// acc[r][c] = Σ_k q[m0 + r, k] W_q[n0 + c, k] - z · Σ_k W_q[n0 + c, k], for R rows and the
-// 64 output channels from n0 (a multiple of 64), written to out (R, 64) int32.
+#ifdef QKV_AVX512
+// block_s32 (below) with AVX512_VNNI (qkv_simd::vnni512_allowed): one vpdpbusd per row adds
+// 4 k of 16 channels, a packed block (64 bytes) as it is; R rows x 64 channels of
+// accumulators stay in registers.
 template <int R>
-static void block_s32(const Problem& P, int64_t m0, int64_t n0, int32_t* out) {
+static void block_s32_vnni512(const Problem& P, int64_t m0, int64_t n0, int32_t* out) {
   const int64_t groups = P.Kp / 4;
   const int8_t* wt = P.w + (n0 / 16) * P.Kp * 16;  // the first of 4 tiles of 16 channels
   const int64_t tile = P.Kp * 16;                  // bytes per tile
-#ifdef QKV_VNNI
+  using qkv_simd::dpbusd;
   // accumulators as named variables (an array of vectors makes GCC copy them every step)
   __m512i c00 = _mm512_setzero_si512(), c01 = c00, c02 = c00, c03 = c00;
   __m512i c10 = c00, c11 = c00, c12 = c00, c13 = c00, c20 = c00, c21 = c00, c22 = c00,
@@ -212,22 +211,22 @@ static void block_s32(const Problem& P, int64_t m0, int64_t n0, int32_t* out) {
     // in registers, loaded once: without this GCC folds each load into every row's vpdpbusd
     asm("" : "+v"(w0), "+v"(w1), "+v"(w2), "+v"(w3));
     __m512i a = bcast(q0 + 4 * g);
-    c00 = _mm512_dpbusd_epi32(c00, a, w0), c01 = _mm512_dpbusd_epi32(c01, a, w1);
-    c02 = _mm512_dpbusd_epi32(c02, a, w2), c03 = _mm512_dpbusd_epi32(c03, a, w3);
+    dpbusd(c00, a, w0), dpbusd(c01, a, w1);
+    dpbusd(c02, a, w2), dpbusd(c03, a, w3);
     if constexpr (R > 1) {
       a = bcast(q1 + 4 * g);
-      c10 = _mm512_dpbusd_epi32(c10, a, w0), c11 = _mm512_dpbusd_epi32(c11, a, w1);
-      c12 = _mm512_dpbusd_epi32(c12, a, w2), c13 = _mm512_dpbusd_epi32(c13, a, w3);
+      dpbusd(c10, a, w0), dpbusd(c11, a, w1);
+      dpbusd(c12, a, w2), dpbusd(c13, a, w3);
     }
     if constexpr (R > 2) {
       a = bcast(q2 + 4 * g);
-      c20 = _mm512_dpbusd_epi32(c20, a, w0), c21 = _mm512_dpbusd_epi32(c21, a, w1);
-      c22 = _mm512_dpbusd_epi32(c22, a, w2), c23 = _mm512_dpbusd_epi32(c23, a, w3);
+      dpbusd(c20, a, w0), dpbusd(c21, a, w1);
+      dpbusd(c22, a, w2), dpbusd(c23, a, w3);
     }
     if constexpr (R > 3) {
       a = bcast(q3 + 4 * g);
-      c30 = _mm512_dpbusd_epi32(c30, a, w0), c31 = _mm512_dpbusd_epi32(c31, a, w1);
-      c32 = _mm512_dpbusd_epi32(c32, a, w2), c33 = _mm512_dpbusd_epi32(c33, a, w3);
+      dpbusd(c30, a, w0), dpbusd(c31, a, w1);
+      dpbusd(c32, a, w2), dpbusd(c33, a, w3);
     }
   }
   const __m512i c[4][4] = {{c00, c01, c02, c03}, {c10, c11, c12, c13},
@@ -240,10 +239,22 @@ static void block_s32(const Problem& P, int64_t m0, int64_t n0, int32_t* out) {
                           _mm512_sub_epi32(c[r][t], _mm512_mullo_epi32(z, s)));
     }
   }
+}
+#endif
+
+// acc[r][c] = Σ_k q[m0 + r, k] W_q[n0 + c, k] - z · Σ_k W_q[n0 + c, k], for R rows and the
+// 64 output channels from n0 (a multiple of 64), written to out (R, 64) int32.
+template <int R>
+static void block_s32(const Problem& P, int64_t m0, int64_t n0, int32_t* out) {
+#ifdef QKV_AVX512
+  if (qkv_simd::vnni512_allowed()) return block_s32_vnni512<R>(P, m0, n0, out);
 #elif defined(QKV_AVX2)
-#ifndef QKV_AVX512
   if (qkv_simd::avxvnni_allowed()) return block_s32_avxvnni<R>(P, m0, n0, out);
 #endif
+  const int64_t groups = P.Kp / 4;
+  const int8_t* wt = P.w + (n0 / 16) * P.Kp * 16;  // the first of 4 tiles of 16 channels
+  const int64_t tile = P.Kp * 16;                  // bytes per tile
+#if defined(QKV_AVX2)
   // AVX2 has no u8·s8 dot product that cannot saturate (vpmaddubsw's pair sums overflow int16
   // at 255·127·2), so both operands are widened to int16 and vpmaddwd adds exact pairs into
   // int32: lane 2c + e holds channel c's sum over k = 2e, 2e + 1 of each group of 4. Per tile
@@ -453,7 +464,7 @@ static void linear_rows(const float* xp, int64_t ldx, int64_t M, int64_t K, cons
       const float s = sx[m0 + r];
       float* orow = o + (m0 + r) * ldy + n0;
       const int32_t* a = acc + r * kGroup;
-#ifdef QKV_VNNI
+#ifdef QKV_AVX512
       const __m512 vs = _mm512_set1_ps(s);
       for (int64_t c = 0; c < cols; c += 16) {
         const __mmask16 m = cols - c >= 16 ? static_cast<__mmask16>(0xffff)
@@ -507,9 +518,10 @@ Tensor linear(const Tensor& x_, const Tensor& packed, const Tensor& wscale, cons
 }
 
 std::string int8_isa() {
-#ifdef QKV_VNNI
-  return "avx512_vnni";
-#elif defined(QKV_AVX2)
+#ifdef QKV_AVX512
+  if (qkv_simd::vnni512_allowed()) return "avx512_vnni";
+#endif
+#ifdef QKV_AVX2
   return qkv_simd::avxvnni_allowed() ? "avx2_vnni (vpdpbusd)" : "avx2 (int16 pairs)";
 #else
   return "portable";

@@ -5,18 +5,21 @@
 // the kernels' #if blocks pick what a level has from the compiler's own feature macros:
 //   QKV_AVX512       AVX-512 F + BW + VL (16 fp32 lanes, byte/word masks)
 //   QKV_AVX512_BF16  + AVX512_BF16 (vdpbf16ps, vcvtneps2bf16)
-//   QKV_VNNI512      + AVX512_VNNI (vpdpbusd, vpdpwssd)
+//   QKV_VNNI512      + AVX512_VNNI (vpdpbusd, vpdpwssd) compiled in (the avx512_bf16 build); the
+//                    avx512 build issues them by inline asm where the CPU has them (vnni512_allowed)
 //   QKV_AVX2         AVX2 + FMA + F16C (8 fp32 lanes; also defined on AVX-512 levels)
 // Only the loaded level runs, and only on a CPU that has its instructions (the loader checks).
 #pragma once
 
 #include <c10/util/BFloat16.h>
 
+#include <cctype>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <type_traits>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define QKV_AVX512 1
@@ -78,10 +81,13 @@ inline float exp2_neg(float t) {
   return t < -126.f ? 0.f : p * scale;
 }
 
-// QKV_ISA as set (lower case; empty if unset): the loader has checked it against the CPU
+// QKV_ISA as set (lower case, without surrounding spaces, as the loader reads it; empty if
+// unset): the loader has checked it against the CPU
 inline std::string isa_setting() {
   const char* e = std::getenv("QKV_ISA");
   std::string s = e ? e : "";
+  const size_t b = s.find_first_not_of(" \t\n\r\f\v");
+  s = b == std::string::npos ? "" : s.substr(b, s.find_last_not_of(" \t\n\r\f\v") - b + 1);
   for (char& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
   return s;
 }
@@ -108,6 +114,22 @@ inline bool amx_allowed() {
 inline bool avxvnni_allowed() {
 #if defined(QKV_AVX2) && !defined(QKV_AVX512)
   static const bool ok = __builtin_cpu_supports("avxvnni") && isa_setting() != "avx2";
+  return ok;
+#else
+  return false;
+#endif
+}
+
+// Whether the AVX-512 int8 loops may issue AVX512_VNNI (vpdpwssd, vpdpbusd on 16 lanes):
+// always in the avx512_bf16 build, compiled with it. The avx512 build is compiled without it
+// (x86-64-v4 lacks it) and issues it by inline asm (dpwssd, dpbusd below) where the CPU has
+// it (Cascade Lake, Ice Lake, Tiger Lake: QKV_ISA=avx512_vnni) and QKV_ISA is not plain
+// avx512, which then runs as on a CPU without it (Skylake-X), as avx2 and avx2_vnni do.
+inline bool vnni512_allowed() {
+#if defined(QKV_VNNI512)
+  return true;
+#elif defined(QKV_AVX512)
+  static const bool ok = __builtin_cpu_supports("avx512vnni") && isa_setting() != "avx512";
   return ok;
 #else
   return false;
@@ -209,6 +231,40 @@ inline __m256 exp2_v8(__m256 t) {
 #endif  // QKV_AVX2
 
 #ifdef QKV_AVX512
+// a += the int16 pair products of x and y, 16 int32 lanes: vpdpwssd (AVX512_VNNI; the
+// intrinsic where the build has it, else inline asm: only where vnni512_allowed()), or
+// vpmaddwd then vpaddd
+template <bool kVnni>
+inline void dpwssd(__m512i& a, __m512i x, __m512i y) {
+#ifdef QKV_VNNI512
+  if constexpr (kVnni) a = _mm512_dpwssd_epi32(a, x, y);
+#else
+  if constexpr (kVnni) asm("vpdpwssd %2, %1, %0" : "+v"(a) : "v"(x), "v"(y));
+#endif
+  else a = _mm512_add_epi32(a, _mm512_madd_epi16(x, y));
+}
+
+// a += Σ of 4 products of unsigned bytes u and signed bytes s, per int32 lane, 16 lanes:
+// vpdpbusd (AVX512_VNNI, as dpwssd). Only where vnni512_allowed().
+inline void dpbusd(__m512i& a, __m512i u, __m512i s) {
+#ifdef QKV_VNNI512
+  a = _mm512_dpbusd_epi32(a, u, s);
+#else
+  asm("vpdpbusd %2, %1, %0" : "+v"(a) : "v"(u), "v"(s));
+#endif
+}
+
+// f(std::true_type{}) where the AVX-512 int8 loops may issue AVX512_VNNI, else
+// f(std::false_type{}): the build with it compiled in instantiates only the first
+template <typename F>
+inline auto with_vnni512(F&& f) {
+#ifdef QKV_VNNI512
+  return f(std::true_type{});
+#else
+  return vnni512_allowed() ? f(std::true_type{}) : f(std::false_type{});
+#endif
+}
+
 inline __mmask16 lanes(int64_t n) {  // the first n (0..16) lanes of a 16-lane vector
   return n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1u);
 }

@@ -181,7 +181,7 @@ def _decode_limit(case: Case) -> tuple[int, tuple[torch.dtype, ...]] | None:
     """On a kernel level without AVX-512: the query rows per kv head (G·Tq) and dtypes up to
     which "auto" takes the decode kernel (the second table); ``None`` on the others (the
     AVX-512 table's levels, and devices other than the CPU)."""
-    level = native_level()  # avx2_vnni: the avx2 build (AVX-VNNI changes int8 caches only)
+    level = native_level()  # avx2_vnni, avx512_vnni: their builds (VNNI changes int8 only)
     return UNTUNED_DECODE.get(build_of(level) if level else None) if case.device == "cpu" else None
 
 

@@ -71,6 +71,8 @@ _BF16 = _V4 | {"avx512_bf16", "avx512_vnni"}
 # them; QKV_ISA=avx512_bf16 turns them off on such a CPU. Likewise avx2 and avx2_vnni: the
 # avx2 build's int8 loops issue AVX-VNNI (vpdpwssd, vpdpbusd on 8 lanes: Intel since Alder
 # Lake, AMD since Zen 5) where the CPU has it; QKV_ISA=avx2 runs them as on a CPU without.
+# And avx512 and avx512_vnni: the avx512 build's int8 loops issue AVX512_VNNI (Cascade Lake,
+# Ice Lake, Tiger Lake: AVX-512 with VNNI but no BF16) where the CPU has it.
 LEVELS: tuple[Level, ...] = (
     Level("portable", ("-march=x86-64", "-mtune=generic"), frozenset(), "x86_64"),
     Level("avx2", ("-march=x86-64-v3", "-mtune=generic"), _V3, "x86_64"),
@@ -83,12 +85,14 @@ LEVELS: tuple[Level, ...] = (
     Level("neon", ("-march=armv8-a",), frozenset(), "aarch64"),
 )
 # QKV_ISA names that map to a build with instructions on top (what the CPU must have for them)
-_ALIASES = {"amx": "avx512_bf16", "avx2_vnni": "avx2"}
-_EXTRA = {"amx": frozenset({"amx_tile", "amx_bf16"}), "avx2_vnni": frozenset({"avx_vnni"})}
+_ALIASES = {"amx": "avx512_bf16", "avx2_vnni": "avx2", "avx512_vnni": "avx512"}
+_EXTRA = {"amx": frozenset({"amx_tile", "amx_bf16"}), "avx2_vnni": frozenset({"avx_vnni"}),
+          "avx512_vnni": frozenset({"avx512_vnni"})}
 
 
 def build_of(name: str) -> str:
-    """The build a level runs (``avx512_bf16`` for ``amx``, ``avx2`` for ``avx2_vnni``)."""
+    """The build a level runs (``avx512_bf16`` for ``amx``, ``avx2`` for ``avx2_vnni``,
+    ``avx512`` for ``avx512_vnni``)."""
     return _ALIASES.get(name, name)
 
 
@@ -132,7 +136,8 @@ def runnable_levels(features: frozenset[str] | None = None,
 def runnable_names(features: frozenset[str] | None = None,
                    machine: str | None = None) -> list[str]:
     """Every level name ``QKV_ISA`` accepts on this CPU: the runnable builds, each followed by
-    its names with instructions on top that the CPU also has (``avx2_vnni``, ``amx``)."""
+    its names with instructions on top that the CPU also has (``avx2_vnni``, ``avx512_vnni``,
+    ``amx``)."""
     features = cpu_features() if features is None else features
     extra = [(a, b) for a, b in _ALIASES.items() if _EXTRA[a] <= features]
     return [n for b in runnable_levels(features, machine)
@@ -150,9 +155,9 @@ def best_level(features: frozenset[str] | None = None, machine: str | None = Non
 def select_level(requested: str | None = None, features: frozenset[str] | None = None,
                  machine: str | None = None) -> tuple[str, str]:
     """``(build, name)``: the build to load and the level's name (they differ for ``amx``,
-    which runs the ``avx512_bf16`` build, and for ``avx2_vnni``). ``requested`` (default
-    ``$QKV_ISA``; ``auto`` or empty: the best level) must be a level of this machine that the
-    CPU can run."""
+    which runs the ``avx512_bf16`` build, and for ``avx2_vnni`` and ``avx512_vnni``).
+    ``requested`` (default ``$QKV_ISA``; ``auto`` or empty: the best level) must be a level of
+    this machine that the CPU can run."""
     requested = os.environ.get("QKV_ISA", "") if requested is None else requested
     requested = requested.strip().lower()
     features = cpu_features() if features is None else features

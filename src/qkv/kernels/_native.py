@@ -7,8 +7,8 @@ no import machinery takes for a module: a tool that walks the package never load
 the CPU cannot run). The first kernel call loads the best level the CPU supports, and only
 that one; ``QKV_ISA=<level>`` forces a
 level the CPU can run (``amx``: the avx512_bf16 build with AMX tiles; ``avx512_bf16`` on an
-AMX CPU turns them off; likewise ``avx2_vnni`` and ``avx2`` for AVX-VNNI); a level the CPU
-lacks is an error, never a crash.
+AMX CPU turns them off; likewise ``avx2_vnni`` and ``avx2`` for AVX-VNNI, ``avx512_vnni``
+and ``avx512`` for AVX512_VNNI); a level the CPU lacks is an error, never a crash.
 
 Where no prebuilt library fits (a source checkout not built, sources edited since the build,
 another torch version), the level is compiled on first use with PyTorch's extension builder

@@ -131,8 +131,9 @@ def quantize_weight(weight: Tensor) -> PackedWeight:
 
 
 def int8_path() -> str:
-    """Which code runs the int8 products: ``"avx512_vnni"``, ``"portable"`` (the kernel's
-    plain C++ loops) or ``"torch (kernel unavailable: ...)"``."""
+    """Which code runs the int8 products: ``"avx512_vnni"``, ``"avx2_vnni (vpdpbusd)"``,
+    ``"avx2 (int16 pairs)"``, ``"portable"`` (the kernel's plain C++ loops) or
+    ``"torch (kernel unavailable: ...)"``."""
     ops = int8_ops()
     return ops.isa() if ops is not None else f"torch (kernel {native_status()})"
 
