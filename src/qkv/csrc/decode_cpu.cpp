@@ -1763,6 +1763,8 @@ static void run_segment(const Problem<T>& P, int64_t n, int64_t k0, int64_t k1, 
           }
           const T* kr = kp + j * ks;
           float dot = 0.f;
+          // in lanes (NEON, SSE2): a sum the compiler may not reorder stays scalar
+#pragma omp simd reduction(+ : dot)
           for (int64_t c = 0; c < d; ++c) dot += qf[c] * to_float(kr[c]);
           if constexpr (kInt8<T>) s[j] = dot * kscale[j];
           else s[j] = dot * c2;
