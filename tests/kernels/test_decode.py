@@ -33,24 +33,34 @@ require_built(decode_ops() is not None, "decode kernel", native_status())
 EPS32 = torch.finfo(torch.float32).eps
 
 
-def _tolerances(q, k, v, kw):
-    """(output tolerance (..., h, Tq, 1), lse tolerance (..., h, Tq)) as the docstring says."""
+def _tolerances(q, k, v, kw, *, int16=False):
+    """(output tolerance (..., h, Tq, 1), lse tolerance (..., h, Tq)) as the docstring says.
+
+    ``int16``: the int8 cache's loops (k, v its dequantized rows), which round the queries
+    and the softmax weights to int16 and add two more fp32 products per score and output.
+    """
     h, h_kv, d = q.shape[-3], k.shape[-3], q.shape[-1]
     kk = k.double().abs().repeat_interleave(h // h_kv, dim=-3)
     scale = kw.get("scale") or 1 / math.sqrt(d)
     bound = scale * (q.double().abs() @ kk.transpose(-2, -1))  # (..., h, Tq, Tk)
-    E = bound.amax(dim=-1) * (d + 3) * EPS32  # (..., h, Tq)
+    E = bound.amax(dim=-1) * (d + (5 if int16 else 3)) * EPS32  # (..., h, Tq)
+    sums = k.shape[-2] * EPS32
+    if int16:
+        q_step = q.double().abs().amax(-1, keepdim=True) / 65534  # (..., h, Tq, 1)
+        E = E + (scale * q_step * kk.sum(-1).unsqueeze(-2)).amax(dim=-1)
+        sums += 2 * EPS32 + 64 / 65534  # the int16 weights of P·V
     v_max = float(v.double().abs().amax()) if v.numel() else 0.0
     low = 2.0**-8 if q.dtype == torch.bfloat16 else 0.0
-    out_tol = ((2 * E).clamp(max=2.0) + k.shape[-2] * EPS32 + low) * v_max + 1e-30
+    out_tol = ((2 * E).clamp(max=2.0) + sums + low) * v_max + 1e-30
     # |lse| <= the largest |score| + log Tk: the fp32 result's own rounding grows with it
     lse_tol = E + 4 * EPS32 * (1 + bound.amax(dim=-1) + math.log(max(k.shape[-2], 1)))
     return out_tol.unsqueeze(-1), lse_tol
 
 
-def _check(q, k, v, out, lse, **kw):
+def check_decode(q, k, v, out, lse, *, int16=False, **kw):
+    """out and lse of the kernel against fp64 attention_steps (kw: its mask options)."""
     ref = attention_steps(q.double(), k.double(), v.double(), **kw)
-    out_tol, lse_tol = _tolerances(q, k, v, kw)
+    out_tol, lse_tol = _tolerances(q, k, v, kw, int16=int16)
     assert out.dtype == q.dtype and out.shape == ref.output.shape
     assert torch.isfinite(out).all()
     err = (out.double() - ref.output).abs()
@@ -127,7 +137,7 @@ def test_decode_matches_fp64_values_and_lse(case):
         out, lse = run_decode(q, k, v, shape, **{"mask": None, **kw}, splits=splits)
     finally:
         torch.set_num_threads(before)
-    _check(q, k, v, out, lse, **kw)
+    check_decode(q, k, v, out, lse, **kw)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -142,7 +152,7 @@ def test_long_cache_over_100k_keys(restore_threads, dtype):
     pad = masks.padding(torch.tensor([Tk, Tk - 4000]), Tk)  # (B, 1, 1, Tk)
     for kw in ({"causal": True}, {"causal": True, "window": 70_001, "mask": pad}):
         out, lse = decode_attention(q, k, v, **kw, return_lse=True)
-        _check(q, k, v, out, lse, **kw)
+        check_decode(q, k, v, out, lse, **kw)
 
 
 def test_rows_without_visible_keys_are_zero_with_lse_minus_inf():
@@ -150,13 +160,13 @@ def test_rows_without_visible_keys_are_zero_with_lse_minus_inf():
     q = torch.randn(1, 4, 6, 16)
     k, v = torch.randn(1, 2, 4, 16), torch.randn(1, 2, 4, 8)
     out, lse = decode_attention(q, k, v, causal=True, return_lse=True)
-    _check(q, k, v, out, lse, causal=True)
+    check_decode(q, k, v, out, lse, causal=True)
     assert (out[:, :, :2] == 0).all() and (lse[:, :, :2] == float("-inf")).all()
     mask = torch.ones(1, 4, 6, 4, dtype=torch.bool)
     mask[0, 1, 3] = False
     out, lse = decode_attention(q, k, v, mask=mask, return_lse=True)
     assert (out[0, 1, 3] == 0).all() and lse[0, 1, 3] == float("-inf")
-    _check(q, k, v, out, lse, mask=mask)
+    check_decode(q, k, v, out, lse, mask=mask)
 
 
 def test_bf16_error_is_within_torch_sdpa_own():
@@ -187,7 +197,7 @@ def test_cache_views_are_read_in_place(monkeypatch):
     out = decode_attention(q, k, v)
     assert seen["k"].data_ptr() == buf_k.data_ptr() and seen["k"].stride() == buf_k.stride()
     assert seen["v"].data_ptr() == buf_v.data_ptr()
-    _check(q, k, v, out, decode_attention(q, k, v, return_lse=True)[1])
+    check_decode(q, k, v, out, decode_attention(q, k, v, return_lse=True)[1])
 
 
 def test_leading_batch_dims_and_unbatched_inputs():
@@ -195,9 +205,9 @@ def test_leading_batch_dims_and_unbatched_inputs():
     q = torch.randn(2, 3, 4, 2, 16, generator=g)  # (B1, B2, h, Tq, d)
     k, v = torch.randn(2, 3, 2, 50, 16, generator=g), torch.randn(2, 3, 2, 50, 8, generator=g)
     out, lse = decode_attention(q, k, v, causal=True, return_lse=True)
-    _check(q, k, v, out, lse, causal=True)
+    check_decode(q, k, v, out, lse, causal=True)
     out, lse = decode_attention(q[0, 0], k[0, 0], v[0, 0], return_lse=True)  # (h, Tq, d)
-    _check(q[0, 0], k[0, 0], v[0, 0], out, lse)
+    check_decode(q[0, 0], k[0, 0], v[0, 0], out, lse)
 
 
 def test_bad_calls_are_one_clear_error():
@@ -248,7 +258,7 @@ def test_auto_picks_decode_for_few_queries_and_says_why(Tq, dtype):
         assert f"Tq={Tq} <= {MAX_TQ}" in d.reasons["torch"], str(d)
         assert not any("bias" in r for r in d.reasons.values()), str(d)
         out = scaled_dot_product_attention(q, k, v, **kw)
-        _check(q, k, v, out, decode_attention(q, k, v, **kw, return_lse=True)[1], **kw)
+        check_decode(q, k, v, out, decode_attention(q, k, v, **kw, return_lse=True)[1], **kw)
 
 
 @pytest.mark.parametrize("kw", [{}, {"causal": True, "window": 7}, {"scale": 0.3}])
@@ -268,9 +278,9 @@ def test_auto_repeats_a_decode_call_with_each_calls_tensors(kw):
             assert explain_dispatch(q, k, v, mask=mask, **kw).backend == "decode"
             out = scaled_dot_product_attention(q, k, v, mask=mask, **kw)
         lse = decode_attention(q, k, v, mask=mask, **kw, return_lse=True)[1]
-        _check(q, k, v, out, lse, mask=mask, **kw)
+        check_decode(q, k, v, out, lse, mask=mask, **kw)
         out5 = scaled_dot_product_attention(q[None], k[None], v[None], mask=mask[None], **kw)
-        _check(q[None], k[None], v[None], out5, lse[None], mask=mask[None], **kw)
+        check_decode(q[None], k[None], v[None], out5, lse[None], mask=mask[None], **kw)
 
 
 def test_auto_leaves_decode_with_reasons_that_match_the_call():

@@ -13,7 +13,6 @@ at most the row's sum). The quantization error of the cache itself
 is checked separately, against its bound ``max|row| / 254`` per element.
 """
 
-import math
 from pathlib import Path
 
 import hypothesis.strategies as st
@@ -25,13 +24,9 @@ from native import assert_level_ok, assert_script_ok, other_levels
 from qkv import MultiHeadAttention
 from qkv._validate import check_qkv
 from qkv.cache import KVCache, dequantize_rows, quantize_rows
-from qkv.functional import attention_steps
 from qkv.kernels._native import decode_ops, native_status
 from qkv.kernels.decode import as_unpacked, decode_attention, run_decode
-from test_decode import decode_case
-
-EPS32 = torch.finfo(torch.float32).eps
-
+from test_decode import check_decode, decode_case
 
 # --- the row format ----------------------------------------------------------------------
 
@@ -84,29 +79,7 @@ def _packed_view(x, layout, g):
 
 def _check(q, k8, v8, out, lse, **kw):
     """The kernel's out and lse against fp64 attention over the dequantized rows."""
-    k, v = dequantize_rows(k8).double(), dequantize_rows(v8).double()
-    ref = attention_steps(q.double(), k, v, **kw)
-    h, h_kv, d = q.shape[-3], k.shape[-3], q.shape[-1]
-    scale = kw.get("scale") or 1 / math.sqrt(d)
-    kk = k.abs().repeat_interleave(h // h_kv, dim=-3)
-    bound = scale * (q.double().abs() @ kk.transpose(-2, -1))  # (..., h, Tq, Tk)
-    E = bound.amax(dim=-1) * (d + 5) * EPS32  # fp32 sums, the scale and c2 products
-    q_step = q.double().abs().amax(-1, keepdim=True) / 65534  # (..., h, Tq, 1): int16 queries
-    E = E + (scale * q_step * kk.sum(-1).unsqueeze(-2)).amax(dim=-1)  # (..., h, Tq)
-    v_max = float(v.abs().amax()) if v.numel() else 0.0
-    low = 2.0**-8 if q.dtype == torch.bfloat16 else 0.0  # the output rounded to bf16
-    pv16 = 64 / 65534  # the int16 weights of P·V
-    out_tol = ((2 * E).clamp(max=2.0) + (k.shape[-2] + 2) * EPS32 + low + pv16) * v_max + 1e-30
-    lse_tol = E + 4 * EPS32 * (1 + bound.amax(dim=-1) + math.log(max(k.shape[-2], 1)))  # |lse|
-    assert out.dtype == q.dtype and out.shape == ref.output.shape
-    assert torch.isfinite(out).all()
-    err = (out.double() - ref.output).abs()
-    assert (err <= out_tol.unsqueeze(-1)).all(), float((err - out_tol.unsqueeze(-1)).max())
-    seen = torch.isfinite(ref.lse)
-    assert torch.equal(seen, torch.isfinite(lse))
-    assert (out[~seen] == 0).all()
-    lse_err = (lse.double() - ref.lse).abs()[seen]
-    assert (lse_err <= lse_tol[seen]).all(), float((lse_err - lse_tol[seen]).max())
+    check_decode(q, dequantize_rows(k8), dequantize_rows(v8), out, lse, int16=True, **kw)
 
 
 @st.composite

@@ -1008,8 +1008,9 @@ template <int kR, int kJ, bool kPf, bool kVnni>
 template <int kR, int kJ, bool kPf>
 static void dots_avx2(const int16_t* q, int64_t qs, const int8_t* kp, int64_t ks, int64_t d,
                       int64_t nj, float* S, int64_t ldS, const int8_t* pf) {
-  if (qkv_simd::avxvnni_allowed()) dots_i16_avx2<kR, kJ, kPf, true>(q, qs, kp, ks, d, nj, S, ldS, pf);
-  else dots_i16_avx2<kR, kJ, kPf, false>(q, qs, kp, ks, d, nj, S, ldS, pf);
+  qkv_simd::with_avxvnni([&](auto kVnni) {
+    dots_i16_avx2<kR, kJ, kPf, decltype(kVnni)::value>(q, qs, kp, ks, d, nj, S, ldS, pf);
+  });
 }
 
 // q16 · k over d values, exact in int32 (a leftover key of a tile)
@@ -1268,25 +1269,20 @@ template <int kR, bool kPf, bool kVnni>
 // zero rows past the block's keys), R < kWidenRows rows, dv a multiple of 16: P quantized per
 // row to int16 (at most 1/65534 of the row's largest weight), then pv_i16_rows_avx2 on 16
 // columns at a time. pf: the rows (pfs apart) of a later block, prefetched by the first pass.
+template <bool kVnni>
 static void pv_i16_avx2(const int8_t* const* vr, int64_t dv, const float* P, int64_t R,
                         float* acc, int64_t dvp, const int8_t* pf, int64_t pfs) {
   alignas(32) int32_t pairs[kWidenRows][kBlock / 2];  // (w_2i, w_2i+1) as int16 pairs
   float wscale[kWidenRows];
   weights_i16(P, R, pairs, wscale);
-  const bool vnni = qkv_simd::avxvnni_allowed();
   for (int64_t c = 0; c < dv; c += 16) {
     int64_t r = 0;
     auto run = [&](auto kR_) {
       constexpr int kR = decltype(kR_)::value;
       const int32_t* w = pairs[r];
-      const bool first = pf && c == 0 && r == 0;
-      auto go = [&](auto kVnni) {
-        constexpr bool v = decltype(kVnni)::value;
-        if (first) pv_i16_rows_avx2<kR, true, v>(vr, c, w, wscale + r, acc + r * dvp, dvp, pf, pfs);
-        else pv_i16_rows_avx2<kR, false, v>(vr, c, w, wscale + r, acc + r * dvp, dvp, pf, pfs);
-      };
-      if (vnni) go(std::true_type{});
-      else go(std::false_type{});
+      float* o = acc + r * dvp;
+      if (pf && c == 0 && r == 0) pv_i16_rows_avx2<kR, true, kVnni>(vr, c, w, wscale + r, o, dvp, pf, pfs);
+      else pv_i16_rows_avx2<kR, false, kVnni>(vr, c, w, wscale + r, o, dvp, pf, pfs);
       r += kR;
     };
     while (r + 4 <= R) run(std::integral_constant<int, 4>{});
@@ -1548,7 +1544,7 @@ static inline void pv_int16_pairs(const int8_t* const* vr, int64_t dv, const flo
 #ifdef QKV_I16_DOTS
   qkv_simd::with_vnni512([&](auto kVnni) { pv_i16<decltype(kVnni)::value>(vr, dv, P, R, acc, dvp, pf, pfs); });
 #else
-  pv_i16_avx2(vr, dv, P, R, acc, dvp, pf, pfs);
+  qkv_simd::with_avxvnni([&](auto kVnni) { pv_i16_avx2<decltype(kVnni)::value>(vr, dv, P, R, acc, dvp, pf, pfs); });
 #endif
 }
 #endif

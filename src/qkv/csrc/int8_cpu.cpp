@@ -242,19 +242,13 @@ static void block_s32_vnni512(const Problem& P, int64_t m0, int64_t n0, int32_t*
 }
 #endif
 
-// acc[r][c] = Σ_k q[m0 + r, k] W_q[n0 + c, k] - z · Σ_k W_q[n0 + c, k], for R rows and the
-// 64 output channels from n0 (a multiple of 64), written to out (R, 64) int32.
+#if defined(QKV_AVX2) && !defined(QKV_VNNI512)
+// block_s32 (below) without VNNI: the avx2 and avx512 builds where the CPU lacks it.
 template <int R>
-static void block_s32(const Problem& P, int64_t m0, int64_t n0, int32_t* out) {
-#ifdef QKV_AVX512
-  if (qkv_simd::vnni512_allowed()) return block_s32_vnni512<R>(P, m0, n0, out);
-#elif defined(QKV_AVX2)
-  if (qkv_simd::avxvnni_allowed()) return block_s32_avxvnni<R>(P, m0, n0, out);
-#endif
+static void block_s32_i16(const Problem& P, int64_t m0, int64_t n0, int32_t* out) {
   const int64_t groups = P.Kp / 4;
   const int8_t* wt = P.w + (n0 / 16) * P.Kp * 16;  // the first of 4 tiles of 16 channels
   const int64_t tile = P.Kp * 16;                  // bytes per tile
-#if defined(QKV_AVX2)
   // AVX2 has no u8·s8 dot product that cannot saturate (vpmaddubsw's pair sums overflow int16
   // at 255·127·2), so both operands are widened to int16 and vpmaddwd adds exact pairs into
   // int32: lane 2c + e holds channel c's sum over k = 2e, 2e + 1 of each group of 4. Per tile
@@ -316,7 +310,16 @@ static void block_s32(const Problem& P, int64_t m0, int64_t n0, int32_t* out) {
       if (wide) pass(std::true_type{}, t, h);
       else pass(std::false_type{}, t, h);
     }
-#else
+}
+#endif
+
+#if !defined(QKV_AVX2)
+// block_s32 (below) in plain C++: the portable and neon builds
+template <int R>
+static void block_s32_plain(const Problem& P, int64_t m0, int64_t n0, int32_t* out) {
+  const int64_t groups = P.Kp / 4;
+  const int8_t* wt = P.w + (n0 / 16) * P.Kp * 16;  // the first of 4 tiles of 16 channels
+  const int64_t tile = P.Kp * 16;                  // bytes per tile
   for (int r = 0; r < R; ++r) {
     const uint8_t* qr = P.q + (m0 + r) * P.Kp;
     for (int t = 0; t < 4; ++t) {
@@ -330,6 +333,24 @@ static void block_s32(const Problem& P, int64_t m0, int64_t n0, int32_t* out) {
         out[r * 64 + 16 * t + j] = acc[j] - P.zero[m0 + r] * P.wsum[n0 + 16 * t + j];
     }
   }
+}
+#endif
+
+// acc[r][c] = Σ_k q[m0 + r, k] W_q[n0 + c, k] - z · Σ_k W_q[n0 + c, k], for R rows and the
+// 64 output channels from n0 (a multiple of 64), written to out (R, 64) int32. Each build
+// compiles only the loops it can run.
+template <int R>
+static void block_s32(const Problem& P, int64_t m0, int64_t n0, int32_t* out) {
+#if defined(QKV_VNNI512)
+  block_s32_vnni512<R>(P, m0, n0, out);
+#elif defined(QKV_AVX512)
+  if (qkv_simd::vnni512_allowed()) block_s32_vnni512<R>(P, m0, n0, out);
+  else block_s32_i16<R>(P, m0, n0, out);
+#elif defined(QKV_AVX2)
+  if (qkv_simd::avxvnni_allowed()) block_s32_avxvnni<R>(P, m0, n0, out);
+  else block_s32_i16<R>(P, m0, n0, out);
+#else
+  block_s32_plain<R>(P, m0, n0, out);
 #endif
 }
 

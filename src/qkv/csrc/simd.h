@@ -166,6 +166,13 @@ inline void dpwssd(__m256i& a, __m256i x, __m256i y) {
   else asm("vpaddd %1, %0, %0" : "+x"(a) : "x"(_mm256_madd_epi16(x, y)));
 }
 
+// f(std::true_type{}) where the avx2 build's int8 loops may issue AVX-VNNI, else
+// f(std::false_type{}) (as with_vnni512 below)
+template <typename F>
+inline auto with_avxvnni(F&& f) {
+  return avxvnni_allowed() ? f(std::true_type{}) : f(std::false_type{});
+}
+
 // a += Σ of 4 products of unsigned bytes u and signed bytes s, per int32 lane: vpdpbusd
 // (AVX-VNNI; exact, this form does not saturate). Only where avxvnni_allowed().
 inline void dpbusd(__m256i& a, __m256i u, __m256i s) {
