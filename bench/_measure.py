@@ -126,6 +126,27 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine() or "unknown CPU"
 
 
+def vector_features() -> str:
+    """The CPU's vector features that pick qkv's kernel level (AVX, FMA, AMX, NEON, SVE)."""
+    from qkv.kernels._levels import cpu_features
+
+    vec = sorted(f for f in cpu_features() if f.startswith(("avx", "fma", "amx", "asimd", "sve")))
+    return " ".join(vec) or "none of avx/amx/asimd/sve"
+
+
+def machine_header() -> str:
+    """The lines every benchmark starts with: the CPU, its vector features, torch and its
+    threads, and the level and paths of qkv's kernels that ran (loading them if need be)."""
+    from qkv.kernels._native import native_status
+
+    return (
+        f"CPU: {cpu_name()}; vector features: {vector_features()}\n"
+        f"torch {torch.__version__} (ATen CPU capability "
+        f"{torch.backends.cpu.get_cpu_capability()}), {torch.get_num_threads()} thread(s)\n"
+        f"qkv kernels: {native_status()}"
+    )
+
+
 def written(huge: bool, nbytes: int = 2**30) -> torch.Tensor:
     """``nbytes`` of fp32 that have been written (a fresh mapping reads the kernel's shared zero
     page, about twice the true speed): on 2 MiB pages where Linux offers them (``huge``, as

@@ -32,7 +32,7 @@ from tqdm import tqdm  # noqa: E402
 import qkv  # noqa: E402
 from _measure import (  # noqa: E402
     attention_flops,
-    cpu_name,
+    machine_header,
     matmul_peak_gflops,
     threads_note,
 )
@@ -40,7 +40,6 @@ from _targets import run_targets, timed  # noqa: E402
 from qkv import masks  # noqa: E402
 from qkv.functional import explain_dispatch, scaled_dot_product_attention  # noqa: E402
 from qkv.kernels._blocks import Structure  # noqa: E402
-from qkv.kernels._native import native_status  # noqa: E402
 
 B, H, D, WINDOW = 1, 8, 64, 256
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -246,7 +245,7 @@ def main() -> None:
     peaks = {name: matmul_peak_gflops(dt) for name, dt in DTYPES.items()}
     print(f"matmul peak: fp32 {peaks['fp32']:.0f} GF/s, bf16 {peaks['bf16']:.0f} GF/s; "
           f"{threads_note()}; B={B} h={H} d={D} window={WINDOW}")  # fmt: skip
-    print(f"{cpu_name()}; fused kernel: {native_status()}")
+    print(machine_header())
     args.out.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
     if "table" in only:

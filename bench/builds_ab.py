@@ -171,11 +171,9 @@ def main() -> None:
         builds.append((name, str(Path(src).resolve()), level or None))
 
     sys.path.insert(0, str(HERE.parents[1] / "src"))
-    from _measure import cpu_name
-    from qkv.kernels._levels import cpu_features
+    from _measure import cpu_name, vector_features
 
-    vec = sorted(f for f in cpu_features() if f.startswith(("avx", "fma", "amx", "asimd", "sve")))
-    print(f"- CPU: {cpu_name()}; vector features: {' '.join(vec)}")
+    print(f"- CPU: {cpu_name()}; vector features: {vector_features()}")
     print(f"- torch {torch.__version__}, {args.threads} thread(s), best of {args.rounds} rounds")
     for b in builds:  # also builds a level compiled on first use, outside the timings
         print(f"- {b[0]} ({b[1]}{', QKV_ISA=' + b[2] if b[2] else ''}): "

@@ -38,7 +38,7 @@ from contextlib import contextmanager
 import torch
 
 import qkv.functional as qf
-from _measure import cpu_name, peak_reader, written
+from _measure import machine_header, peak_reader, written
 from qkv.kernels.packed import pack_linears
 from qkv.models import CausalLM, TransformerConfig
 from qkv.models.incremental import PreparedSteps
@@ -173,8 +173,8 @@ def main() -> None:
     if not args.no_pack:  # the linears of both rows: only the attention differs between them
         lm = pack_linears(lm)
     weight_bytes = sum(p.numel() * p.element_size() for p in lm.parameters())  # tied: once
-    print(f"{cpu_name()} | torch {torch.__version__} ISA {torch.backends.cpu.get_cpu_capability()}"
-          f" | CausalLM {args.layers} layers, d_model 768, 12/4 heads (GQA), RoPE, "
+    print(machine_header())
+    print(f"CausalLM {args.layers} layers, d_model 768, 12/4 heads (GQA), RoPE, "
           f"{weight_bytes / 1e6:.0f} MB of weights | KV cache {args.cache_dtype} | "
           f"linears {'nn.Linear' if args.no_pack else 'packed panels'} | decode through "
           f"{'the module forward' if args.module_forward else 'LMDecoder'} | {new} new tokens")  # fmt: skip

@@ -30,7 +30,7 @@ import time
 import torch
 
 import _ct2
-from _measure import cpu_name
+from _measure import machine_header
 from qkv.generate import beam_search, greedy_search
 from qkv.kernels.int8 import int8_path, quantize_linears
 
@@ -146,8 +146,8 @@ def main() -> int:
         model, name = model.eval(), args.model
     cfg = model.cfg
     n_params = sum(p.numel() for p in model.parameters()) / 1e6
-    print(f"{cpu_name()} | torch {torch.__version__} ISA {torch.backends.cpu.get_cpu_capability()}"
-          f" | ctranslate2 {ctranslate2.__version__} | model {name} ({n_params:.1f}M, d_model "
+    print(machine_header())
+    print(f"ctranslate2 {ctranslate2.__version__} | model {name} ({n_params:.1f}M, d_model "
           f"{cfg.d_model}, {cfg.n_heads} heads, d_ff {cfg.d_ff}, {cfg.n_encoder_layers}+"
           f"{cfg.n_decoder_layers} layers, vocab {cfg.tgt_vocab_size})")  # fmt: skip
     vocab = _ct2.vocabulary(cfg)

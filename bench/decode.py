@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from _measure import machine_header
 from qkv.generate import greedy_search
 from qkv.models import Seq2SeqTransformer, TransformerConfig
 
@@ -37,6 +38,7 @@ def main() -> None:
     )  # fmt: skip
     model = Seq2SeqTransformer(cfg).eval()
     src = torch.randint(4, args.vocab, (args.batch, args.src_len))
+    print(machine_header())
     print(f"greedy decoding, batch {args.batch}, source {args.src_len} tokens, d_model "
           f"{args.d_model}, {args.layers}+{args.layers} layers, {torch.get_num_threads()} threads")  # fmt: skip
     print(f"{'new tokens':>10} {'cached tok/s':>13} {'recompute tok/s':>16} {'speed-up':>9}")

@@ -55,11 +55,10 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as TF  # noqa: E402
 
-from _measure import cpu_name, peak_reader, written  # noqa: E402
+from _measure import machine_header, peak_reader, written  # noqa: E402
 from qkv import KVCache, _pages  # noqa: E402
 from qkv.cache import dequantize_rows  # noqa: E402
 from qkv.functional import explain_dispatch, scaled_dot_product_attention  # noqa: E402
-from qkv.kernels._native import native_status  # noqa: E402
 from qkv.kernels.decode import decode_attention  # noqa: E402
 
 H, H_KV, D = 32, 8, 128
@@ -68,15 +67,6 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}
 RESULTS = Path(__file__).resolve().parent / "results"
 PEERS = ("torch gqa", "torch rows", "onnxruntime", "openvino")
 METHODS = ("qkv auto", *PEERS)
-
-
-def isa_flags() -> str:
-    try:
-        flags = Path("/proc/cpuinfo").read_text().split("flags", 1)[1].split("\n", 1)[0].split()
-    except (OSError, IndexError):
-        return "unknown"
-    keep = [f for f in flags if f.startswith(("avx512", "amx", "avx2", "fma"))]
-    return " ".join(sorted(set(keep))) or "none of avx2/avx512/amx"
 
 
 def cached(k: torch.Tensor, v: torch.Tensor, huge: bool,
@@ -248,10 +238,8 @@ def main() -> None:
     huge = args.pages == "kvcache"
     peak = peak_reader()  # built once (a string saying why not, where it cannot be)
     header = [
-        f"CPU: {cpu_name()}",
-        f"ISA flags: {isa_flags()}",
-        f"qkv fused kernels: {native_status()}",
-        f"torch {torch.__version__}; q (1, {H}, Tq, {D}) over k, v (1, {H_KV}, Tk, {D}), no mask",
+        *machine_header().splitlines(),
+        f"q (1, {H}, Tq, {D}) over k, v (1, {H_KV}, Tk, {D}), no mask",
         "K/V and the 1 GiB read buffer: " + (
             f"in a qkv.KVCache (2 MiB pages where >= {_pages.MIN_BYTES >> 20} MiB; Linux "
             f"huge pages: {_pages.huge_pages_mode()})" if huge else "plain tensors (4 KiB pages)"

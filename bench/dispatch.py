@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import torch  # noqa: E402
 import torch.nn.functional as TF  # noqa: E402
 
-from _measure import cpu_name  # noqa: E402
+from _measure import machine_header  # noqa: E402
 from qkv import dispatch, masks  # noqa: E402
 from qkv._nonfinite import scores_may_be_nonfinite, values_for_kernel  # noqa: E402
 from qkv.dispatch import _logit_bound, explain_dispatch  # noqa: E402
@@ -91,7 +91,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=7)
     args = p.parse_args()
     torch.set_num_threads(1)
-    print(f"{cpu_name()}; torch {torch.__version__}, 1 thread, CPU time per call; shared machine")
+    print(machine_header())
+    print("CPU time per call; shared machine")
     print(
         f"| case | picks | direct µs | auto µs | overhead µs (target ≤ {TARGET_US:g}) "
         "| of which the logit guard µs | of which the NaN/inf look µs | exact checks spared µs |"

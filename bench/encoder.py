@@ -35,6 +35,7 @@ from rich.table import Table  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 import qkv.functional  # noqa: E402
+from _measure import machine_header  # noqa: E402
 from qkv import pretrained  # noqa: E402
 
 
@@ -118,8 +119,9 @@ def main() -> None:
     runners["qkv+sdpa*"] = ours_sdpa
 
     console = Console(width=150)
+    console.print(machine_header(), highlight=False)
     console.print(
-        f"device={args.device} torch={torch.__version__} threads={torch.get_num_threads()} "
+        f"device={args.device} threads={torch.get_num_threads()} "
         f"reps={args.reps} warmup={args.warmup}, model={src}"
     )
     table = Table(

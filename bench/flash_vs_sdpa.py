@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import torch  # noqa: E402
 import torch.nn.functional as TF  # noqa: E402
 
-from _measure import attention_flops, cpu_name, matmul_peak_gflops, step  # noqa: E402
+from _measure import attention_flops, machine_header, matmul_peak_gflops, step  # noqa: E402
 from qkv.kernels._native import native_ops, native_status  # noqa: E402
 from qkv.kernels.flash import flash_attention  # noqa: E402
 
@@ -166,8 +166,7 @@ def main() -> None:
     CLOCK = time.thread_time if args.cpu_time else time.perf_counter
     torch.set_num_threads(args.threads)
     print(
-        f"{cpu_name()}; torch {torch.__version__}, {torch.get_num_threads()} thread(s), "
-        f"B={B} h={H} d={D}; bf16 path: {isa_path()}; machine shared: compare ratios; "
+        f"{machine_header()}\nB={B} h={H} d={D}; bf16 path: {isa_path()}; machine shared: compare ratios; "
         f"{'CPU' if args.cpu_time else 'wall'} time"
     )
     if args.bf16:

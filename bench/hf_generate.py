@@ -28,7 +28,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 import qkv.hf  # noqa: E402, F401  (registers "qkv")
-from _measure import cpu_name  # noqa: E402
+from _measure import machine_header  # noqa: E402
 
 IMPLS = ("sdpa", "qkv")
 
@@ -123,8 +123,8 @@ def main() -> None:
 
     model = build(args)
     n_params = sum(p.numel() for p in model.parameters()) / 1e6
-    print(f"CPU: {cpu_name()}; torch {torch.__version__}, threads={torch.get_num_threads()}, "
-          f"cpus={os.cpu_count()}; transformers {transformers.__version__}")  # fmt: skip
+    print(machine_header())
+    print(f"cpus={os.cpu_count()}; transformers {transformers.__version__}")  # fmt: skip
     print(f"Llama-shaped, random weights, fp32: {args.layers} layers, d_model {args.d_model}, "
           f"heads {args.heads} (kv {args.kv_heads}), d_ff {args.d_ff}, vocab {args.vocab} "
           f"({n_params:.0f}M params); batch {args.batch}; best of {args.repeats}")  # fmt: skip

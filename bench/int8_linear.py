@@ -28,7 +28,7 @@ from functools import partial
 import torch
 import torch.nn.functional as TF
 
-from _measure import cpu_name
+from _measure import machine_header
 from qkv.kernels.int8 import SmallBatchInt8Linear, int8_path
 from qkv.models.incremental import SmallBatchLinear
 
@@ -61,8 +61,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=30)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"{cpu_name()} | torch {torch.__version__} | int8 linears {int8_path()} | "
-          f"quantized engine {torch.backends.quantized.engine} | {args.threads} thread(s)")  # fmt: skip
+    print(machine_header())
+    print(f"int8 linears {int8_path()} | quantized engine {torch.backends.quantized.engine} | {args.threads} thread(s)")  # fmt: skip
     g = torch.Generator().manual_seed(0)
     names = ["fp32 F.linear", "fp32 prepacked", "torch dyn-int8", "qkv int8"]
     print(f"{'M':>4} {'K':>5} {'N':>5} " + " ".join(f"{n:>15}" for n in names)

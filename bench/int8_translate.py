@@ -34,7 +34,7 @@ import torch
 import _ct2
 import qkv.generate
 import qkv.models.incremental as incremental
-from _measure import cpu_name
+from _measure import machine_header
 from qkv.apps.train import bleu_chrf
 from qkv.data import multi30k
 from qkv.kernels.int8 import int8_path, quantize_linears
@@ -89,8 +89,8 @@ def main() -> None:
     if args.bleu_n:
         pairs = pairs[: args.bleu_n]
     src, refs = [s for s, _ in pairs], [t for _, t in pairs]
-    print(f"{cpu_name()} | torch {torch.__version__} | int8 linears {int8_path()} | "
-          f"{args.threads} thread(s) | model {args.model}, length penalty {lp}")  # fmt: skip
+    print(machine_header())
+    print(f"int8 linears {int8_path()} | {args.threads} thread(s) | model {args.model}, length penalty {lp}")  # fmt: skip
     q_all = quantize_linears(model)
     q_skip = quantize_linears(model, skip=["decoder.out"])
     Context = Callable[[], contextlib.AbstractContextManager]

@@ -22,10 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import torch  # noqa: E402
 
-from _measure import cpu_name, time_call  # noqa: E402
+from _measure import machine_header, time_call  # noqa: E402
 from qkv.functional import scaled_dot_product_attention as sdpa  # noqa: E402
-from qkv.kernels._levels import cpu_features  # noqa: E402
-from qkv.kernels._native import native_status  # noqa: E402
 
 
 def versus(backend: str, q, k, v, grad: bool, n: int, **kw) -> tuple[float, float]:
@@ -51,10 +49,7 @@ def main() -> None:
     p.add_argument("--skip", nargs="*", default=[], choices=["flash", "decode"])
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    vec = sorted(f for f in cpu_features() if f.startswith(("avx", "fma", "amx", "asimd", "sve")))
-    print(f"- CPU: {cpu_name()}; vector features: {' '.join(vec)}")
-    print(f"- qkv kernels: {native_status()}")
-    print(f"- torch {torch.__version__}, {torch.get_num_threads()} thread(s)\n")
+    print("".join(f"- {line}\n" for line in machine_header().splitlines()))
     print("| case | fused ms | torch SDPA ms | torch / fused |\n|---|---|---|---|")
     if "flash" not in args.skip:
         for T in (256, 1024, 4096):

@@ -151,7 +151,10 @@ def main() -> None:
         label = {"sdpa": "torch sdpa", "flash": "flash"}.get(impl, "ring")
         rows.append((T, f"{label}, {world} proc", worst, res))
 
+    from _measure import machine_header
+
     what = "forward+backward" if args.backward else "forward"
+    print("\n" + machine_header())
     print(
         f"\ncausal attention {what}, fp32, B={args.B} h={args.h} d={args.d}, zigzag shards, "
         f"1 torch thread per process, load average {os.getloadavg()[0]:.1f} on "

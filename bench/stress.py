@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import sacrebleu  # noqa: E402
 import torch  # noqa: E402
 
-from _measure import cpu_name  # noqa: E402
+from _measure import machine_header  # noqa: E402
 from qkv.data import multi30k  # noqa: E402
 from qkv.data.noise import STRESS_KINDS, stress_sets  # noqa: E402
 from qkv.translate import load  # noqa: E402
@@ -45,7 +45,8 @@ def main() -> int:
     pairs = multi30k("val", args.src, args.tgt, args.data)[: args.limit]
     sets = {"val": pairs, **stress_sets(pairs, seed=args.seed)}
     models = args.model or ["en-fr"]
-    print(f"{cpu_name()}; torch {torch.__version__}, 1 thread; val {len(pairs)} pairs, "
+    print(machine_header())
+    print(f"val {len(pairs)} pairs, "
           f"seed {args.seed}; greedy; sacreBLEU 13a, cased")  # fmt: skip
     print("| model | " + " | ".join(["val", *STRESS_KINDS]) + " | warned lines | seconds |")
     print("|---|" + "---|" * (len(sets) + 2))

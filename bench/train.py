@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from _measure import machine_header
 from qkv.models import Seq2SeqTransformer, TransformerConfig
 
 
@@ -96,6 +97,7 @@ def main() -> None:
             if i > 0:  # the first step is warm-up
                 seconds[name] += time.perf_counter() - t0
     tokens = args.steps * args.batch * args.len
+    print(machine_header())
     print(f"training, batch {args.batch}x{args.len} target tokens, d_model {args.d_model}, "
           f"{args.layers}+{args.layers} layers, vocab {args.vocab}, bf16={args.bf16}, "
           f"{torch.get_num_threads()} threads, {args.steps} steps each (interleaved)")  # fmt: skip

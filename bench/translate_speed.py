@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from _measure import cpu_name
+from _measure import machine_header
 from qkv.data import multi30k
 from qkv.translate import load
 
@@ -31,8 +31,7 @@ def main() -> None:
     src = (tr.src or "en", tr.tgt or "fr")
     sentences = [s for s, _ in multi30k("test_2016_flickr", *src, args.data)[: args.n]]
     print(
-        f"{cpu_name()} | torch {torch.__version__} | ISA {torch.backends.cpu.get_cpu_capability()}"
-        f" | model {args.model} ({sum(p.numel() for p in tr.model.parameters()) / 1e6:.1f}M)"
+        f"{machine_header()}\nmodel {args.model} ({sum(p.numel() for p in tr.model.parameters()) / 1e6:.1f}M)"
     )
     print(f"{'threads':>7} {'beam':>4} {'sentences/s':>12} {'out tokens/s':>13} {'seconds':>8}")
     for threads in args.threads:

@@ -34,28 +34,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 import torch.nn.functional as TF  # noqa: E402
 
-from _measure import cpu_name, peak_memory_mib, step, threads_note  # noqa: E402
+from _measure import machine_header, peak_memory_mib, step  # noqa: E402
 from qkv import masks  # noqa: E402
 from qkv.block_mask import EMPTY, FULL, BlockMask  # noqa: E402
-from qkv.kernels._native import native_status  # noqa: E402
 from qkv.kernels.flash import flash_attention, rel_dense  # noqa: E402
 
 B, H, D = 1, 8, 64
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def isa_path() -> str:
-    flags = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        pass
-    bf16 = (
-        "AMX tiles (oneDNN packed)" if "amx_bf16" in flags
-        else "AVX512_BF16 (no AMX)" if "avx512_bf16" in flags else "no bf16 dot products"
-    )  # fmt: skip
-    return f"torch CPU capability {torch.backends.cpu.get_cpu_capability()}; bf16 matmul: {bf16}"
 
 
 def interleaved(fns: list, reps: int) -> list[float]:
@@ -268,9 +253,7 @@ def main() -> None:
     ap.add_argument("--no-flex", action="store_true", help="skip FlexAttention")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"CPU: {cpu_name()}; {threads_note()}")
-    print(f"ISA: {isa_path()}")
-    print(f"qkv fused kernel: {native_status()}")
+    print(machine_header())
     if args.part in ("fused", "both"):
         fused_part(args.T, args.dtypes, args.reps)
     if args.part in ("blocks", "both"):
