@@ -30,6 +30,8 @@ CASES = {
     "flash-fp32-causal-4096": "flash fwd, fp32, causal, (1, 8, 4096, 64)",
     "flash-fp32-full-1024": "flash fwd, fp32, full, (1, 8, 1024, 64)",
     "flash-bf16-causal-4096": "flash fwd, bf16, causal, (1, 8, 4096, 64)",
+    "flash-bf16-full-1024": "flash fwd, bf16, full, (1, 8, 1024, 64)",
+    "flash-bf16-causal-1024-bwd": "flash fwd+bwd, bf16, causal, (1, 8, 1024, 64)",
     "flash-fp32-causal-2048-bwd": "flash fwd+bwd, fp32, causal, (1, 8, 2048, 64)",
     "flash-bf16-causal-2048-bwd": "flash fwd+bwd, bf16, causal, (1, 8, 2048, 64)",
     "decode-fp32": "decode, fp32 cache, q (1, 32, 1, 128) over (1, 8, 16384, 128)",
