@@ -166,7 +166,7 @@ def main() -> None:
     CLOCK = time.thread_time if args.cpu_time else time.perf_counter
     torch.set_num_threads(args.threads)
     print(
-        f"{machine_header()}\nB={B} h={H} d={D}; bf16 path: {isa_path()}; machine shared: compare ratios; "
+        f"{machine_header()}\nB={B} h={H} d={D}; machine shared: compare ratios; "
         f"{'CPU' if args.cpu_time else 'wall'} time"
     )
     if args.bf16:
