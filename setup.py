@@ -11,10 +11,13 @@ its version and the sources' digest in ``qkv/kernels/_built.json``.
 others are then compiled on first use, if a compiler is there).
 """
 
+import contextlib
 import importlib.util
 import json
 import os
 import sys
+import threading
+import time
 from pathlib import Path
 
 from setuptools import setup
@@ -30,6 +33,41 @@ def _kernels_module(name: str):
     sys.modules[spec.name] = mod  # dataclasses look their module up there
     spec.loader.exec_module(mod)
     return mod
+
+
+def _minutes(seconds: float) -> str:
+    s = round(seconds)
+    return f"{s} s" if s < 60 else f"{s // 60} min {s % 60:02d} s"
+
+
+@contextlib.contextmanager
+def _progress(level: str, which: str, start: float, every: float = 30.0):
+    """Say on stderr that ``level`` (``which``: "2 of 4") is compiling, how long it has taken
+    every ``every`` s (and the whole build since ``start``), and when it is done: a level
+    takes minutes. pip -q hides this; the Makefile builds the kernels in a step of its own."""
+
+    def say(text):
+        print(f"qkv: {text}", file=sys.stderr, flush=True)
+
+    t0 = time.monotonic()
+    say(f"compiling the kernels' level {level} ({which})")
+    stop = threading.Event()
+
+    def beat():
+        while not stop.wait(every):
+            now = time.monotonic()
+            say(f"still compiling level {level} ({which}): {_minutes(now - t0)}, "
+                f"{_minutes(now - start)} in all")  # fmt: skip
+
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+    now = time.monotonic()
+    say(f"level {level} ({which}) done in {_minutes(now - t0)}, {_minutes(now - start)} in all")
 
 
 def _extensions():
@@ -76,8 +114,11 @@ def _extensions():
             # one object directory per level: the levels compile the same files
             temp = self.build_temp
             self.build_temp = os.path.join(temp, ext.name.rsplit(".", 1)[-1])
+            which = f"{self.extensions.index(ext) + 1} of {len(self.extensions)}"
+            start = getattr(self, "_started", time.monotonic())
             try:
-                super().build_extension(ext)
+                with _progress(ext.name.rsplit("._C_", 1)[-1], which, start):
+                    super().build_extension(ext)
             finally:
                 self.build_temp = temp
 
@@ -95,25 +136,29 @@ def _extensions():
             for old in (Path(self.build_lib) / "qkv").glob("_C_*"):
                 if old.suffix != ".kernels":
                     old.unlink()
+            self._started = time.monotonic()
             super().run()
             for ext in self.extensions:
                 if why := linkage.private_runtime(self.get_ext_fullpath(ext.name)):
                     self._remove_built()  # nothing left that a later import could load
                     raise SystemExit(f"qkv: build refused: {why}")
+            libs = {ext.name.rsplit("._C_", 1)[-1]: Path(self.get_ext_fullpath(ext.name))
+                    for ext in self.extensions}  # fmt: skip
             info = {
                 "torch": torch.__version__,
                 "sources": L.source_digest(CSRC),
                 "levels": [lv.name for lv in levels],
-                # checked before loading: a damaged or truncated file is never loaded
-                "sha256": {
-                    ext.name.rsplit("._C_", 1)[-1]: L.file_digest(Path(self.get_ext_fullpath(ext.name)))
-                    for ext in self.extensions
-                },
+                # checked before loading (both required): a damaged or truncated file is never
+                # loaded (mapping one kills the process)
+                "size": {name: path.stat().st_size for name, path in libs.items()},
+                "sha256": {name: L.file_digest(path) for name, path in libs.items()},
             }
             for out in self._outs():
                 target = out / "qkv" / "kernels" / "_built.json"
-                if target.parent.is_dir():
-                    target.write_text(json.dumps(info, indent=1) + "\n")
+                if target.parent.is_dir():  # never a half-written record
+                    tmp = target.with_name(target.name + ".tmp")
+                    tmp.write_text(json.dumps(info, indent=1) + "\n")
+                    os.replace(tmp, target)
 
     return exts, {"build_ext": Build.with_options(use_ninja=True)}
 

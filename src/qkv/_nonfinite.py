@@ -5,12 +5,19 @@ The rule, stated on the logits ``x = softcap(q kᵀ · scale) + bias`` of a quer
 - a NaN or ``+inf`` logit at a key the row may see makes the row's output (and lse) NaN;
   a NaN or inf in ``q``, ``k`` or ``bias`` gives such a logit (inf·0 and inf - inf are NaN,
   ``+inf`` is the largest logit and ``exp(inf - inf)`` its weight);
-- a ``-inf`` logit means "masked", as a ``-inf`` in a float mask or bias always has: it is the
+- a ``-inf`` logit gets weight 0, as a ``-inf`` in a float mask or bias always has: it is the
   only non-finite logit that leaves a row finite;
+- a row whose logits are all ``-inf`` (every key masked, or ``-inf`` through an inf in ``q``
+  or ``k``) is empty: zeros and lse ``-inf``, whatever its values;
 - values at keys the row may see are multiplied by their weights as IEEE arithmetic does
-  (an inf value gives inf, or NaN next to a -inf or a zero weight);
-- values at keys the row may **not** see take no part at all: a NaN left in the unused tail
-  of a preallocated cache never reaches an output.
+  (an inf value gives inf; a NaN or inf value times a zero weight, underflowed or from a
+  ``-inf`` logit, gives NaN);
+- values at keys the row may **not** see (its mask, ``causal``/``window``, a ``-inf`` bias)
+  take no part at all: a NaN left in the unused tail of a preallocated cache never reaches
+  an output.
+
+An int8 cache (:func:`qkv.cache.quantize_rows`) stores a row holding a NaN or an inf as a
+row of NaN (scale NaN): its scales say where the non-finite rows are.
 
 The reference math (:func:`qkv.functional.attention_steps`) and the fused kernels follow the
 first three by construction (their row maximum looks for NaN where a max instruction drops
@@ -18,7 +25,8 @@ it). The last one needs care, since ``0 · NaN`` is NaN: :func:`values_for_kerne
 values at keys no row may see before a kernel reads them (a cheap look at the mask first,
 the values themselves only at keys some row may not see), and sends a call whose non-finite
 value sits at a key that some rows see and others do not to the reference, which
-:func:`weights_times_values` computes exactly. PyTorch's SDPA gives zeros for a row whose
+:func:`weights_times_values` (:mod:`qkv.kernels.reference`) computes exactly. PyTorch's SDPA
+gives zeros for a row whose
 logits are all NaN, so :func:`scores_may_be_nonfinite` sends such calls to the reference too.
 
 On CUDA these checks are skipped (each would wait for the device): there the kernels' own
@@ -37,21 +45,24 @@ from torch import Tensor
 
 from qkv._versions import version
 from qkv.kernels._native import native_module
+from qkv.kernels.decode import SCALE_BYTES
+from qkv.kernels.reference import checked as _checked
+from qkv.kernels.reference import finite as _finite
+from qkv.kernels.reference import weights_times_values
 
 __all__ = ["quick_look", "scores_may_be_nonfinite", "values_for_kernel", "weights_times_values"]
 
 
-def _checked(x: Tensor) -> bool:
-    return x.device.type != "cuda"
-
-
-def _finite(x: Tensor, y: Tensor | None = None) -> bool:
-    """Whether ``x`` (and ``y``) hold no NaN or inf: the kernels' ``finite`` (one pass in C++,
-    a bits test on contiguous tensors), else one ``isfinite`` per tensor."""
-    module = native_module() if x.is_cpu and (y is None or y.is_cpu) else None
-    if module is not None:
-        return module.finite(x, y, None, None)
-    return all(bool(torch.isfinite(t).all()) for t in (x, y) if t is not None and t.numel())
+def _as_float_rows(v: Tensor) -> Tensor:
+    """``v`` itself, or for an int8 cache's packed rows ``(..., Tk, d + 4)`` their scales
+    ``(..., Tk, 1)`` as fp32: finite exactly where the row is (quantize_rows)."""
+    if v.dtype != torch.int8:
+        return v
+    tail = v[..., -SCALE_BYTES:]
+    try:
+        return tail.view(torch.float32)  # no copy where the rows' layout allows it
+    except RuntimeError:  # rows of d + 4 bytes with d not a multiple of 4
+        return tail.contiguous().view(torch.float32)
 
 
 def scores_may_be_nonfinite(q: Tensor, k: Tensor, bias: Tensor | None) -> bool:
@@ -104,6 +115,15 @@ def _seen_keys(
 _last_hidden: tuple = ((), None)  # (what it was computed from, the indices): see below
 
 
+def _tracked(t: Tensor | None) -> bool:
+    """Whether every change to ``t`` bumps its version: not for an inference tensor (no
+    version), nor for memory torch did not allocate (``torch.from_numpy``, ``frombuffer``,
+    DLPack: its storage is not resizable), which numpy may refill behind torch's back."""
+    if t is None:
+        return True
+    return not t.is_inference() and t.untyped_storage().resizable()
+
+
 def _hidden_keys(
     mask: Tensor | None, bias: Tensor | None, every: range, some: range, Tk: int, device
 ) -> Tensor:
@@ -111,11 +131,12 @@ def _hidden_keys(
     (a decoder's layers pass the same mask at each step: one look at it per step). The
     tensors themselves are held, compared by identity and version: a tensor alive cannot be
     another one at the same address, and an in-place change bumps its version. A mask made
-    under ``torch.inference_mode()`` has no version (a buffer refilled in place at each step
-    would look unchanged): it is looked at on every call."""
+    under ``torch.inference_mode()`` has no version, and one over numpy's memory can change
+    without a version bump (a buffer refilled in place at each step would look unchanged):
+    such masks are looked at on every call."""
     global _last_hidden
     versions = tuple(None if t is None else version(t) for t in (mask, bias))
-    untracked = any(t is not None and n is None for t, n in zip((mask, bias), versions))
+    untracked = not (_tracked(mask) and _tracked(bias))
     (held, idx) = _last_hidden  # one read: another thread may replace it meanwhile
     if (not untracked and held and held[0] is mask and held[1] is bias
             and held[2:] == (versions, every, some)):  # fmt: skip
@@ -139,7 +160,8 @@ def values_for_kernel(
     """``(v, exact)``: the values a kernel may read, and whether the kernel then follows the
     rule. Values at keys no row may see are zeroed (in a copy, made only when one of them is
     NaN or inf); ``exact`` is False when a NaN or inf sits at a key some rows see and others
-    do not (only :func:`weights_times_values` keeps it out of the rows that do not).
+    do not (only :func:`weights_times_values` keeps it out of the rows that do not). An int8
+    cache's packed rows are looked at through their scales (a zeroed row: scale 0).
 
     The usual call costs one pass of :func:`_finite`: over all values when they are few or
     most keys are hidden from some row; else over the values at keys some row may not see
@@ -147,31 +169,42 @@ def values_for_kernel(
     somewhere, found once per mask).
     """
     Tk = v.shape[-2]
-    if not _checked(v) or Tq == 0 or Tk == 0 or v.dtype == torch.int8:
-        return v, True  # (an int8 cache's rows hold no NaN: qkv.cache quantizes finite values)
+    if not _checked(v) or Tq == 0 or Tk == 0:
+        return v, True
     every, some = _key_ranges(Tq, Tk, causal, window)
+    exact, hidden = _values_seen(_as_float_rows(v), mask, bias, every, some, Tk)
+    if not exact:
+        return v, False
+    return (v, True) if hidden is None else (v.masked_fill(hidden.unsqueeze(-1), 0), True)
+
+
+def _values_seen(
+    v: Tensor, mask: Tensor | None, bias: Tensor | None, every: range, some: range, Tk: int
+) -> tuple[bool, Tensor | None]:
+    """:func:`values_for_kernel` on float rows (values, or an int8 cache's scales):
+    ``(exact, keys to zero (Tk,) or None)``."""
     if mask is None and bias is None:
         outside = [(0, every.start), (every.stop, Tk)]
         outside = [(a, b) for a, b in outside if a < b]
         if not outside:
-            return v, True
+            return True, None
         # few values, or most keys: one pass over all of them (a slice is a strided copy)
         if v.numel() <= _SMALL or 2 * sum(b - a for a, b in outside) >= Tk:
             if _finite(v):
-                return v, True
+                return True, None
         elif all(_finite(v[..., a:b, :]) for a, b in outside):
-            return v, True
+            return True, None
     elif v.numel() <= _SMALL:
         if _finite(v):
-            return v, True
+            return True, None
     elif _finite(v.index_select(-2, _hidden_keys(mask, bias, every, some, Tk, v.device))):
-        return v, True
+        return True, None
     # a NaN or inf among the values a kernel may multiply by a zero weight
     by_every, by_some = _seen_keys(mask, bias, every, some, Tk, v.device)
     bad = ~torch.isfinite(v).reshape(-1, Tk, v.shape[-1]).all(-1).all(0)  # (Tk,)
     if bool((bad & ~by_every & by_some).any()):
-        return v, False
-    return v.masked_fill(~by_some.unsqueeze(-1), 0.0), True
+        return False, None
+    return True, ~by_some
 
 
 Look = Callable[[Tensor, Tensor, Tensor, "Tensor | None"], bool]
@@ -200,48 +233,21 @@ def quick_look(case, backend: str) -> Look | None:
     qk = backend == "torch"
     every, _ = _key_ranges(s.Tq, s.Tk, case.causal, case.window)
     hidden = case.has_mask or case.has_bias or (every.start, every.stop) != (0, s.Tk)
-    look_v = hidden and not case.kv_int8  # (an int8 cache's rows are finite)
+    look_v = hidden
     look_bias = qk and case.has_bias
     if not (qk or look_v):
         return None
     module = native_module()
-    if module is None or (look_v and math.prod(s.batch) * s.h_kv * s.Tk * s.d_v > _SMALL):
+    per_row = 1 if case.kv_int8 else s.d_v  # an int8 cache: its scales
+    if module is None or (look_v and math.prod(s.batch) * s.h_kv * s.Tk * per_row > _SMALL):
         return _never
     finite = module.finite
+    rows = _as_float_rows if case.kv_int8 else None
 
     def look(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None) -> bool:
         return finite(
-            q if qk else None, k if qk else None, v if look_v else None,
-            bias if look_bias else None,
+            q if qk else None, k if qk else None,
+            (v if rows is None else rows(v)) if look_v else None, bias if look_bias else None,
         )  # fmt: skip
 
     return look
-
-
-def weights_times_values(
-    weights: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None
-) -> Tensor:
-    """``weights @ v`` where keys a row may not see (``mask`` False, or a ``-inf`` bias) take
-    no part, even with a NaN or inf value there; at keys it may see, IEEE's ``w · x``.
-
-    ``weights`` ``(..., Tq, Tk)``, ``v`` ``(..., Tk, d_v)``, ``mask`` and ``bias``
-    broadcastable to ``weights`` or None. The usual case (finite values) is one matmul.
-    """
-    if (mask is None and bias is None) or not _checked(v) or _finite(v):
-        return weights @ v
-    out = weights @ v.masked_fill(~torch.isfinite(v), 0.0)  # the finite part
-    seen = torch.ones_like(weights, dtype=torch.bool)
-    if mask is not None:
-        seen = seen & mask
-    if bias is not None:
-        seen = seen & ~bias.isneginf()
-
-    # which non-finite values each output element meets, as counts of (row may see, kind)
-    def meets(rows: Tensor, kind: Tensor) -> Tensor:
-        return (rows.to(out.dtype) @ kind.to(out.dtype)) > 0
-
-    positive = seen & (weights > 0)
-    nan = meets(seen, v.isnan()) | meets(seen & (weights == 0), v.isinf())  # 0·inf
-    pinf, ninf = meets(positive, v.isposinf()), meets(positive, v.isneginf())
-    out = out.masked_fill(pinf, float("inf")).masked_fill(ninf, float("-inf"))
-    return out.masked_fill(nan | (pinf & ninf), float("nan"))

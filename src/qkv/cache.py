@@ -53,7 +53,7 @@ import torch
 from torch import Tensor
 
 from qkv import _pages
-from qkv.kernels.decode import SCALE_BYTES  # the int8 row layout the decode kernel reads
+from qkv.kernels.decode import SCALE_BYTES, dequantize_rows  # the rows the decode kernel reads
 
 __all__ = ["SCALE_BYTES", "BufferPool", "KVCache", "dequantize_rows", "quantize_rows"]
 
@@ -64,27 +64,20 @@ def quantize_rows(x: Tensor) -> Tensor:
     """``x (..., d)`` floating → packed int8 rows ``(..., d + 4)``: ``d`` values
     ``round(x / scale)`` in [-127, 127], then ``scale = max|x| / 127`` (fp32, its 4 bytes).
 
-    A row of zeros gets scale 0 and values 0. Rounding is to nearest, ties to even (the
-    compiled decoder step quantizes the same way, bit for bit)."""
+    A row of zeros gets scale 0 and values 0. A row holding a NaN or an inf gets scale NaN
+    and values 0: it reads back as a row of NaN, so attention treats it as it treats a NaN
+    value or key (docs/errors.md). Rounding is to nearest, ties to even (the compiled
+    decoder step quantizes the same way, bit for bit)."""
     if not x.dtype.is_floating_point:
         raise TypeError(f"x must be a floating tensor, got {x.dtype}")
     if x.numel() == 0:
         return torch.empty(*x.shape[:-1], x.shape[-1] + SCALE_BYTES, dtype=torch.int8,
                            device=x.device)  # fmt: skip
     x = x.float()
-    scale = x.abs().amax(-1, keepdim=True) / 127  # (..., 1); NaN in, NaN out (as fp32)
+    scale = x.abs().amax(-1, keepdim=True) / 127  # (..., 1)
+    scale = scale.masked_fill(~torch.isfinite(scale), float("nan"))  # an inf row too: NaN
     values = torch.where(scale > 0, x / scale, 0.0).round_().to(torch.int8)  # (..., d)
     return torch.cat([values, scale.contiguous().view(torch.int8)], dim=-1)  # (..., d + 4)
-
-
-def dequantize_rows(packed: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
-    """Packed int8 rows ``(..., d + 4)`` (:func:`quantize_rows`) → ``(..., d)`` in ``dtype``."""
-    if packed.dtype != torch.int8 or packed.shape[-1] < SCALE_BYTES:
-        raise ValueError(f"packed must be int8 rows (..., d + {SCALE_BYTES}), got "
-                         f"{packed.dtype} {tuple(packed.shape)}")  # fmt: skip
-    scale = packed[..., -SCALE_BYTES:].clone(memory_format=torch.contiguous_format)
-    scale = scale.view(torch.float32)  # (..., 1)
-    return (packed[..., :-SCALE_BYTES].float() * scale).to(dtype)
 
 
 class BufferPool:
@@ -297,9 +290,11 @@ class KVCache:
         if self.quantized:  # stored rows carry their scale
             want_k = (*want_k[:3], want_k[3] - SCALE_BYTES)
             want_v = (*want_v[:3], want_v[3] - SCALE_BYTES)
-        if rows is not None and (rows.dim() != 1 or rows.shape[0] != k.shape[0]):
-            raise ValueError(f"rows must be 1-D with one batch row per row of k ({k.shape[0]}), "
-                             f"got shape {tuple(rows.shape)}")  # fmt: skip
+        if rows is not None:  # an integer tensor of batch rows, as reorder()'s index
+            self._check_index(rows, "rows")
+            if rows.shape[0] != k.shape[0]:
+                raise ValueError(f"rows must be 1-D with one batch row per row of k "
+                                 f"({k.shape[0]}), got shape {tuple(rows.shape)}")  # fmt: skip
         if rows is None and k.shape[0] != want_k[0]:
             raise ValueError(
                 f"cache holds batch size {want_k[0]}, got k with batch size {k.shape[0]} "
@@ -351,6 +346,7 @@ class KVCache:
             self._v[:, :, self._len : new_len] = v
         else:
             dt = self._k.dtype
+            rows = rows.to(device=self._k.device, dtype=torch.long)  # int32 rows too
             self._k[:, :, self._len : new_len].index_copy_(0, rows, k.to(dt))
             self._v[:, :, self._len : new_len].index_copy_(0, rows, v.to(dt))
         self._len = new_len
@@ -435,23 +431,24 @@ class KVCache:
         self._spare, self._full = self._full, spare  # swapped: the old buffers are the spare
         self._k, self._v = k2, v2
 
-    def _check_index(self, index: Tensor) -> None:
-        """``reorder``'s rows: a 1-D integer tensor within the batch. A bool mask or float
-        would be cast to long and silently read as other rows; an index out of range is
-        refused here, before any buffer changes (``index_select`` would not check an empty
-        cache, and fails on a device only asynchronously)."""
+    def _check_index(self, index: Tensor, name: str = "index") -> None:
+        """``reorder``'s ``index`` (and ``update``'s ``rows``): a 1-D integer tensor within
+        the batch. A bool mask or float would be cast to long and silently read as other
+        rows; an index out of range is refused here, before any buffer changes
+        (``index_select`` would not check an empty cache, and fails on a device only
+        asynchronously)."""
         if not isinstance(index, Tensor):
-            raise TypeError(f"index must be an integer tensor (B',), got {type(index).__name__}")
+            raise TypeError(f"{name} must be an integer tensor (B',), got {type(index).__name__}")
         if index.dtype == torch.bool or index.dtype.is_floating_point or index.dtype.is_complex:
-            raise TypeError(f"index must be an integer tensor (B',) of batch rows, got dtype "
+            raise TypeError(f"{name} must be an integer tensor (B',) of batch rows, got dtype "
                             f"{index.dtype}")  # fmt: skip
         if index.dim() != 1:
-            raise ValueError(f"index must be 1-D (B',), got shape {tuple(index.shape)}")
+            raise ValueError(f"{name} must be 1-D (B',), got shape {tuple(index.shape)}")
         B = self.batch_size
         if B is not None and index.numel():
             lo, hi = (int(t) for t in torch.aminmax(index))
             if lo < 0 or hi >= B:
-                raise IndexError(f"index must hold batch rows in [0, {B - 1}] (the cache "
+                raise IndexError(f"{name} must hold batch rows in [0, {B - 1}] (the cache "
                                  f"holds batch size {B}), got {lo if lo < 0 else hi}")  # fmt: skip
 
     def truncate(self, length: int) -> None:

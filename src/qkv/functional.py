@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from qkv import dispatch, masks
-from qkv._nonfinite import scores_may_be_nonfinite, values_for_kernel, weights_times_values
+from qkv._nonfinite import scores_may_be_nonfinite, values_for_kernel
 from qkv._validate import (
     check_bias,
     check_block_mask,
@@ -53,10 +53,8 @@ from qkv.block_mask import BlockMask
 from qkv.cache import dequantize_rows
 from qkv.dispatch import explain_dispatch
 from qkv.kernels.decode import run_decode
-from qkv.kernels.flash import (
-    _densify,
-    flash_attention,
-)
+from qkv.kernels.flash import _densify, run_flash
+from qkv.kernels.reference import safe_softmax, weights_times_values
 from qkv.weights import weights_from_lse
 
 __all__ = [
@@ -111,24 +109,6 @@ def repeat_kv(x: Tensor, group: int) -> Tensor:
     return x if group == 1 else x.repeat_interleave(group, dim=-3)
 
 
-def _safe_softmax(masked: Tensor) -> tuple[Tensor, Tensor]:
-    """Softmax over the last dim that gives zeros (not NaN) for an all ``-inf`` row.
-
-    Returns ``(weights, lse)``. Computed in float32 at least, for bf16/fp16 inputs.
-    """
-    x = masked.float() if masked.dtype in (torch.float16, torch.bfloat16) else masked
-    if x.shape[-1] == 0:  # Tk = 0: no key at all; exp keeps the graph (zero gradients)
-        return x.exp(), x.new_full(x.shape[:-1], float("-inf"))
-    row_max = x.amax(dim=-1, keepdim=True).detach()  # (..., Tq, 1)
-    row_max = row_max.masked_fill(row_max == float("-inf"), 0.0)  # empty row: any finite shift
-    e = torch.exp(x - row_max)  # exp(-inf) = 0, so masked keys contribute nothing
-    denom = e.sum(dim=-1, keepdim=True)
-    empty = denom == 0
-    weights = e / denom.masked_fill(empty, 1.0)  # an empty row stays all zeros
-    lse = (torch.log(denom) + row_max).squeeze(-1)  # -inf for an empty row
-    return weights, lse
-
-
 def attention_steps(
     q: Tensor,
     k: Tensor,
@@ -170,11 +150,12 @@ def attention_steps(
     structure = structure_mask(shape.Tq, shape.Tk, causal=causal, window=window, device=q.device)
     full_mask = masks.combine(mask, structure)
     masked = scaled if full_mask is None else scaled.masked_fill(~full_mask, float("-inf"))
-    weights, lse = _safe_softmax(masked)  # (fp32 for bf16/fp16, as the scores)
+    weights, lse = safe_softmax(masked)  # (fp32 for bf16/fp16, as the scores)
     attn = F.dropout(weights, p=dropout_p) if dropout_p > 0 else weights
     # in fp32 for bf16/fp16 as well: the backward's dO·vᵀ overflows fp16 from |v| ~ 1e4
-    # values at keys a row may not see take no part, even a NaN there (see qkv._nonfinite)
-    output = weights_times_values(attn, v.to(wide), full_mask, bias).to(
+    # values at keys a row may not see take no part, even a NaN there, and a row whose
+    # logits are all -inf is zeros (see qkv._nonfinite)
+    output = weights_times_values(attn, v.to(wide), full_mask, bias, lse).to(
         q.dtype
     )  # (..., h, Tq, d_v)
     weights = weights.to(q.dtype)
@@ -273,7 +254,7 @@ def scaled_dot_product_attention(
                 window=window, scale=scale, softcap=softcap, dropout_p=dropout_p, dtype=q.dtype
             )
             check_bias(bias, shape, q.device)
-            out, lse = flash_attention(
+            out, lse = run_flash(
                 q, k, v, mask=mask, bias=bias, causal=causal, window=window, scale=scale,
                 softcap=softcap, alibi_slopes=alibi_slopes, rel_bias=rel_bias, return_lse=True,
             )  # fmt: skip
@@ -304,6 +285,7 @@ def scaled_dot_product_attention(
         if not exact or (decision.backend == "torch" and scores_may_be_nonfinite(q, k, bias)):
             reasons = {decision.backend: _NONFINITE_VALUES}
             decision = dispatch.Decision("math", backend, reasons, why=_NONFINITE_VALUES)
+            k, v = _widened(q, k, v)  # an int8 cache's rows as the reference reads them
     if dispatch.logger.isEnabledFor(logging.DEBUG):
         dispatch.log_decision(decision, case)
     if decision.run is not None:  # torch SDPA's arguments or flash's plan, worked out once
@@ -327,7 +309,7 @@ def scaled_dot_product_attention(
             q, k, v, case.shape, mask=mask, causal=causal, window=window, scale=scale
         )
     else:
-        out, lse = flash_attention(q, k, v, **options, return_lse=True)
+        out, lse = run_flash(q, k, v, **options, return_lse=True)
     if not return_weights:
         return out
     return out, weights_from_lse(q, k, lse, heads=weights_heads, **options)

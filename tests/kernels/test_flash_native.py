@@ -337,7 +337,7 @@ def test_bf16_matmul_switch_picks_the_path_and_rejects_unknown_values(monkeypatc
     with pytest.raises(RuntimeError, match="QKV_BF16_MATMUL must be auto, amx, dot, widen or brgemm"):
         native_ops().bf16_path()
     q = torch.randn(1, 1, 4, 8).bfloat16()
-    with pytest.raises(RuntimeError, match="QKV_BF16_MATMUL"):
+    with pytest.raises(ValueError, match="QKV_BF16_MATMUL must be"):  # checked before the call
         flash_attention(q, q, q)
 
 

@@ -145,21 +145,118 @@ def test_a_damaged_prebuilt_library_is_never_loaded(tmp_path, monkeypatch):
     real = _native.LIB / f"_C_{level}.kernels"
     if not real.exists():
         pytest.skip("no prebuilt kernels in this install")
+    data = real.read_bytes()
     info = {"torch": torch.__version__, "sources": _levels.source_digest(_native.CSRC),
-            "levels": [level], "sha256": {level: _levels.file_digest(real)}}  # fmt: skip
+            "levels": [level], "sha256": {level: _levels.file_digest(real)},
+            "size": {level: len(data)}}  # fmt: skip
     monkeypatch.setattr(_native, "BUILT", tmp_path / "_built.json")
     monkeypatch.setattr(_native, "LIB", tmp_path)
     (tmp_path / "_built.json").write_text(json.dumps(info))
     copy = tmp_path / real.name
-    data = real.read_bytes()
-    for damaged in (data[: len(data) // 2], os.urandom(len(data))):
-        copy.write_bytes(damaged)
-        module, why = _native._prebuilt(level)
-        assert module is None and why == (
-            f"prebuilt {copy} is damaged (its sha256 differs from the one recorded when it "
-            "was built): reinstall qkv"), why
+    copy.write_bytes(data[: len(data) // 2])
+    assert _native._prebuilt(level) == (None, (
+        f"prebuilt {copy} is damaged ({len(data) // 2} bytes, {len(data)} when it was built): "
+        "reinstall qkv"))  # fmt: skip
+    copy.write_bytes(os.urandom(len(data)))
+    module, why = _native._prebuilt(level)
+    assert module is None and why == (
+        f"prebuilt {copy} is damaged (its sha256 differs from the one recorded when it "
+        "was built): reinstall qkv"), why
     copy.unlink()
     assert _native._prebuilt(level)[1].startswith(f"prebuilt {real.name} cannot be read")
+
+
+# one process, every record: each variant's _built.json is written, the loader's memo
+# cleared, an attention call made (it must run, on the PyTorch-ops kernel where no library
+# is loaded) and the status printed; the library is loaded last, from a complete record
+_RECORDS = """
+import json, sys
+from pathlib import Path
+import torch
+from qkv.kernels import _native
+from qkv.kernels.flash import flash_attention
+lib = Path(sys.argv[1])
+_native.LIB, _native.BUILT = lib, lib / "_built.json"
+q = torch.randn(1, 2, 16, 8)
+for variant in json.loads((lib / "variants.json").read_text()):
+    name = variant["name"]
+    _native.BUILT.write_bytes(bytes.fromhex(variant["record"]))
+    (lib / variant["file"]).write_bytes((lib / variant["library"]).read_bytes())
+    _native._load.cache_clear()
+    print("== " + name, file=sys.stderr, flush=True)
+    out = flash_attention(q, q, q)
+    assert torch.isfinite(out).all()
+    print(name + " -> " + _native.native_status(), flush=True)
+print("ok")
+"""
+
+
+def test_a_prebuilt_library_is_loaded_only_from_a_complete_record(tmp_path):
+    """The loader maps a library only after checking its size and sha256 against
+    ``_built.json``: without them (a record of an older qkv) a truncated library, which would
+    kill the process with SIGBUS, is never mapped; a record of any other shape (a list, keys
+    missing, nulls, wrong types, bytes that are no JSON, an empty file) is no record. Each
+    case: the attention call runs, one line is logged, no traceback, and native_status()
+    says why; a complete record loads the library."""
+    build = _levels.select_level("")[0]
+    real = _native.LIB / f"_C_{build}.kernels"
+    if not real.exists():
+        pytest.skip("no prebuilt kernels in this install")
+    data = real.read_bytes()
+    name = real.name
+    (tmp_path / "whole.so").write_bytes(data)
+    (tmp_path / "truncated.so").write_bytes(data[: len(data) // 3])
+    good = {"torch": torch.__version__, "sources": _levels.source_digest(_native.CSRC),
+            "levels": [build], "sha256": {build: _levels.file_digest(real)},
+            "size": {build: len(data)}}  # fmt: skip
+    no_sums = {k: v for k, v in good.items() if k not in ("sha256", "size")}
+    records = {
+        "no checksum, truncated library": (json.dumps(no_sums), "truncated.so"),
+        "no checksum": (json.dumps(no_sums), "whole.so"),
+        "no size": (json.dumps({**good, "size": None}), "whole.so"),
+        "sha256 null": (json.dumps({**good, "sha256": None}), "truncated.so"),
+        "sha256 a list": (json.dumps({**good, "sha256": [good["sha256"][build]]}), "whole.so"),
+        "size a string": (json.dumps({**good, "size": {build: str(len(data))}}), "whole.so"),
+        "size true": (json.dumps({**good, "size": {build: True}}), "whole.so"),
+        "a list": (json.dumps([good]), "whole.so"),
+        "no levels": (json.dumps({k: v for k, v in good.items() if k != "levels"}), "whole.so"),
+        "levels null": (json.dumps({**good, "levels": None}), "whole.so"),
+        "levels a string": (json.dumps({**good, "levels": build}), "whole.so"),
+        "levels of numbers": (json.dumps({**good, "levels": [1, None]}), "whole.so"),
+        "garbage bytes": ("\udcff\udcfe\x00{garbage", "whole.so"),
+        "empty file": ("", "whole.so"),
+        "complete": (json.dumps(good), "whole.so"),  # last: the library stays loaded
+    }  # fmt: skip
+    variants = [{"name": k, "file": name, "library": lib,
+                 "record": r.encode("utf-8", "surrogateescape").hex()}
+                for k, (r, lib) in records.items()]  # fmt: skip
+    (tmp_path / "variants.json").write_text(json.dumps(variants))
+    res = deadline.run([sys.executable, "-c", _RECORDS, str(tmp_path)], 120,
+                       "the loader over damaged records", capture_output=True, text=True,
+                       env=dict(os.environ, QKV_NATIVE="prebuilt", QKV_ISA=""))  # fmt: skip
+    # a signal (SIGBUS: a truncated library mapped) is a negative return code
+    assert res.returncode == 0, (res.returncode, res.stdout[-2000:], res.stderr[-3000:])
+    assert "Traceback" not in res.stderr and res.stdout.endswith("ok\n"), res.stderr[-3000:]
+    status = dict(line.split(" -> ", 1) for line in res.stdout.splitlines()[:-1])
+    assert list(status) == list(records), res.stdout
+    logged = {k.strip(): v.strip().splitlines() for k, _, v in
+              (part.partition("\n") for part in res.stderr.split("== ")[1:])}  # fmt: skip
+    for case, said in status.items():
+        if case == "complete":
+            assert said.startswith(f"loaded: level {_levels.select_level('')[1]} (prebuilt)"), said
+            assert logged[case] == [], logged[case]
+            continue
+        assert said.startswith("unavailable: ") and said.endswith(
+            "reinstall qkv (QKV_NATIVE=prebuilt: no build on first use)"), (case, said)
+        assert logged[case] == ["qkv: fused CPU kernels " + said], (case, logged[case])
+    for case in ("no checksum, truncated library", "no checksum", "no size", "sha256 null",
+                 "sha256 a list", "size a string", "size true"):  # fmt: skip
+        assert f"does not record the size and sha256 of {name}" in status[case], status[case]
+    for case in ("no levels", "levels null", "levels a string", "levels of numbers"):
+        assert "lists no levels" in status[case], status[case]
+    assert "holds a JSON list, not a build's record" in status["a list"]
+    for case in ("garbage bytes", "empty file"):
+        assert "is not the JSON record of a build" in status[case], status[case]
 
 
 def test_a_damaged_cached_build_is_removed_before_loading(tmp_path, monkeypatch, caplog):

@@ -1,8 +1,10 @@
 """The ``qkv`` command line. Each subcommand lives in its own module with ``add_parser``.
 
 Option values are checked while parsing (:mod:`qkv.apps.cli_args`); every failure is one line on
-stderr, ``qkv <command>: error: ...``, exit 2 for bad input and 1 for an internal error
-(``QKV_DEBUG=1`` shows its traceback). See ``docs/errors.md``.
+stderr, ``qkv <command>: error: ...``, exit 2 for bad input (and output that cannot be
+written, stdout included) and 1 for an internal error (``QKV_DEBUG=1`` shows its traceback).
+A pipe whose reader left (``qkv ... | head -1``) ends the command quietly, exit 141. See
+``docs/errors.md``.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-from qkv.apps.cli_args import Parser, run_command
+from qkv.apps.cli_args import Parser, guard_stdout, run_command
 
 # the module under qkv/apps/ whose add_parser(subparsers) defines each subcommand, in --help order
 SUBCOMMANDS = ["tour", "explain", "translate", "train", "embed", "view", "serve.cli"]
@@ -26,7 +28,8 @@ def build_parser() -> Parser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run a subcommand; returns its exit code (0 ok, 1 internal error, 2 bad input,
-    130 interrupted)."""
+    130 interrupted, 141 stdout's reader left)."""
+    guard_stdout()  # a closed stdout: writing to it is an error, not a silent loss
     parser = build_parser()
     parsed: list = []
 

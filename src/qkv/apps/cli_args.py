@@ -16,6 +16,8 @@ loaded or any file written. Every failure is one line on stderr::
 from __future__ import annotations
 
 import argparse
+import errno
+import io
 import math
 import os
 import re
@@ -25,13 +27,18 @@ from pathlib import Path
 from typing import NoReturn
 
 from qkv.atomic import check_output_path
+from qkv.kernels._settings import SettingError
+from qkv.kernels._settings import value as setting
 
 __all__ = [
+    "EXIT_PIPE",
     "CliError",
+    "StdoutError",
     "Parser",
     "clean_text",
     "device",
     "float_range",
+    "guard_stdout",
     "int_range",
     "nonneg_int",
     "note",
@@ -84,6 +91,20 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         print(f"{self.prog}: error: {_one_line(message)}", file=sys.stderr)
         raise SystemExit(2)
+
+    def _print_message(self, message: str, file=None) -> None:
+        # argparse drops write errors: a --help written nowhere would exit 0
+        if not message:
+            return
+        file = file or sys.stderr
+        try:
+            file.write(message)
+        except (BrokenPipeError, StdoutError):
+            raise
+        except OSError as e:
+            if file is not sys.stdout:
+                raise
+            raise StdoutError(e.errno, f"cannot write to stdout: {e.strerror or e}") from None
 
 
 # ---- option types: each raises ArgumentTypeError, which argparse reports as
@@ -277,18 +298,92 @@ def read_stdin_lines(max_bytes: int = MAX_STDIN_BYTES) -> list[str]:
 
 # ---- running a command
 
+EXIT_PIPE = 141  # stdout's reader left (``qkv ... | head -1``): 128 + SIGPIPE, as a shell tool
+
+
+class StdoutError(OSError):
+    """Standard output cannot be written (closed, a full disk, an I/O error): exit 2."""
+
+
+class _ClosedStdout(io.TextIOBase):
+    """``sys.stdout`` of a process started with file descriptor 1 closed (``qkv ... >&-``):
+    writing to it is an error (Python's own ``None`` there drops every ``print`` silently),
+    and the next flush says so again, for writers that swallow errors (argparse's help)."""
+
+    lost = False
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, s: str) -> int:
+        self.lost = True
+        raise StdoutError(errno.EBADF, "cannot write to stdout: it is closed")
+
+    def flush(self) -> None:
+        if self.lost:  # once: the interpreter's own flush at exit must not fail again
+            self.lost = False
+            raise StdoutError(errno.EBADF, "cannot write to stdout: it is closed")
+
+
+def guard_stdout() -> None:
+    """Make a closed stdout an error to write to, not a silent loss of the output, and keep
+    its file descriptor taken (by ``/dev/null``), so that no file opened later becomes the
+    process's stdout."""
+    if sys.stdout is not None:
+        return
+    try:
+        os.fstat(1)
+    except OSError:  # closed: the next file opened would get descriptor 1
+        fd = os.open(os.devnull, os.O_WRONLY)
+        if fd != 1:  # taken meanwhile: leave it
+            os.close(fd)
+    sys.stdout = _ClosedStdout()
+
+
+def _flush_stdout() -> None:
+    """Flush stdout, so that a write error surfaces while the command can report it (a
+    :class:`StdoutError`, or ``BrokenPipeError`` when its reader left)."""
+    try:
+        if sys.stdout is not None:
+            sys.stdout.flush()
+    except (BrokenPipeError, StdoutError):
+        raise
+    except OSError as e:
+        raise StdoutError(e.errno, f"cannot write to stdout: {e.strerror or e}") from None
+
+
+def _drop_stdout() -> None:
+    """After a failure: flush what stdout holds, and if that fails point its descriptor at
+    ``/dev/null``, so that the interpreter's own flush at exit cannot fail again."""
+    try:
+        _flush_stdout()
+    except OSError:
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+        except (OSError, ValueError, AttributeError):  # no descriptor (a test's capture)
+            pass
+
 
 def run_command(command: str, fn: Callable[[], int | None]) -> int:
     """Run ``fn()`` and turn every failure into one stderr line and an exit code.
 
     Exit 0 on success, 2 for bad input (``CliError``, a missing file, a bad model file, any
-    ``ValueError``), 130 on Ctrl-C, 1 for anything unexpected. ``QKV_DEBUG=1`` re-raises
-    instead, so the traceback shows.
+    ``ValueError``, a bad ``QKV_*`` setting, output that cannot be written, stdout
+    included), 130 on Ctrl-C (also when ``fn`` returns 130: a run that stopped on a signal),
+    141 quietly when stdout's reader left (a closed pipe), 1 for anything unexpected.
+    ``QKV_DEBUG=1`` re-raises instead, so the traceback shows.
     """
     prog = f"qkv {command}" if command else "qkv"
-    debug = bool(os.environ.get("QKV_DEBUG"))
     try:
-        return int(fn() or 0)
+        debug = setting("QKV_DEBUG") == "1"
+    except SettingError as e:
+        print(f"{prog}: error: {_one_line(e)}", file=sys.stderr)
+        return 2
+    try:
+        code = int(fn() or 0)
+        _flush_stdout()
     except SystemExit as e:  # raise SystemExit("message") from older code paths
         if isinstance(e.code, str):
             if debug:
@@ -299,11 +394,14 @@ def run_command(command: str, fn: Callable[[], int | None]) -> int:
     except KeyboardInterrupt:
         if debug:
             raise
-        print(f"{prog}: interrupted", file=sys.stderr)
-        return 130
+        code = 130
+    except BrokenPipeError:  # stdout's reader left: nothing to say, and nobody to say it to
+        _drop_stdout()
+        return EXIT_PIPE
     except (CliError, OSError, ValueError, UnicodeError) as e:
         if debug:
             raise
+        _drop_stdout()
         if isinstance(e, OSError) and not isinstance(e, (FileNotFoundError, NotADirectoryError,
                                                          IsADirectoryError, PermissionError,
                                                          FileExistsError)):  # fmt: skip
@@ -315,6 +413,11 @@ def run_command(command: str, fn: Callable[[], int | None]) -> int:
     except Exception as e:  # a bug: still one line, the traceback on request
         if debug:
             raise
+        _drop_stdout()
         print(f"{prog}: internal error: {type(e).__name__}: {_one_line(e, 300)} "
               "(set QKV_DEBUG=1 to see the traceback)", file=sys.stderr)  # fmt: skip
         return 1
+    if code == 130:  # Ctrl-C, or a run that stopped on it (qkv train, after its checkpoint)
+        _drop_stdout()
+        print(f"{prog}: interrupted", file=sys.stderr)
+    return code

@@ -9,7 +9,9 @@ continues exactly. The best model by validation BLEU is kept in ``OUT/best``.
 A directory that already holds a run is never trained into by accident: ``--out`` there is
 refused unless ``--overwrite`` (start over: the old run is deleted once the new one is
 validated and starts writing) or ``--resume`` (continue it, into the same directory, with
-the model options it was trained with).
+the model, data and training options it was started with: a resume that gives another
+value for one of them is refused, never ignored). A ``trainer.pt`` or ``model.safetensors``
+that cannot be read is a :class:`~qkv.loading.ModelLoadError` naming the file.
 
     qkv train --out /work/runs/enfr --max-minutes 55
     torchrun --nproc_per_node 2 -m qkv train --out runs/ddp ...   # data parallel
@@ -46,6 +48,7 @@ from qkv.data.augment import present_tense_pairs
 from qkv.data.corpus import read_parallel
 from qkv.data.noise import noise_pairs
 from qkv.distributed.ddp import World, all_reduce_sum, init_distributed
+from qkv.loading import ModelLoadError, load_safetensors_into
 from qkv.models import Seq2SeqTransformer, TransformerConfig, save_pretrained
 from qkv.models.io import resolve_dir
 from qkv.translate import GENERATION_FILE
@@ -64,6 +67,15 @@ MODEL_DEFAULTS: dict[str, object] = {
     "vocab_size": 8000, "d_model": 256, "heads": 4, "kv_heads": None, "d_ff": 1024,
     "layers": 3, "enc_layers": None, "dec_layers": None, "dropout": 0.2, "post_ln": False,
     "positional": "sinusoidal",
+}  # fmt: skip
+# the options of the data, the optimisation and the evaluation: fixed for the life of a run
+# too (a resume that gives another value is refused, never ignored); parser default None as
+# above, these defaults filled in for a new run (_settle)
+RUN_DEFAULTS: dict[str, object] = {
+    "data": None, "src": "en", "tgt": "fr", "train_files": None, "val_files": None,
+    "train_limit": None, "val_limit": None, "lr": 1e-3, "warmup": 150, "weight_decay": 1e-4,
+    "label_smoothing": 0.1, "clip": 1.0, "max_tokens": 3072, "bf16": False, "seed": 1,
+    "val_bleu": 300, "final_validate": True, "keep_epochs": 8, "average": 5, "device": None,
 }  # fmt: skip
 # what a run directory holds (save_pretrained's .old: a save interrupted between renames)
 RUN_ENTRIES = ("last", "last.old", "best", "best.old", "log.jsonl", "epochs")
@@ -274,12 +286,19 @@ def _check_dirs(args: argparse.Namespace) -> None:
             )
 
 
+def _shown(value: object) -> str:
+    if isinstance(value, (list, tuple)):
+        return " ".join(map(str, value))
+    return "none" if value is None else str(value)
+
+
 def _fixed_options(args: argparse.Namespace, saved: dict) -> dict:
-    """Check that the model options given to a resume are the run's: a ``ValueError`` names
-    each one that differs (run's value, given value). Options left out never differ."""
+    """Check that the model, data and training options given to a resume are the run's: a
+    ``ValueError`` names each one that differs (run's value, given value) beside
+    ``--resume``. Options left out never differ."""
     effective = {"kv_heads": "heads", "enc_layers": "layers", "dec_layers": "layers"}
     differ = []
-    for k, default in MODEL_DEFAULTS.items():
+    for k, default in {**MODEL_DEFAULTS, **RUN_DEFAULTS}.items():
         given = getattr(args, k, None)
         if given is None:
             continue
@@ -287,12 +306,50 @@ def _fixed_options(args: argparse.Namespace, saved: dict) -> dict:
         if have is None and k in effective:  # "default: --heads" (--layers): that value
             have = saved.get(effective[k], MODEL_DEFAULTS[effective[k]])
         if given != have:
-            differ.append(f"{_option(k)} (the run has {have}, given {given})")
+            differ.append(f"{_option(k)} (the run has {_shown(have)}, given {_shown(given)})")
     if differ:
-        raise ValueError(f"--resume {args.resume}: a run keeps the model it was started with; "
-                         f"these options differ: {'; '.join(differ)} (leave them out to "
-                         "resume, or start a new run with another --out)")  # fmt: skip
+        raise ValueError(f"--resume {args.resume}: a run keeps the model, data and training "
+                         f"options it was started with; these options differ: "
+                         f"{'; '.join(differ)} (leave them out to resume, or start a new run "
+                         "with another --out)")  # fmt: skip
     return saved
+
+
+# what trainer.pt holds (train's checkpoint()), each checked before it is used
+STATE_FIELDS = {"args": dict, "optimizer": dict, "step": int, "epoch": int, "pos": int,
+                "elapsed": (int, float), "best": dict, "rng": torch.Tensor}  # fmt: skip
+
+
+def read_state(path: Path) -> dict:
+    """A run's ``trainer.pt``, read with ``weights_only=True`` (no code runs); a file that
+    cannot be read or holds anything else is a :class:`~qkv.loading.ModelLoadError`
+    naming it."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated, random bytes, refused by weights_only
+        msg = " ".join(str(e).split())
+        raise ModelLoadError(path, f"not a trainer state, truncated or damaged "
+                                   f"({type(e).__name__}: {msg[:200]})") from None  # fmt: skip
+    if not isinstance(state, dict):
+        raise ModelLoadError(path, f"must hold a dict, got {type(state).__name__}")
+    for key, kind in STATE_FIELDS.items():
+        if key not in state:
+            raise ModelLoadError(path, f"missing key {key!r}")
+        if not isinstance(state[key], kind) or isinstance(state[key], bool):
+            raise ModelLoadError(path, f"{key!r} is a {type(state[key]).__name__}")
+    if not all(isinstance(k, str) for k in state["args"]):
+        raise ModelLoadError(path, "'args' must map option names to values")
+    return state
+
+
+def _restore(path: Path, what: str, restore) -> None:
+    """``restore()``, a part of ``path`` put back into the run; its failure (a state that
+    does not fit the model) is a :class:`~qkv.loading.ModelLoadError` naming the file."""
+    try:
+        restore()
+    except (ValueError, TypeError, KeyError, IndexError, RuntimeError) as e:
+        msg = " ".join(str(e).split())
+        raise ModelLoadError(path, f"{what} does not fit the run ({msg[:200]})") from None
 
 
 def _clear_run(out: Path) -> None:
@@ -318,7 +375,7 @@ def train(args: argparse.Namespace) -> dict:
         last = resolve_dir(Path(args.resume) / "last")
         if not (last / STATE_FILE).is_file():
             raise FileNotFoundError(f"nothing to resume: {last / STATE_FILE} is missing")
-        state = torch.load(last / STATE_FILE, map_location="cpu", weights_only=True)
+        state = read_state(last / STATE_FILE)
         saved = _fixed_options(args, dict(state["args"]))
         for k in RESUMABLE:
             if getattr(args, k, None) is not None:
@@ -357,19 +414,18 @@ def train(args: argparse.Namespace) -> dict:
         torch.cuda.set_device(device)
     step, epoch, pos, elapsed_before = 0, 0, 0, 0.0
     best: dict = {"bleu": -1.0, "val_loss": float("inf")}
-    if state is not None:
-        from safetensors.torch import load_model
-
-        load_model(model, str(last / "model.safetensors"))
+    if state is not None:  # a broken file: a ModelLoadError naming it
+        load_safetensors_into(model, last / "model.safetensors")
     model.to(device)
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=args.lr, betas=(0.9, 0.98), eps=1e-9, weight_decay=args.weight_decay
     )
-    if state is not None:
-        optimizer.load_state_dict(state["optimizer"])  # state follows the parameters' device
+    if state is not None:  # state follows the parameters' device
+        _restore(last / STATE_FILE, "the optimizer state",
+                 lambda: optimizer.load_state_dict(state["optimizer"]))  # fmt: skip
         step, epoch, pos = state["step"], state["epoch"], state["pos"]
         elapsed_before, best = state["elapsed"], dict(state["best"])
-        torch.set_rng_state(state["rng"])
+        _restore(last / STATE_FILE, "the random state", lambda: torch.set_rng_state(state["rng"]))
     ddp = model
     if world.distributed:
         ids = [device.index] if device.type == "cuda" else None
@@ -523,10 +579,11 @@ def add_parser(sub) -> None:
         description="Train a translation model. The defaults are the recipe of the models "
         "qkv ships; --max-minutes sets the budget.",
     )
-    d = p.add_argument_group("data")
+    d = p.add_argument_group("data", "fixed for the life of a run, but --augment")
     d.add_argument("--data", help="Multi30k directory (default ../shared/data/multi30k)")
-    d.add_argument("--src", default="en", help="source language")
-    d.add_argument("--tgt", default="fr", help="target language")
+    run_dflt = lambda k: f"(default: {RUN_DEFAULTS[k]})"  # noqa: E731
+    d.add_argument("--src", help=f"source language {run_dflt('src')}")
+    d.add_argument("--tgt", help=f"target language {run_dflt('tgt')}")
     d.add_argument("--train-files", nargs=2, metavar=("SRC", "TGT"), help="plain parallel text")
     d.add_argument("--val-files", nargs=2, metavar=("SRC", "TGT"), help="plain parallel text")
     d.add_argument("--train-limit", type=positive_int,
@@ -562,24 +619,29 @@ def add_parser(sub) -> None:
                    help="post-LN (paper) instead of pre-LN")  # fmt: skip
     m.add_argument("--positional", choices=["sinusoidal", "learned", "rope"],
                    help=f"positions {dflt('positional')}")  # fmt: skip
-    o = p.add_argument_group("optimisation")
-    o.add_argument("--lr", type=float_range(0.0, 10.0, lo_open=True), default=1e-3,
-                   help="peak learning rate")  # fmt: skip
-    o.add_argument("--warmup", type=nonneg_int, default=150, help="warmup steps")
-    o.add_argument("--weight-decay", type=float_range(0.0, 10.0), default=1e-4,
-                   help="AdamW weight decay")  # fmt: skip
-    o.add_argument("--label-smoothing", type=probability, default=0.1, help="label smoothing")
-    o.add_argument("--clip", type=float_range(0.0), default=1.0, help="gradient-norm clipping")
-    o.add_argument("--max-tokens", type=positive_int, default=3072,
-                   help="tokens per batch (per rank)")  # fmt: skip
-    o.add_argument("--bf16", action="store_true", help="bfloat16 autocast for the forward pass")
-    o.add_argument("--seed", type=nonneg_int, default=1, help="random seed")
+    o = p.add_argument_group("optimisation", "fixed for the life of a run too")
+    o.add_argument("--lr", type=float_range(0.0, 10.0, lo_open=True),
+                   help=f"peak learning rate {run_dflt('lr')}")  # fmt: skip
+    o.add_argument("--warmup", type=nonneg_int, help=f"warmup steps {run_dflt('warmup')}")
+    o.add_argument("--weight-decay", type=float_range(0.0, 10.0),
+                   help=f"AdamW weight decay {run_dflt('weight_decay')}")  # fmt: skip
+    o.add_argument("--label-smoothing", type=probability,
+                   help=f"label smoothing {run_dflt('label_smoothing')}")  # fmt: skip
+    o.add_argument("--clip", type=float_range(0.0),
+                   help=f"gradient-norm clipping {run_dflt('clip')}")  # fmt: skip
+    o.add_argument("--max-tokens", type=positive_int,
+                   help=f"tokens per batch (per rank) {run_dflt('max_tokens')}")  # fmt: skip
+    o.add_argument("--bf16", action="store_true", default=None,
+                   help="bfloat16 autocast for the forward pass")  # fmt: skip
+    o.add_argument("--seed", type=nonneg_int, help=f"random seed {run_dflt('seed')}")
     r = p.add_argument_group("run")
     r.add_argument(
         "--out", type=output_dir, help="run directory (OUT/last, OUT/best, OUT/log.jsonl)"
     )
     r.add_argument("--resume", help="continue the run in this directory exactly (it writes "
-                   "there; the model options are the run's)")  # fmt: skip
+                   "there; the model, data and optimisation options are the run's: another "
+                   "value is an error; the length of the run, --checkpoint-minutes, --threads, "
+                   "--no-progress and --augment may change)")  # fmt: skip
     r.add_argument("--overwrite", action="store_true",
                    help="--out holds a run: delete it and start a new one")  # fmt: skip
     r.add_argument("--epochs", type=positive_int, default=None,
@@ -588,23 +650,18 @@ def add_parser(sub) -> None:
     r.add_argument("--max-minutes", type=float_range(0.0), default=None, help="wall-clock budget")
     r.add_argument("--checkpoint-minutes", type=float_range(0.0), default=None,
                    help="minutes between checkpoints (default: 5)")  # fmt: skip
-    r.add_argument(
-        "--val-bleu",
-        type=int_range(-1),
-        default=300,
-        help="validation sentences decoded (greedy) for BLEU each epoch (-1 all, 0 none)",
-    )
-    r.add_argument(
-        "--final-validate",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="validate (and maybe keep as best) when the budget ends mid-epoch",
-    )
-    r.add_argument("--keep-epochs", type=nonneg_int, default=8,
-                   help="keep the weights of the last N epochs in OUT/epochs (0: none)")  # fmt: skip
-    r.add_argument("--average", type=nonneg_int, default=5,
+    r.add_argument("--val-bleu", type=int_range(-1),
+                   help="validation sentences decoded (greedy) for BLEU each epoch (-1 all, "
+                   f"0 none) {run_dflt('val_bleu')}")  # fmt: skip
+    r.add_argument("--final-validate", action=argparse.BooleanOptionalAction,
+                   help="validate (and maybe keep as best) when the budget ends mid-epoch "
+                   f"{run_dflt('final_validate')}")  # fmt: skip
+    r.add_argument("--keep-epochs", type=nonneg_int,
+                   help="keep the weights of the last N epochs in OUT/epochs (0: none) "
+                   f"{run_dflt('keep_epochs')}")  # fmt: skip
+    r.add_argument("--average", type=nonneg_int,
                    help="at the end, average the last N epochs' weights; the average becomes "
-                   "OUT/best if its val BLEU is higher (0: off)")  # fmt: skip
+                   f"OUT/best if its val BLEU is higher (0: off) {run_dflt('average')}")  # fmt: skip
     r.add_argument("--device", default=None, type=device,
                    help="cpu (default) or cuda; DDP uses LOCAL_RANK")  # fmt: skip
     r.add_argument("--threads", type=threads, default=None, help="torch threads (default: all)")
@@ -615,7 +672,7 @@ def add_parser(sub) -> None:
 def _settle(args: argparse.Namespace) -> argparse.Namespace:
     """Defaults that apply to a new run only (a resumed run keeps its saved ones)."""
     if not args.resume:
-        for k, default in MODEL_DEFAULTS.items():
+        for k, default in {**MODEL_DEFAULTS, **RUN_DEFAULTS}.items():
             if getattr(args, k, None) is None:
                 setattr(args, k, default)
         args.epochs = 100 if args.epochs is None else args.epochs
@@ -630,6 +687,8 @@ def _settle(args: argparse.Namespace) -> argparse.Namespace:
 
 def _main(args: argparse.Namespace) -> int:
     result = train(_settle(args))  # errors: one stderr line, exit 2 (qkv.apps.cli_args.run_command)
+    # stopped by SIGINT/SIGTERM after its checkpoint: 130, which run_command reports as
+    # "qkv train: interrupted" (the handler took the signal: no KeyboardInterrupt says so)
     return 130 if result["stopped"] == "signal" else 0
 
 

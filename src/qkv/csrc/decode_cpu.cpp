@@ -1575,7 +1575,11 @@ static void run_segment(const Problem<T>& P, int64_t n, int64_t k0, int64_t k1, 
   // int8 keys with d = 64 or 128: the queries as int16 rows (each q ≈ qscale[r] · q16, an
   // error of at most 1/65534 of the row's largest |q|) for integer dot products
 #if defined(QKV_I16_DOTS) || defined(QKV_I16_AVX2)
-  const bool i16 = kInt8<T> && (d == 64 || d == 128) && int8_on_int16();
+  bool i16 = kInt8<T> && (d == 64 || d == 128) && int8_on_int16();
+  // a NaN or inf in a query takes the fp32 scores (an int16 row cannot hold it: each of its
+  // logits must come out as IEEE gives it, NaN, +inf or -inf by the key's sign)
+  if (i16)
+    for (int64_t i = 0; i < R * d && i16; ++i) i16 = std::isfinite(to_float(Q[i]));
 #else
   constexpr bool i16 = false;
 #endif
@@ -1777,11 +1781,17 @@ static void run_segment(const Problem<T>& P, int64_t n, int64_t k0, int64_t k1, 
       const int8_t* rows[kBlock];
       for (int64_t j = 0; j < nk; ++j) rows[j] = P.rows ? P.vrow(n, kb + j) : vr + j * P.v2s;
       alignas(64) float vscale[kBlock];
-      for (int64_t j = 0; j < nk; ++j) vscale[j] = row_scale(rows[j], dv);
+      bool finite = true;  // a row stored with a NaN or inf has scale NaN (qkv.cache)
+      for (int64_t j = 0; j < nk; ++j) {
+        vscale[j] = row_scale(rows[j], dv);
+        finite &= std::isfinite(vscale[j]);
+      }
       for (int64_t r = 0; r < R; ++r)
         for (int64_t j = 0; j < nk; ++j) sc.P[r * kBlock + j] *= vscale[j];
 #if defined(QKV_I16_DOTS) || defined(QKV_I16_AVX2)
-      if (dv % kPairCols == 0 && dv > 0 && int8_on_int16()) {  // P·V in int16 pairs
+      // P·V in int16 pairs; a block with a non-finite row takes the fp32 loops below, where
+      // w · NaN is NaN (rounded to int16, a NaN weight would become a finite number)
+      if (finite && dv % kPairCols == 0 && dv > 0 && int8_on_int16()) {
         const int8_t* zero = static_cast<const int8_t*>(sc.vtile);  // zeroed per segment
         for (int64_t j = nk; j < kBlock; ++j) rows[j] = zero;  // keys past nk: weight 0
         const bool ahead = !P.rows && kb + 3 * kBlock <= k1;
@@ -1841,8 +1851,9 @@ static void run_segment(const Problem<T>& P, int64_t n, int64_t k0, int64_t k1, 
       for (int64_t j = 0; j < nt; ++j) {
         const T* vr = vp + j * vs;
         for (int64_t r = 0; r < R; ++r) {
+          // no skip of a zero weight: an underflowed weight times a NaN value is NaN, as on
+          // every level (values at keys no row may see are zeroed before the call)
           const float w = pt[r * kBlock + j];
-          if (w == 0.f) continue;  // masked keys (0·inf in V would be NaN)
           float* o = acc + r * dvp;
 #pragma omp simd
           for (int64_t c = 0; c < dv; ++c) o[c] += w * to_float(vr[c]);
@@ -2252,8 +2263,9 @@ static void decode_impl(const Problem<T>& P, O* out, float* lse, int64_t splits)
         const float w0 = partial(s0)[R + r] > 0.f ? exp2_neg(partial(s0)[r] - M) : 0.f;
         for (int64_t c = 0; c < dv; ++c) tmp[c] *= w0;
         for (int64_t s = s0 + 1; s < s1; ++s) {
-          if (!(partial(s)[R + r] > 0.f)) continue;
-          const float w = exp2_neg(partial(s)[r] - M);
+          // a segment whose logits are all -inf still adds 0 · acc: a NaN there (0 · NaN at a
+          // key the row may see) reaches the row whatever the split, as in one segment
+          const float w = partial(s)[R + r] > 0.f ? exp2_neg(partial(s)[r] - M) : 0.f;
           const float* a = partial(s) + 2 * R + r * dvp;
           for (int64_t c = 0; c < dv; ++c) tmp[c] += w * a[c];
         }

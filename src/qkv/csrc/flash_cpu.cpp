@@ -1305,9 +1305,11 @@ static void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tens
       float* L = ld + (n * G + g) * Tq + qs;
       for (int64_t r = 0; r < rows; ++r) {
         const bool empty = l[r] == 0.f;  // no visible key: zeros, lse = -inf
+        // every logit -inf (masked, or through an inf in q or k): zeros whatever the values
+        // (acc may hold 0 · NaN)
         const float inv = empty ? 0.f : 1.f / l[r];
         const float* a = acc + r * rdv;
-        for (int64_t c = 0; c < dv; ++c) store<T>(O + r * dv + c, a[c] * inv);
+        for (int64_t c = 0; c < dv; ++c) store<T>(O + r * dv + c, empty ? 0.f : a[c] * inv);
         L[r] = empty ? kNegInf : m[r] * scale + std::log(l[r]);
       }
     }

@@ -19,6 +19,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -336,11 +337,16 @@ class DecoderStep : Stack {
           std::memcpy(c.data_ptr<float>() + off, s, d_k_ * sizeof(float));
         } else if (c.scalar_type() == at::kChar) {
           // int8 rows as qkv.cache.quantize_rows writes them, bit for bit: scale = max|x| /
-          // 127, values round(x / scale) (ties to even), then the scale's 4 bytes
+          // 127, values round(x / scale) (ties to even), then the scale's 4 bytes; a row
+          // holding a NaN or an inf: scale NaN, values 0 (std::max would drop a NaN)
           int8_t* dst = c.data_ptr<int8_t>() + off;
           float amax = 0.f;
-          for (int64_t j = 0; j < d_k_; ++j) amax = std::max(amax, std::fabs(s[j]));
-          const float scale = amax / 127.f;
+          bool finite = true;
+          for (int64_t j = 0; j < d_k_; ++j) {
+            finite &= std::isfinite(s[j]);
+            amax = std::max(amax, std::fabs(s[j]));
+          }
+          const float scale = finite ? amax / 127.f : std::numeric_limits<float>::quiet_NaN();
           for (int64_t j = 0; j < d_k_; ++j)
             dst[j] = scale > 0.f ? static_cast<int8_t>(std::nearbyint(s[j] / scale)) : int8_t(0);
           std::memcpy(dst + d_k_, &scale, sizeof(scale));

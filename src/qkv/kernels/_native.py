@@ -16,12 +16,15 @@ another torch version), the level is compiled on first use with PyTorch's extens
 under a name that carries the level and the sources' digest: a cache shared by machines with
 different CPUs never hands one CPU another's build, and two checkouts of different sources
 never rebuild over each other. A build, and a wait for another process's build, say so on
-stderr with the time spent; a library is loaded only if its sha256 matches the one recorded
-after its build (a truncated or damaged file is rebuilt, with a message), and only if it
+stderr with the time spent; a library is loaded only if its size and sha256 match the ones
+recorded after its build (``_built.json``, written by setup.py; a truncated or damaged file,
+or one without that record, is rebuilt, with a message: mapping a truncated library kills
+the process with SIGBUS; a record of any other shape is no record), and only if it
 shares torch's C++ runtime (:mod:`qkv.kernels._linkage`: a library with its own static copy
 of libstdc++ can crash the process at its first error message). ``QKV_NATIVE=0`` turns the
 kernels off; ``QKV_NATIVE=prebuilt`` forbids the build on first use, ``QKV_NATIVE=compile``
-makes it (ignoring the prebuilt kernels).
+makes it (ignoring the prebuilt kernels). A setting with another value is an error naming it
+(:mod:`qkv.kernels._settings`), raised by the calls that read it.
 
 ``flash_cpu.cpp`` registers ``torch.ops.qkv_flash.fwd`` / ``.bwd`` (the flash backend),
 ``decode_cpu.cpp`` ``torch.ops.qkv_decode.fwd`` (the decode backend, a few queries over a
@@ -52,12 +55,13 @@ import importlib.util
 import json
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 
-from qkv.kernels import _levels, _linkage
+from qkv.kernels import _levels, _linkage, _settings
+from qkv.kernels._settings import SettingError
 
 __all__ = ["decode_ops", "int8_ops", "native_level", "native_module", "native_ops",
            "native_status"]
@@ -76,27 +80,68 @@ def _flags(build: str) -> list[str]:
     return [*_levels.COMMON_FLAGS, *_levels.level_named(build).flags, f"-DQKV_LEVEL={build}"]
 
 
-def _prebuilt(build: str) -> tuple[object | None, str]:
-    """The installed extension of level ``build``, or ``None`` and why it does not fit."""
+def _record() -> tuple[dict | None, str]:
+    """``_built.json``, the record setup.py writes after a build, as a dict; else ``None``
+    and why (missing, unreadable, not JSON, not an object)."""
     try:
-        info = json.loads(BUILT.read_text())
-    except (OSError, ValueError):
+        raw = BUILT.read_bytes()
+    except FileNotFoundError:
         return None, "no prebuilt kernels (qkv not built from this tree)"
-    if build not in info.get("levels", []):
-        return None, f"level {build} not among the prebuilt ones ({', '.join(info['levels'])})"
+    except OSError as e:
+        return None, f"{BUILT} cannot be read: {e.strerror or e}"
+    try:
+        info = json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError):  # bad UTF-8 (a ValueError too), bad JSON, empty
+        return None, f"{BUILT} is not the JSON record of a build: reinstall qkv"
+    if not isinstance(info, dict):
+        kind = type(info).__name__
+        return None, f"{BUILT} holds a JSON {kind}, not a build's record: reinstall qkv"
+    return info, ""
+
+
+def _verified(info: dict, build: str, path: Path) -> str | None:
+    """Why ``path``, the library of level ``build``, must not be loaded (``None``: its size
+    and sha256 are the ones recorded after its build). A file without both recorded is not
+    verified, so not loaded: mapping a truncated library kills the process (SIGBUS)."""
+    sums, sizes = info.get("sha256"), info.get("size")
+    want = sums.get(build) if isinstance(sums, dict) else None
+    size = sizes.get(build) if isinstance(sizes, dict) else None
+    if not (isinstance(want, str) and len(want) == 64 and isinstance(size, int)
+            and not isinstance(size, bool)):  # fmt: skip
+        return (f"{BUILT.name} does not record the size and sha256 of {path.name} (a build "
+                "of an older qkv, or a damaged record), so it is not loaded unverified: "
+                "reinstall qkv")  # fmt: skip
+    try:
+        have = path.stat().st_size
+        if have != size:
+            return (f"prebuilt {path} is damaged ({have} bytes, {size} when it was built): "
+                    "reinstall qkv")  # fmt: skip
+        if _levels.file_digest(path) != want.lower():
+            return (f"prebuilt {path} is damaged (its sha256 differs from the one recorded "
+                    "when it was built): reinstall qkv")  # fmt: skip
+    except OSError as e:
+        return f"prebuilt {path.name} cannot be read: {e}"
+    return None
+
+
+def _prebuilt(build: str) -> tuple[object | None, str]:
+    """The installed extension of level ``build``, or ``None`` and why it does not fit.
+    Loaded only if its size and sha256 are those recorded after its build."""
+    info, why = _record()
+    if info is None:
+        return None, why
+    levels = info.get("levels")
+    if not (isinstance(levels, list) and all(isinstance(lv, str) for lv in levels)):
+        return None, f"{BUILT} lists no levels: reinstall qkv"
+    if build not in levels:
+        return None, f"level {build} not among the prebuilt ones ({', '.join(levels)})"
     if info.get("torch") != torch.__version__:
         return None, f"prebuilt for torch {info.get('torch')}, running {torch.__version__}"
     if CSRC.is_dir() and info.get("sources") != _levels.source_digest(CSRC):
         return None, "the kernel sources changed since the prebuilt kernels were compiled"
     path = LIB / f"_C_{build}.kernels"
-    want = info.get("sha256", {}).get(build)  # absent from builds of older qkv versions
-    try:
-        damaged = want is not None and _levels.file_digest(path) != want
-    except OSError as e:
-        return None, f"prebuilt {path.name} cannot be read: {e}"
-    if damaged:
-        return None, (f"prebuilt {path} is damaged (its sha256 differs from the one recorded "
-                      "when it was built): reinstall qkv")  # fmt: skip
+    if why := _verified(info, build, path):
+        return None, why
     try:  # by path: the file's name is no module's (see setup.py), so nothing else loads it
         loader = importlib.machinery.ExtensionFileLoader(f"qkv._C_{build}", str(path))
         spec = importlib.util.spec_from_file_location(f"qkv._C_{build}", path, loader=loader)
@@ -223,14 +268,26 @@ def _compile(build: str) -> object:
         return module
 
 
+def _select() -> tuple[str, str]:
+    """``(build, level)`` to load (:func:`qkv.kernels._levels.select_level`); a ``QKV_ISA``
+    that names no level, or one this CPU cannot run, is a :class:`SettingError`."""
+    try:
+        return _levels.select_level()
+    except (ValueError, RuntimeError) as e:
+        requested = os.environ.get("QKV_ISA", "")
+        if requested.strip().lower() in ("", "auto"):  # no level for this machine at all
+            raise
+        raise SettingError("QKV_ISA", requested, str(e)) from None
+
+
 @functools.cache
 def _load() -> object | None:
     global _status, _module, _level
-    mode = os.environ.get("QKV_NATIVE", "1")
+    mode = _settings.value("QKV_NATIVE")  # a bad value raises (not cached: raised again)
     if mode == "0":
         _status = "off (QKV_NATIVE=0)"
         return None
-    build, level = _levels.select_level()  # a bad or unsupported QKV_ISA raises here
+    build, level = _select()
     module, how = (None, "QKV_NATIVE=compile") if mode == "compile" else _prebuilt(build)
     if module is None:  # how: why no prebuilt library fits
         if mode == "prebuilt":
@@ -261,8 +318,9 @@ def _load() -> object | None:
         logger.warning("qkv: fused CPU kernels %s", _status)
         return None
     _module, _level = module, level
-    _status = (f"loaded: level {level} ({how}); decode path {torch.ops.qkv_decode.isa()}; "
-               f"int8 linears {torch.ops.qkv_int8.isa()}")  # fmt: skip
+    # the paths (decode, int8, bf16) are asked when the status is: the kernels read the
+    # QKV_DECODE_* settings there, and a bad one must not stop the kernels' loading
+    _status = f"loaded: level {level} ({how})"
     return ops
 
 
@@ -296,15 +354,20 @@ def int8_ops() -> object | None:
 def native_status() -> str:
     """Whether the fused kernels are in use (their level, prebuilt or compiled here, and the
     paths they take), and if not, why; loads them if not tried yet. The bf16 matmul path is
-    the one taken now (``QKV_BF16_MATMUL`` is read per call)."""
+    the one taken now (``QKV_BF16_MATMUL`` is read per call). Never raises: a bad setting
+    is named in the status."""
     try:
         ops = native_ops()
-    except (ValueError, RuntimeError) as e:  # a bad QKV_ISA: say so rather than raise here
+    except (ValueError, RuntimeError) as e:  # a bad QKV_ISA or QKV_NATIVE: said, not raised
         return f"unavailable: {e}"
-    if ops is not None:
+    if ops is None:
+        return _status
+
+    def ask(what: Callable[[], str]) -> str:  # a bad QKV_* setting: its message instead
         try:
-            path = ops.bf16_path()
-        except RuntimeError as e:  # a bad QKV_BF16_MATMUL value
-            path = str(e).splitlines()[0]
-        return f"{_status}; bf16 path: {path}"
-    return _status
+            return what()
+        except RuntimeError as e:
+            return str(e).splitlines()[0]
+
+    return (f"{_status}; decode path {ask(torch.ops.qkv_decode.isa)}; "
+            f"int8 linears {ask(torch.ops.qkv_int8.isa)}; bf16 path: {ask(ops.bf16_path)}")

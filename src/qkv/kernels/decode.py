@@ -40,7 +40,8 @@ from torch import Tensor
 
 from qkv._validate import AttentionShape, check_mask, check_options, check_qkv
 from qkv.kernels._native import decode_ops, native_module, native_status
-from qkv.kernels.flash import _mask_view
+from qkv.kernels._settings import check_decode
+from qkv.kernels.flash import _mask_view, reference_attention
 
 __all__ = [
     "MAX_TQ", "as_unpacked", "decode_attention", "decode_rejects", "prepared_call", "run_decode"
@@ -88,6 +89,17 @@ def decode_rejects(
 SCALE_BYTES = 4
 
 
+def dequantize_rows(packed: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    """Packed int8 rows ``(..., d + 4)`` (:func:`qkv.cache.quantize_rows`) → ``(..., d)`` in
+    ``dtype``."""
+    if packed.dtype != torch.int8 or packed.shape[-1] < SCALE_BYTES:
+        raise ValueError(f"packed must be int8 rows (..., d + {SCALE_BYTES}), got "
+                         f"{packed.dtype} {tuple(packed.shape)}")  # fmt: skip
+    scale = packed[..., -SCALE_BYTES:].clone(memory_format=torch.contiguous_format)
+    scale = scale.view(torch.float32)  # (..., 1)
+    return (packed[..., :-SCALE_BYTES].float() * scale).to(dtype)
+
+
 def as_unpacked(t: Tensor, like: Tensor) -> Tensor:
     """``t`` as the attention call sees it: an int8 cache's packed rows ``(..., d + 4)``
     become a stand-in ``(..., d)`` in ``like``'s dtype (a broadcast zero: metadata only, for
@@ -122,8 +134,8 @@ def decode_attention(
     Args:
         q: ``(..., h, Tq, d_k)``, fp32 or bf16 (any ``Tq`` works; it is fastest up to 16).
         k: ``(..., h_kv, Tk, d_k)``, ``h % h_kv == 0``; any strides, last dim contiguous
-            (else it is copied once). In q's dtype, bf16 under fp32 queries, or an int8
-            cache's packed rows ``(..., h_kv, Tk, d_k + 4)`` (:func:`qkv.cache.quantize_rows`).
+            (else it is copied once). In q's dtype, or an int8 cache's packed rows
+            ``(..., h_kv, Tk, d_k + 4)`` (:func:`qkv.cache.quantize_rows`).
         v: ``(..., h_kv, Tk, d_v)``, as ``k`` (int8 when ``k`` is).
         mask: bool, **True = may attend**, ``(Tq, Tk)`` or ``(..., h|1, Tq|1, Tk|1)``.
         causal, window, scale: as :func:`qkv.functional.scaled_dot_product_attention`
@@ -133,7 +145,10 @@ def decode_attention(
 
     Returns:
         ``out (..., h, Tq, d_v)`` in q's dtype, or ``(out, lse)``. Rows with no visible
-        key are zeros.
+        key are zeros. NaN and inf follow the rule of :mod:`qkv._nonfinite`
+        (docs/errors.md), as every backend of
+        :func:`qkv.functional.scaled_dot_product_attention`: a call whose non-finite value
+        sits at a key some rows see and others do not runs the reference math instead.
 
     Raises:
         ValueError: the call is one the kernel does not run (:func:`decode_rejects`), or
@@ -148,7 +163,20 @@ def decode_attention(
     why = decode_rejects(q.device, q.dtype, grad=grad, scale=scale)
     if why is not None:
         raise ValueError(f"decode_attention cannot run this call: {why}")
-    out, lse = run_decode(q, k, v, shape, mask=mask, causal=causal, window=window, scale=scale)
+    from qkv._nonfinite import values_for_kernel  # (it imports this module)
+
+    v, exact = values_for_kernel(v, mask=mask, bias=None, causal=causal, window=window,
+                                 Tq=shape.Tq)  # fmt: skip
+    if exact:
+        out, lse = run_decode(q, k, v, shape, mask=mask, causal=causal, window=window,
+                              scale=scale)  # fmt: skip
+    else:  # only the reference keeps such a value out of the rows that may not see it
+        if k.dtype == torch.int8:
+            k, v = dequantize_rows(k, q.dtype), dequantize_rows(v, q.dtype)
+        out, lse = reference_attention(
+            q, k, v, shape, mask=mask, bias=None, causal=causal, window=window, scale=scale,
+            softcap=None, alibi_slopes=None, rel_bias=None,
+        )  # fmt: skip
     return (out, lse) if return_lse else out
 
 
@@ -166,8 +194,10 @@ def prepared_call(
     scale = 1.0 / math.sqrt(shape.d_k) if scale is None else float(scale)
     window_arg = -1 if window is None else window
     decode, causal = module.decode, bool(causal)
+    ops = decode_ops()
 
     def run(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None) -> Tensor:
+        check_decode(k.dtype, ops)  # the kernel's QKV_DECODE_* setting for this cache
         m = None if mask is None else _mask_arg(mask, shape)
         return decode(q, k, v, m, scale, causal, window_arg)
 
@@ -207,6 +237,7 @@ def run_decode(
         v4 = v4.contiguous()
     window_arg = -1 if window is None else window
     mask5 = _mask_arg(mask, shape)
+    check_decode(k4.dtype, decode_ops())  # the kernel's QKV_DECODE_* setting for this cache
     out, lse = decode_ops().fwd(
         q4.contiguous(), k4, v4, mask5, scale, bool(causal), window_arg, splits
     )

@@ -73,8 +73,10 @@ from qkv.kernels._blocks import (
     unit_key_stride,
 )
 from qkv.kernels._native import native_ops, native_status
+from qkv.kernels._settings import check_bf16_matmul
+from qkv.kernels.reference import dense_attention
 
-__all__ = ["flash_attention", "fused_kernel_rejects", "BLOCK_Q", "BLOCK_K"]
+__all__ = ["flash_attention", "fused_kernel_rejects", "run_flash", "BLOCK_Q", "BLOCK_K"]
 
 # Measured on this repository's 2-core Xeon (AMX) machine, T=1024-4096, h=8, d=64, 1 thread
 # (bench/flash_vs_sdpa.py); see README.
@@ -161,13 +163,18 @@ def _sub_exp(
     not math: PyTorch's vectorised CPU ``exp`` takes a ~10-40× slower path for inputs that
     underflow (measured 48 µs vs 489 µs with -inf, 1.9 ms with -200, 256K floats, 1 core).
     ``e^-80 ≈ 2e-35`` is zero next to the row maximum's ``e^0 = 1``; rows with no visible
-    key are zeroed by the callers. Unmasked blocks skip the extra pass.
+    key are zeroed by the callers. Unmasked blocks skip the extra pass. The clamped
+    entries' weights are then set to 0, as their ``exp`` would round to (far enough below):
+    a clamped weight kept at ``e^-80`` would turn an inf value there into inf, not the
+    ``0 · inf = NaN`` of the rule (qkv._nonfinite).
     Converting first: mixed-dtype ops are slow on CPU.
     """
     s = s.to(acc_dtype).sub_(shift)
+    low = s < _EXP_FLOOR if floor else None
     if floor or cap:
         s.clamp_(min=_EXP_FLOOR if floor else None, max=0.0 if cap else None)
-    return s.exp_()
+    s = s.exp_()
+    return s if low is None else s.masked_fill_(low, 0.0)
 
 
 def _head_chunk(plan: _Plan, n_heads: int, rows: int, cols: int, masked: bool) -> int:
@@ -472,6 +479,8 @@ class _FlashFunction(torch.autograd.Function):
         if plan.native:
             st = plan.structure
             blocks, tiles, spans = _block_views(plan)
+            if plan.dtype == torch.bfloat16:  # the kernel reads QKV_BF16_MATMUL: checked first
+                check_bf16_matmul(native_ops())
             out4, lse4 = native_ops().fwd(
                 q4.contiguous(), k3.contiguous(), v3.contiguous(), _mask_view(mask, shape),
                 plan.scale, st.causal, _window_arg(st), plan.block_q, plan.block_k,
@@ -507,6 +516,8 @@ class _FlashFunction(torch.autograd.Function):
             dalibi = torch.zeros(N, G, **f32) if ctx.needs_input_grad[5] else None
             drel = torch.zeros(N, G, rel.shape[-1], **f32) if ctx.needs_input_grad[6] else None
             blocks, tiles, spans = _block_views(plan)
+            if plan.dtype == torch.bfloat16:
+                check_bf16_matmul(native_ops())
             dq, dk, dv = native_ops().bwd(
                 q4.contiguous(), k3.contiguous(), v3.contiguous(), out4, dout4.contiguous(),
                 lse4, _mask_view(mask, shape), plan.scale, st.causal, _window_arg(st),
@@ -572,11 +583,75 @@ def flash_attention(
 
     Returns:
         ``out (..., h, Tq, d_v)`` or ``(out, lse)``. Rows with no visible key are zeros.
+        NaN and inf follow the rule of :mod:`qkv._nonfinite` (docs/errors.md), as every
+        backend of :func:`qkv.functional.scaled_dot_product_attention`: a call whose
+        non-finite value sits at a key some rows see and others do not runs the reference
+        math instead.
 
     >>> q = k = v = torch.randn(1, 2, 300, 16)  # (B, h, T, d_k)
     >>> flash_attention(q, k, v, causal=True, block_q=64, block_k=64).shape
     torch.Size([1, 2, 300, 16])
     """
+    args = dict(mask=mask, bias=bias, causal=causal, window=window, scale=scale,
+                softcap=softcap, alibi_slopes=alibi_slopes, rel_bias=rel_bias)  # fmt: skip
+    shape = check_qkv(q, k, v)
+    if isinstance(mask, BlockMask):
+        check_block_mask(mask, shape, q.device)
+    else:
+        check_mask(mask, shape, q.device)
+    check_bias(bias, shape, q.device)
+    if q.device.type != "cuda" and not shape.empty:
+        from qkv._nonfinite import values_for_kernel  # (it imports this module)
+
+        if isinstance(mask, BlockMask):  # its hidden keys are anywhere: every value
+            exact = bool(torch.isfinite(v).all())
+        else:
+            v, exact = values_for_kernel(
+                v, mask=mask, bias=bias, causal=causal, window=window, Tq=shape.Tq
+            )
+        if not exact:
+            out, lse = reference_attention(q, k, v, shape, **args)
+            return (out, lse) if return_lse else out
+    return run_flash(q, k, v, **args, return_lse=return_lse, block_q=block_q, block_k=block_k)
+
+
+def reference_attention(
+    q: Tensor, k: Tensor, v: Tensor, shape: AttentionShape, *, mask, bias, causal: bool,
+    window: int | None, scale: float | None, softcap: float | None, alibi_slopes, rel_bias,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """``(out, lse)`` by the reference math (:func:`qkv.kernels.reference.dense_attention`),
+    the fused kernel's structure and extras spelt out densely: for calls only the reference
+    computes under the NaN/inf rule."""
+    block_mask = mask if isinstance(mask, BlockMask) else None
+    mask, bias = _densify(q, block_mask, None if block_mask else mask, bias, alibi_slopes,
+                          rel_bias, shape)  # fmt: skip
+    structure = Structure(shape.Tq, shape.Tk, bool(causal), window)
+    dense = structure.block_mask(0, shape.Tq, 0, shape.Tk, q.device)  # (Tq, Tk) or None
+    if dense is not None:
+        mask = dense if mask is None else mask & dense
+    scale = 1.0 / math.sqrt(shape.d_k) if scale is None else float(scale)
+    return dense_attention(q, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap)
+
+
+def run_flash(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask: Tensor | None = None,
+    bias: Tensor | None = None,
+    causal: bool = False,
+    window: int | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
+    alibi_slopes: Tensor | None = None,
+    rel_bias: Tensor | None = None,
+    return_lse: bool = False,
+    block_q: int | None = None,
+    block_k: int | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """:func:`flash_attention` on values the NaN/inf rule has already been applied to (the
+    dispatcher's entry, after :func:`qkv._nonfinite.values_for_kernel`)."""
     shape = check_qkv(q, k, v)
     check_options(window=window, scale=scale, softcap=softcap, dropout_p=0.0, dtype=q.dtype)
     block_mask = mask if isinstance(mask, BlockMask) else None
@@ -595,7 +670,7 @@ def flash_attention(
         shape.empty or shape.d_v == 0 or not _native_ok(q, k, v, block_mask, scale)
     ):  # the PyTorch-ops kernel (or the empty answer): all of them as a dense bias/mask
         mask, bias = _densify(q, block_mask, mask, bias, alibi_slopes, rel_bias, shape)
-        return flash_attention(
+        return run_flash(
             q, k, v, mask=mask, bias=bias, causal=causal, window=window, scale=scale,
             softcap=softcap, return_lse=return_lse, block_q=block_q, block_k=block_k,
         )  # fmt: skip
@@ -604,14 +679,14 @@ def flash_attention(
         return (out, lse) if return_lse else out
     if shape.d_v == 0:  # no value column: one zero column gives the lse, then is dropped
         v1 = torch.cat([v, v.new_zeros(*v.shape[:-1], 1)], dim=-1)  # (..., h_kv, Tk, 1)
-        out, lse = flash_attention(
+        out, lse = run_flash(
             q, k, v1, mask=mask, bias=bias, causal=causal, window=window, scale=scale,
             softcap=softcap, return_lse=True, block_q=block_q, block_k=block_k,
         )  # fmt: skip
         out = out[..., :0]  # (..., h, Tq, 0)
         return (out, lse) if return_lse else out
     if q.dtype == torch.float16:  # in fp32 (module docstring); autograd casts the gradients
-        out, lse = flash_attention(
+        out, lse = run_flash(
             q.float(), k.float(), v.float(), mask=block_mask or mask, bias=bias, causal=causal,
             window=window, scale=scale, softcap=softcap, alibi_slopes=alibi_slopes,
             rel_bias=rel_bias, return_lse=True, block_q=block_q, block_k=block_k,

@@ -36,6 +36,7 @@ from qkv import dispatch
 from qkv.attention import MultiHeadAttention
 from qkv.cache import BufferPool, KVCache
 from qkv.kernels._native import decode_ops, native_module
+from qkv.kernels._settings import check_decode
 from qkv.kernels.decode import MAX_TQ
 from qkv.models.decode_state import DecodeState, hypothesis_rows
 from qkv.models.prepared_steps import PreparedSteps, _unprepared
@@ -213,6 +214,7 @@ class IncrementalDecoder(PreparedSteps):
         mostly padding otherwise); attention sees them in their padded places. The memory's
         padding positions are zeros: the mask hides them from cross-attention."""
         if self.fused_encoder is not None:
+            check_decode(torch.float32)  # (its attention may run the decode kernel)
             memory = self._encode_fused(src, src_mask)
             if memory is not None:
                 return memory
@@ -307,6 +309,8 @@ class IncrementalDecoder(PreparedSteps):
             if state.cross_mask is not None:
                 m5 = self._mask5(state.cross_mask, state, (B, self.h, K, self.d_k), self.h_kv,
                                  ck[0].shape[2])  # fmt: skip
+            for c in {ck[0].dtype, bufs[0][0].dtype}:  # the settings its attention reads
+                check_decode(c)
             logits = self.fused.step(tokens if tokens.is_contiguous() else tokens.contiguous(),
                                      state.positions, t, K, [b[0] for b in bufs],
                                      [b[1] for b in bufs], ck, cv, m5, state.rows, state.phys,

@@ -29,6 +29,7 @@ from qkv._versions import version
 from qkv.attention import MultiHeadAttention
 from qkv.cache import dequantize_rows
 from qkv.kernels._native import decode_ops
+from qkv.kernels._settings import check_decode
 from qkv.kernels.decode import _mask_arg
 from qkv.kernels.int8 import Int8Linear
 from qkv.models.decode_state import DecodeState
@@ -205,6 +206,7 @@ class PreparedSteps:
         """The decode kernel's call as :func:`qkv.kernels.decode.run_decode` makes it, its
         mask view built once per query count of a state."""
         m5 = None if mask is None else self._mask5(mask, state, q.shape, k.shape[1], k.shape[2])
+        check_decode(k.dtype)
         return decode_ops().fwd(q.contiguous(), k, v, m5, self.scale, causal, -1, 0, rows,
                                 batch)[0]  # fmt: skip
 

@@ -163,10 +163,33 @@ def test_cli_allow_host_reaches_the_app(monkeypatch, capsys):
         assert "--allow-host" in capsys.readouterr().err
     seen = {}
     uvicorn = pytest.importorskip("uvicorn")
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.update(app=app, **kw))
+    from qkv.apps.serve import cli as serve_cli
+
+    class Listening:  # nothing is bound: the address and port as the CLI would listen
+        def __init__(self, host, port):
+            self.address = (host, port)
+
+        def getsockname(self):
+            return self.address
+
+        def close(self):
+            seen["closed"] = True
+
+    class Server:  # uvicorn's server, not started: what it was handed
+        started = True
+
+        def __init__(self, config):
+            seen.update(app=config.app, host=config.host, port=config.port, http=config.http)
+
+        def run(self, sockets):
+            seen["sockets"] = sockets
+
+    monkeypatch.setattr(serve_cli, "_listen", Listening)
+    monkeypatch.setattr(uvicorn, "Server", Server)
     argv = ["serve", "--allow-host", "proxy.example", "--host", "0.0.0.0", "--port", "8123"]
     assert main(argv) == 0
     assert seen["http"] is TimedH11Protocol and (seen["host"], seen["port"]) == ("0.0.0.0", 8123)
+    assert len(seen["sockets"]) == 1 and seen["closed"]
     client = TestClient(seen["app"])  # its connections reach "testserver", port 80
     for host, status in (("proxy.example", 200), ("0.0.0.0", 200), ("rebind.example", 403)):
         assert client.get("/api/health", headers={"Host": host}).status_code == status, host

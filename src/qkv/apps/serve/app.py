@@ -222,10 +222,13 @@ def create_app(registry: Registry | None = None, *, allow_hosts: Iterable[str] =
         })  # fmt: skip
 
     async def answer(request: Request, parse, compute, route: str) -> Response:
-        """``compute(entry, parse(body))`` in a worker thread, every failure a JSON 4xx/5xx."""
+        """``compute(entry, parse(body))`` in worker threads, every failure a JSON 4xx/5xx.
+        Only the body's bytes are read on the event loop: checking them is CPU work (linear in
+        the body, ≤ MAX_BODY_BYTES), done in a worker thread like the rest."""
         t0 = time.perf_counter()
         try:
-            req = parse(parse_json(await _body(request)))
+            raw = await _body(request)
+            req = await run_in_threadpool(lambda: parse(parse_json(raw)))
             entry = await run_in_threadpool(registry.get, req.model)
             out = await run_in_threadpool(compute, entry, req)
         except BadRequest as err:

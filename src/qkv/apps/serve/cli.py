@@ -8,8 +8,12 @@ qkv serve --allow-host qkv.example.org      # also answer to that name (behind a
 from __future__ import annotations
 
 import argparse
+import errno
 import ipaddress
 import re
+import socket
+
+from qkv.apps.cli_args import CliError
 
 __all__ = ["add_parser"]
 
@@ -46,26 +50,58 @@ def _host_name(value: str) -> str:
     return name
 
 
+def _listen(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` as uvicorn binds one (``SO_REUSEADDR``), to be
+    handed to it: a port in use, or an address that is not this machine's, is one line and
+    exit 2 before any model loads (uvicorn would say ``ERROR: [Errno 98]`` and exit 3)."""
+    shown = f"[{host}]" if ":" in host else host  # an IPv6 address
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise CliError(f"port {shown}:{port} is in use (another server?): stop it, or "
+                           "choose another port with --port") from None  # fmt: skip
+        raise CliError(f"cannot listen on {shown}:{port} (--host, --port): "
+                       f"{e.strerror or e}") from None  # fmt: skip
+    return sock
+
+
 def _serve(args: argparse.Namespace) -> int:
     from qkv.apps.serve.models import default_registry
 
-    registry = default_registry(dict(args.model or []))  # checks every directory first
-    unknown = [n for n in args.preload or [] if n not in registry.names()]
-    if unknown:
-        raise ValueError(f"--preload must name models from {registry.names()}, got {unknown}")
-    for name in args.preload or []:
-        registry.get(name)
-    import uvicorn
+    sock = _listen(args.host, args.port)  # first: a port in use is said before models load
+    try:
+        registry = default_registry(dict(args.model or []))  # checks every directory first
+        unknown = [n for n in args.preload or [] if n not in registry.names()]
+        if unknown:
+            raise ValueError(f"--preload must name models from {registry.names()}, got {unknown}")
+        for name in args.preload or []:
+            registry.get(name)
+        import uvicorn
 
-    from qkv.apps.serve.app import create_app
-    from qkv.apps.serve.server import TimedH11Protocol
+        from qkv.apps.serve.app import create_app
+        from qkv.apps.serve.server import TimedH11Protocol
 
-    app = create_app(registry, allow_hosts=args.allow_host or [], host=args.host)
-    shown = f"[{args.host}]" if ":" in args.host else args.host  # an IPv6 address
-    print(f"qkv serve: http://{shown}:{args.port}/  (models: {', '.join(registry.names())})")
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                http=TimedH11Protocol)  # fmt: skip
-    return 0
+        app = create_app(registry, allow_hosts=args.allow_host or [], host=args.host)
+        shown = f"[{args.host}]" if ":" in args.host else args.host  # an IPv6 address
+        port = sock.getsockname()[1]  # --port 0: the one the system chose
+        print(f"qkv serve: http://{shown}:{port}/  (models: {', '.join(registry.names())})",
+              flush=True)  # fmt: skip
+        config = uvicorn.Config(app, host=args.host, port=port, log_level=args.log_level,
+                                http=TimedH11Protocol)  # fmt: skip
+        server = uvicorn.Server(config)
+        try:
+            server.run(sockets=[sock])
+        except KeyboardInterrupt:  # Ctrl-C stops the server: its normal end (as uvicorn.run)
+            return 0
+        if not server.started:  # uvicorn has logged why
+            raise RuntimeError("the server did not start (see uvicorn's messages above)")
+        return 0
+    finally:
+        sock.close()
 
 
 def add_parser(sub) -> None:
