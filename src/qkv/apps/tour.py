@@ -65,6 +65,18 @@ def step_by_step(text: str, console: Console) -> None:
                   f"MultiHeadAttention.forward: {w.same}. Every step: qkv explain --text \"{text}\"")  # fmt: skip
 
 
+_LANGUAGES = {"en": "English", "fr": "French", "de": "German"}
+
+
+def _language(name: str, side: str) -> str:
+    """The source or target language of a translator named like ``en-fr`` ("output" for any
+    other name)."""
+    pair = Path(name).name.split("-")
+    if len(pair) == 2 and all(p in _LANGUAGES for p in pair):
+        return _LANGUAGES[pair[0] if side == "source" else pair[1]]
+    return "source" if side == "source" else "output"
+
+
 def translation(name: str, text: str, out: Path, console: Console) -> dict[str, Path]:
     """Part 2: the shipped translator on ``text``: output, alignment, pictures."""
     from qkv.capture.maps import merge_steps
@@ -95,7 +107,8 @@ def translation(name: str, text: str, out: Path, console: Console) -> dict[str, 
     looks = [f"{t.strip() or '·'}→{src[int(w[i].argmax())].strip() or '·'}"
              for i, t in enumerate(tgt)]  # fmt: skip
     console.print(f"cross-attention ({whole.layers[cross]}, mean of {whole.weights[cross].shape[0]}"
-                  f" heads): each French token looks most at  " + "  ".join(looks))  # fmt: skip
+                  f" heads): each {_language(name, 'target')} token looks most at  "
+                  + "  ".join(looks))  # fmt: skip
     enc = merge_steps([steps[0]]).filter(kind="self")
     paths = {
         "translation": (out / "translation.html").resolve(),

@@ -198,7 +198,7 @@ def run_bleu_ablation(args: argparse.Namespace) -> int:
         ("layer", "head", "BLEU", "Δ"),
         _scan_layers(scan),
     )
-    for r in scan[: args.top]:
+    for r in scan[: args.top or 10]:
         ((layer, hs),) = r.heads.items()
         t.add_row(str(layer), str(hs[0]), f"{r.ablated:.2f}", f"{r.delta:+.2f}")
     console.print(t)
@@ -219,18 +219,23 @@ def run_heads(args: argparse.Namespace) -> int:
     tokens, inputs = loaded.encode(args.sentence)
     maps = loaded.maps(*inputs, tokens=tokens)
     if args.token is None:
+        stats = head_stats(maps)
+        title = f"head statistics — {args.sentence!r}"
+        if args.top is not None and args.top < len(stats):  # the most focused heads
+            title += f" (the {args.top} of {len(stats)} heads with the lowest entropy)"
+            stats = sorted(stats, key=lambda s: s.entropy)[: args.top]
         t = _table(
-            f"head statistics — {args.sentence!r}",
+            title,
             ("layer", "head", "entropy", "dist", "prev", "next", "self", "first", "punct"),
             maps.layers,
         )
-        for s in head_stats(maps):
+        for s in stats:
             vals = (s.entropy, s.distance, s.prev, s.next, s.self, s.first, s.punct)
             t.add_row(s.layer, str(s.head), *map(_f, vals))
         console.print(t)
         return 0
     print_probe(pronoun_probe(maps, args.token, args.candidates), args.token,
-                args.candidates, args.top)  # fmt: skip
+                args.candidates, 10 if args.top is None else args.top)  # fmt: skip
     if args.ablate is not None:
         metric = _similarity_metric(loaded, inputs, tokens, args.token, args.candidates)
         what = f"cos({args.token},{args.candidates[0]})" + (
@@ -247,7 +252,7 @@ def run_heads(args: argparse.Namespace) -> int:
                 ("layer", "head", "Δ"),
                 _scan_layers(scan),
             )
-            for r in scan[: args.top]:
+            for r in scan[: args.top or 10]:
                 ((layer, hs),) = r.heads.items()
                 t.add_row(str(layer), str(hs[0]), f"{r.delta:+.4f}")
             console.print(t)
@@ -303,7 +308,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     h.add_argument("--token", default=None, type=text, help="query token to probe (e.g. it)")
     h.add_argument("--candidates", nargs="+", default=[], type=text,
                    help="antecedents to compare")  # fmt: skip
-    h.add_argument("--top", type=positive_int, default=10, help="rows shown")
+    h.add_argument("--top", type=positive_int, default=None,
+                   help="rows shown: the heads with the lowest entropy (default: every head's "
+                   "statistics; 10 rows of the probe and of an ablation scan)")  # fmt: skip
     h.add_argument("--ablate", nargs="*", default=None, metavar="LAYER:HEADS",
                    help="switch heads off (none given: each head in turn) and report the "
                    "change in cos(token, cand₀) − cos(token, cand₁)")  # fmt: skip

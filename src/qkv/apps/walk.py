@@ -112,7 +112,9 @@ def walk_steps(
 
     kind = "self-attention" if src_words is None else f"cross-attention to {src_words}"
     header = (f"Sentence: {text!r} → {T} tokens {words}; d_model={d_model}, h={n_heads}, "
-              f"d_k={d_k}" + ("" if src_words is None else f"; {kind}"))  # fmt: skip
+              f"d_k={d_k}" + ("" if src_words is None else f"; {kind}")
+              + f". Random weights (seed {seed}), no trained model: the numbers show how "
+              "attention computes, not what a trained head attends to")  # fmt: skip
     embed, pos = TokenEmbedding(len(vocab), d_model), SinusoidalPositionalEncoding(d_model)
     mha = MultiHeadAttention(d_model, n_heads).eval()
     with torch.no_grad():
@@ -143,7 +145,7 @@ def walk_steps(
         show("softmax → attention weights", st.weights[0], "each row sums to 1", words, keys,
              name="softmax")  # fmt: skip
         attends = [
-            f"   {w!r:>10} attends most to: "
+            f"   {w!r:>10} attends most to (random weights): "
             + ", ".join(f"head {h}→{keys[j]!r}" for h, j in enumerate(top))
             for w, top in zip(words, st.weights[0].argmax(-1).T.tolist())
         ]

@@ -4,8 +4,11 @@
 - :mod:`qkv.kernels.int8`: int8 linear layers for CPU inference (``quantize_linears``).
 - :mod:`qkv.kernels.packed`: linear layers whose few-row calls read panel-packed weights
   (``pack_linears``), for decoding at the read bandwidth.
+
+:func:`native_status` says which compiled level runs on this CPU (and why none, if so).
 """
 
+from qkv.kernels._native import native_status
 from qkv.kernels.flash import flash_attention
 
-__all__ = ["flash_attention"]
+__all__ = ["flash_attention", "native_status"]
