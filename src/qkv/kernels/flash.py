@@ -634,22 +634,12 @@ def reference_attention(
 
 
 def run_flash(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    mask: Tensor | None = None,
-    bias: Tensor | None = None,
-    causal: bool = False,
-    window: int | None = None,
-    scale: float | None = None,
-    softcap: float | None = None,
-    alibi_slopes: Tensor | None = None,
-    rel_bias: Tensor | None = None,
-    return_lse: bool = False,
-    block_q: int | None = None,
+    q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None = None, bias: Tensor | None = None,
+    causal: bool = False, window: int | None = None, scale: float | None = None,
+    softcap: float | None = None, alibi_slopes: Tensor | None = None,
+    rel_bias: Tensor | None = None, return_lse: bool = False, block_q: int | None = None,
     block_k: int | None = None,
-) -> Tensor | tuple[Tensor, Tensor]:
+) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
     """:func:`flash_attention` on values the NaN/inf rule has already been applied to (the
     dispatcher's entry, after :func:`qkv._nonfinite.values_for_kernel`)."""
     shape = check_qkv(q, k, v)
