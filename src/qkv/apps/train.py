@@ -580,7 +580,8 @@ def add_parser(sub) -> None:
         "qkv ships; --max-minutes sets the budget.",
     )
     d = p.add_argument_group("data", "fixed for the life of a run, but --augment")
-    d.add_argument("--data", help="Multi30k directory (default ../shared/data/multi30k)")
+    d.add_argument("--data", help="Multi30k directory (default: $QKV_DATA, else "
+                   "../shared/data/multi30k, else ~/.cache/qkv/multi30k from `qkv data fetch`)")  # fmt: skip
     run_dflt = lambda k: f"(default: {RUN_DEFAULTS[k]})"  # noqa: E731
     d.add_argument("--src", help=f"source language {run_dflt('src')}")
     d.add_argument("--tgt", help=f"target language {run_dflt('tgt')}")

@@ -122,7 +122,8 @@ def add_parser(sub) -> None:
     _common(e)
     e.add_argument("--split", default="test_2016_flickr",
                    help="any split present in --data (val, test_2016_flickr, test_2018_flickr...)")  # fmt: skip
-    e.add_argument("--data", help="Multi30k directory (default ../shared/data/multi30k)")
+    e.add_argument("--data", help="Multi30k directory (default: $QKV_DATA, else "
+                   "../shared/data/multi30k, else ~/.cache/qkv/multi30k from `qkv data fetch`)")  # fmt: skip
     e.add_argument("--src", default=None, help="source language (default: the model's)")
     e.add_argument("--tgt", default=None, help="target language (default: the model's)")
     e.add_argument("--files", nargs=2, metavar=("SRC", "REF"), help="plain parallel text instead")
