@@ -21,6 +21,7 @@
   let cmp = null; // compare.js: A beside B (made in start(), once app.js's helpers exist)
   let lg = null; // long.js: a long answer's packed maps, head window and downloads (idem)
   let lens = null; // lens.js: the Lens view (made in start() too)
+  let engine = null; // engine.js: where every answer comes from (chosen in start(), once)
 
   // ---------- heat maps on canvas ----------
   function fmt(v) { return v === null || v === undefined ? "−∞" : (Math.abs(v) >= 100 ? v.toFixed(1) : v.toFixed(3)); }
@@ -559,19 +560,21 @@
     const sel = [S.layer, S.head]; // the selection this request is for (a long text takes seconds)
     // comparing (compare.js): a second request for B, the same endpoint with its own text or heads off
     const [body, bodyB] = cmp.requests(payload());
-    const post = async (b) => {
-      const r = await fetch("/api/attention", { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(b) });
-      return { ok: r.ok, status: r.status, d: await r.json() };
-    };
+    // each side: {d} (the answer) or {err} (an EngineError: status 0 when no answer came)
+    const ask = (b) => engine.attention(b).then((d) => ({ d }), (err) => ({ err }));
     try {
-      const [a, b] = await Promise.all([post(body), bodyB && post(bodyB).catch((err) => ({ err }))]);
-      if (!a.ok && a.status === 400 && S.urlSel && !S.data) { S.urlSel = null; S.off.clear(); S.pending = true; } // a link's layer or heads that this model lacks: ask without them
-      else if (!a.ok) { cmp.accept(null); fail(["error.server", { err: a.d.error || t("error.status", { status: a.status }) }]); }
+      const [a, b] = await Promise.all([ask(body), bodyB && ask(bodyB)]);
+      if (a.err && a.err.status === 400 && S.urlSel && !S.data) { S.urlSel = null; S.off.clear(); S.pending = true; } // a link's layer or heads that this model lacks: ask without them
+      else if (a.err) { cmp.accept(null); fail(errorNote(a.err)); }
       else { cmp.accept(b); accept(a.d, sel); showStatus(...(cmp.status(a.d) || ["status.done", { n: a.d.tokens.length, ms: a.d.elapsed_ms }])); }
     } catch (err) { cmp.accept(null); fail(["error.request", { err }]); }
     S.busy = false;
     if (S.pending) { S.pending = false; return refresh(); }
     document.body.dataset.ready = "1";
+  }
+  // an EngineError as a note: the server's message (or its status), or why no answer came
+  function errorNote(err) {
+    return err.status ? ["error.server", { err: err.message || t("error.status", { status: err.status }) }] : ["error.request", { err }];
   }
   // notes: [key, vars] pairs (or a server's text), kept so that a change of language redraws them
   function showNotice(notes, isErr) {
@@ -614,10 +617,11 @@
 
   // ---------- start ----------
   async function start() {
-    const dataEl = document.getElementById("qkv-data");
+    engine = window.qkvEngine.choose(); // qkv serve's API, the answer saved in the page, or window.QKV_ENGINE
+    S.offline = !engine.live; // a saved answer (qkv view, notebooks): no model runs, no controls
     lg = window.qkvLong.create({ S, el, t, LONG_ROWS, renderView });
     cmp = window.qkvCompare.create({ S, $, el, t, elt, data, heatmap, short, viewWidth, fmt, refresh, weightsOf: lg.weightsOf });
-    lens = window.qkvLens.create({ S, el, t, elt, data, heatmap, short, viewWidth, fmt, selectHead, renderView, showTip, hideTip, weightsOf: lg.weightsOf, LONG_ROWS });
+    lens = window.qkvLens.create({ S, el, t, elt, data, heatmap, short, viewWidth, fmt, selectHead, renderView, showTip, hideTip, weightsOf: lg.weightsOf, LONG_ROWS, engine });
     document.querySelectorAll(".tab").forEach((b) => b.addEventListener("click", () => {
       S.view = b.dataset.view; setTabs(); renderView();
       if (S.view === "step" && S.data && !S.offline && !S.data.step_unavailable && (!S.data.step || S.data.step.layer !== S.layer || S.data.step.head !== S.head)) refresh();
@@ -626,16 +630,16 @@
     $("#head").addEventListener("change", () => selectHead(S.layer, +$("#head").value));
     let resized = null; // one redraw when the window stops changing (a long answer's takes ~0.2 s)
     window.addEventListener("resize", () => { clearTimeout(resized); resized = setTimeout(renderView, 120); });
-    if (dataEl) {
-      const blob = JSON.parse(dataEl.textContent);
-      S.offline = true; S.strings = blob.strings;
+    if (S.offline) {
+      const [strings, saved] = await Promise.all([engine.strings(), engine.saved()]);
+      S.strings = strings;
       $("#bar").hidden = true;
       fillLang();
-      accept(blob.response); applyLang();
+      accept(saved); applyLang();
       document.body.dataset.ready = "1";
       return;
     }
-    const [strings, health] = await Promise.all([fetch("/static/i18n/strings.json").then((r) => r.json()), fetch("/api/health").then((r) => r.json())]);
+    const [strings, health] = await Promise.all([engine.strings(), engine.health()]);
     S.strings = strings; S.models = health.models;
     fillLang();
     const ms = $("#model");

@@ -1,9 +1,10 @@
 // qkv explorer: compare. Sentence A (the text field) beside sentence B (another sentence, or
 // the same one with the heads switched off in "Heads at work") in every view, with B − A of the
 // selected layer and head; and the page's state in its address (history.replaceState), so that
-// a link reopens the comparison. app.js sends B to the same POST /api/attention as A (the
-// server's limits and checks apply to B as they do to A) and calls create(...)'s functions from
-// its views. Tokens and sentences are data: textContent and canvas text only, never markup.
+// a link reopens the comparison. app.js asks the engine for B as for A (engine.js; qkv serve:
+// POST /api/attention, whose limits and checks apply to B as they do to A) and calls
+// create(...)'s functions from its views. Tokens and sentences are data: textContent and
+// canvas text only, never markup.
 // The offline page (qkv view, notebooks) runs no model: it does not offer compare.
 "use strict";
 (() => {
@@ -61,12 +62,14 @@
       C.sentA = a; C.sentB = b;
       return [a, b];
     }
-    // B's answer: {ok, status, d}, {err} (no answer), or null (not asked)
+    // B's answer: {d}, {err} (engine.js's EngineError: status 0 when no answer came), or null
+    // (not asked)
     function accept(res) {
       C.dataB = null; C.errB = null;
       if (!res) return;
-      if (res.err) C.errB = t("error.request", { err: res.err });
-      else if (!res.ok) C.errB = res.d.error || t("error.status", { status: res.status });
+      const err = res.err;
+      if (err && !err.status) C.errB = t("error.request", { err });
+      else if (err) C.errB = err.message || t("error.status", { status: err.status });
       else C.dataB = res.d;
     }
     // for the notice bar (app.js accept(), after S.data is the new answer)

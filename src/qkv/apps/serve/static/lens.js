@@ -1,8 +1,9 @@
 // qkv explorer: the Lens view. What each layer of a decoder would predict (logit lens: the
 // residual stream after each layer through the final norm and unembedding) and what each head
 // writes toward the prediction (direct logit attribution), beside the head's attention map.
-// Its numbers come from POST /api/lens (qkv.apps.serve.compute_lens), asked when the view is
-// shown, for the text, model, translation and heads off of the answer on screen (S.data).
+// Its numbers come from the engine's lens() (engine.js; qkv serve: POST /api/lens,
+// qkv.apps.serve.compute_lens), asked when the view is shown, for the text, model, translation
+// and heads off of the answer on screen (S.data).
 // A long text (up to 2,048 positions) shows a window of WINDOW positions as the table, under
 // a canvas strip of every position: a table of them all would be thousands of cells a layer.
 // Tokens are data: only textContent shows them, never innerHTML.
@@ -13,10 +14,10 @@
 
   function create(ctx) {
     // LONG_ROWS: more positions than this (a long answer's), the table is a window
-    const { S, el, t, elt, data, heatmap, short, viewWidth, fmt, selectHead, renderView, showTip, hideTip, weightsOf, LONG_ROWS } = ctx;
+    const { S, el, t, elt, data, heatmap, short, viewWidth, fmt, selectHead, renderView, showTip, hideTip, weightsOf, LONG_ROWS, engine } = ctx;
     const { seq, seqRGB, div } = window.qkvExport;
     const Maps = window.qkvMaps;
-    let got = { key: null, d: null, err: null }; // the last /api/lens answer and what it was for
+    let got = { key: null, d: null, err: null }; // the last lens answer and what it was for
     let position = null; // the attributed position; null: the last
     let base = null; // the request without its position: another text or model resets it
     let win = null; // a long text's window: its first position; null: around the attributed one
@@ -34,11 +35,13 @@
     }
     async function load(body, key) {
       try {
-        const r = await fetch("/api/lens", { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body) });
-        const d = await r.json();
+        const d = await engine.lens(body);
         if (got.key !== key) return; // a newer request took its place
-        if (r.ok) { got.d = d; S.lens = d; } else got.err = d.error || t("error.status", { status: r.status });
-      } catch (err) { if (got.key === key) got.err = String(err); }
+        got.d = d; S.lens = d;
+      } catch (err) { // an EngineError: the server's message (or its status), or why no answer came
+        if (got.key !== key) return;
+        got.err = err.status ? err.message || t("error.status", { status: err.status }) : String(err);
+      }
       if (S.view === "lens") renderView();
     }
 
