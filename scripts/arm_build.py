@@ -82,7 +82,8 @@ def build(site: Path, out: Path) -> Path:
     version = _torch_version(site)
     kernels, record = out / "build" / "_C_neon.kernels", out / "build" / "_built.json"
     info = json.loads(record.read_text()) if record.exists() else {}
-    if (info.get("sources"), info.get("torch")) == (digest, version) and kernels.exists():
+    if ((info.get("sources"), info.get("torch")) == (digest, version) and kernels.exists()
+            and "size" in info):  # (a record without a size: from before the loader needed it)
         print(f"arm_build: kernels up to date (sources {digest}, torch {version})")
     else:
         t0 = time.time()
@@ -93,6 +94,7 @@ def build(site: Path, out: Path) -> Path:
                         "-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python", "-o", str(kernels)],
                        check=True)  # fmt: skip
         info = {"torch": version, "sources": digest, "levels": ["neon"],
+                "size": {"neon": kernels.stat().st_size},  # the loader requires both
                 "sha256": {"neon": L.file_digest(kernels)}}  # fmt: skip
         record.write_text(json.dumps(info, indent=1) + "\n")
         print(f"arm_build: neon kernels for torch {version} in {time.time() - t0:.0f} s")

@@ -12,4 +12,8 @@ settings.register_profile("qkv", deadline=None, max_examples=60, derandomize=Tru
 # health check allows
 settings.register_profile("qkv-emulated", parent=settings.get_profile("qkv"),
                           suppress_health_check=[HealthCheck.too_slow])  # fmt: skip
+# CI's Arm subset (scripts/arm-test.sh --ci): the same checks on fewer drawn inputs (a test
+# that sets its own max_examples keeps it)
+settings.register_profile("qkv-emulated-ci", parent=settings.get_profile("qkv-emulated"),
+                          max_examples=10)  # fmt: skip
 settings.load_profile(os.environ.get("QKV_HYPOTHESIS_PROFILE", "qkv"))
