@@ -55,7 +55,7 @@ def _read_input(args: argparse.Namespace) -> list[str]:
 def _translate(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads or torch.get_num_threads())
     lines = _read_input(args)
-    tr = load(args.model, int8=args.int8)
+    tr = _loaded(args)
     with warnings.catch_warnings(record=True) as caught:  # printed below, once, as notes
         warnings.simplefilter("always")
         out = tr(lines, beam=args.beam, length_penalty=args.lenpen, progress=len(lines) > 50)
@@ -66,11 +66,19 @@ def _translate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _loaded(args: argparse.Namespace):
+    """The translator of ``--model``, ``--int8`` and ``--no-repeat-guard``."""
+    tr = load(args.model, int8=args.int8)
+    if args.no_repeat_guard:
+        tr.repeat_guard = False
+    return tr
+
+
 def _evaluate(args: argparse.Namespace) -> int:
     from qkv.apps.train import bleu_chrf
 
     torch.set_num_threads(args.threads or torch.get_num_threads())
-    tr = load(args.model, int8=args.int8)
+    tr = _loaded(args)
     src, tgt = args.src or tr.src or "en", args.tgt or tr.tgt or "fr"
     if args.files:
         pairs = read_parallel(*args.files)
@@ -109,6 +117,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=threads, default=None, help="torch threads (default: all)")
     p.add_argument("--int8", action="store_true",
                    help="int8 linear layers: BLEU within ~0.1 of float, faster with AVX2 or VNNI")  # fmt: skip
+    p.add_argument("--no-repeat-guard", action="store_true",
+                   help="let the model write a pattern three times in a row ('gigigi'), "
+                        "as it was trained (the guard is on by default)")  # fmt: skip
 
 
 def add_parser(sub) -> None:

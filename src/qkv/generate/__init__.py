@@ -15,6 +15,7 @@ Which file holds what:
 * ``lm.py``: :func:`generate`, a causal LM's continuation, greedy or sampled;
 * ``_steps.py``: the next-token logits step by step that greedy and beam search share;
 * ``_ngram.py``: the ``no_repeat_ngram`` guard (banned tokens, beam candidates without them);
+* ``_repeat.py``: :class:`RepeatGuard`, no pattern written three times in a row ("gigigi");
 * ``_common.py``: argument checks, length limits, eval mode for a call, the argmax.
 
 Shapes: ``src (B, S)`` → generated ids ``(B, T)`` (after ``<s>``; ``</s>`` then ``<pad>``).
@@ -23,10 +24,11 @@ Shapes: ``src (B, S)`` → generated ids ``(B, T)`` (after ``<s>``; ``</s>`` the
 # _repeats (imported by the tests) and IncrementalDecoder (bench/int8_translate.py) stay
 # reachable here, as they were from generate.py
 from qkv.generate._ngram import _repeats as _repeats
+from qkv.generate._repeat import RepeatGuard
 from qkv.generate.beam import beam_search
 from qkv.generate.greedy import greedy_search
 from qkv.generate.lm import generate
 from qkv.generate.text import translate
 from qkv.models.incremental import IncrementalDecoder as IncrementalDecoder
 
-__all__ = ["greedy_search", "beam_search", "translate", "generate"]
+__all__ = ["greedy_search", "beam_search", "translate", "generate", "RepeatGuard"]

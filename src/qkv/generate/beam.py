@@ -12,7 +12,8 @@ import torch
 from torch import Tensor
 
 from qkv.generate._common import _check_min, _check_src, _limits
-from qkv.generate._ngram import _check_ngram, _drop_banned, _repeats
+from qkv.generate._ngram import _check_ngram, _drop_banned
+from qkv.generate._repeat import RepeatGuard, banned_tokens
 from qkv.generate._steps import _Steps
 from qkv.kernels._native import decode_ops
 from qkv.models.incremental import hypothesis_rows
@@ -53,6 +54,7 @@ def beam_search(
     cache_dtype: torch.dtype | None = None,
     n_best: int = 1,
     no_repeat_ngram: int = 0,
+    repeat_guard: RepeatGuard | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Beam search; a finished hypothesis scores ``log p / len ** length_penalty``.
 
@@ -65,6 +67,7 @@ def beam_search(
     scores: ``(ids (B, n_best, T), scores (B, n_best))``, padded with ``pad_id`` and ``-inf``
     where fewer ended. ``no_repeat_ngram=n`` (>= 2): no hypothesis writes an n-gram of tokens
     twice (its log-probability stays what the model gives; the n-gram is just never taken).
+    ``repeat_guard``: as :func:`~qkv.generate.greedy_search`'s, the same way.
     """
     _check_src(src)
     _check_min(min_new_tokens)
@@ -107,7 +110,7 @@ def beam_search(
             logits = model.decode(ys[:, : t + 1], memory, mask)[:, -1]
         V = logits.shape[-1]
         block = eos if t < min_new_tokens else -1
-        banned = _repeats(ys[:, 1 : t + 1], no_repeat_ngram) if no_repeat_ngram else None
+        banned = banned_tokens(ys[:, 1 : t + 1], no_repeat_ngram, repeat_guard)
         # a sentence with m banned (hypothesis, token) pairs needs 2K + m candidates to keep 2K
         extra = int(torch.bincount(banned[0] // K).max()) if banned else 0
         top, idx = _candidates(logits, scores.view(-1), K, 2 * K + extra, block)  # (B_alive, 2K+m)

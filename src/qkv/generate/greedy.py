@@ -10,7 +10,8 @@ import torch
 from torch import Tensor
 
 from qkv.generate._common import _argmax, _check_min, _check_src, _limits
-from qkv.generate._ngram import _check_ngram, _repeats
+from qkv.generate._ngram import _check_ngram
+from qkv.generate._repeat import RepeatGuard, banned_tokens
 from qkv.generate._steps import _Steps
 from qkv.kernels._native import native_module
 
@@ -28,6 +29,7 @@ def greedy_search(
     ignore_eos: bool = False,
     cache_dtype: torch.dtype | None = None,
     no_repeat_ngram: int = 0,
+    repeat_guard: RepeatGuard | None = None,
 ) -> Tensor:
     """Most likely next token at every step. Returns ids ``(B, T)``, pad after ``</s>``.
 
@@ -37,6 +39,8 @@ def greedy_search(
     ``torch.bfloat16`` for an fp32 model, or ``torch.int8``: rows of int8 values and a scale,
     see :mod:`qkv.cache`; the default keeps the model's dtype). ``no_repeat_ngram=n`` (>= 2):
     no n-gram of tokens is written twice (the next most likely token is); 0: off.
+    ``repeat_guard``: a :class:`~qkv.generate.RepeatGuard`, no pattern of 1–4 tokens (or of
+    1–4 letters inside a word) written three times in a row; ``None``: off.
 
     >>> out = greedy_search(model, torch.tensor([[5, 6, 2]]))  # doctest: +SKIP
     """
@@ -48,7 +52,7 @@ def greedy_search(
     T_max = int(limits.max())
     if use_cache:
         return _greedy_cached(model, src, limits, T_max, min_new_tokens, ignore_eos, cache_dtype,
-                              no_repeat_ngram)  # fmt: skip
+                              no_repeat_ngram, repeat_guard)  # fmt: skip
     B, dev = src.shape[0], src.device
     ys = torch.full((B, T_max + 1), cfg.pad_id, dtype=torch.long, device=dev)
     ys[:, 0] = cfg.bos_id
@@ -58,7 +62,7 @@ def greedy_search(
     n = 0
     for t in range(T_max):
         logits = model.decode(ys[:, : t + 1], memory, mask)[:, -1]
-        if no_repeat_ngram and (banned := _repeats(ys[:, 1 : t + 1], no_repeat_ngram)):
+        if banned := banned_tokens(ys[:, 1 : t + 1], no_repeat_ngram, repeat_guard):
             logits[banned] = float("-inf")
         nxt = _argmax(logits, cfg.eos_id if t < min_new_tokens else -1)  # (B,)
         n = t + 1
@@ -74,7 +78,8 @@ def greedy_search(
 
 
 def _greedy_cached(model, src: Tensor, limits: Tensor, T_max: int, min_new_tokens: int,
-                   ignore_eos: bool, cache_dtype, no_repeat_ngram: int = 0) -> Tensor:  # fmt: skip
+                   ignore_eos: bool, cache_dtype, no_repeat_ngram: int = 0,
+                   repeat_guard: RepeatGuard | None = None) -> Tensor:  # fmt: skip
     """greedy_search with the cache: a sentence that finished leaves the batch (later steps
     skip its rows). The tokens are kept step-major, so each step's are one contiguous row
     that the next step reads as it is."""
@@ -92,9 +97,9 @@ def _greedy_cached(model, src: Tensor, limits: Tensor, T_max: int, min_new_token
     try:
         for t in range(T_max):
             logits = steps(tokens)  # (B_alive, V)
-            if no_repeat_ngram and t >= no_repeat_ngram:
+            if (no_repeat_ngram and t >= no_repeat_ngram) or (repeat_guard is not None and t):
                 written = out[1 : t + 1] if alive is None else out[1 : t + 1, alive]  # (t, B_alive)
-                if banned := _repeats(written.t(), no_repeat_ngram):
+                if banned := banned_tokens(written.t(), no_repeat_ngram, repeat_guard):
                     logits[banned] = float("-inf")  # this step's output: the next rewrites it
             n = t + 1
             block = cfg.eos_id if t < min_new_tokens else -1

@@ -13,6 +13,7 @@ import warnings
 import torch
 
 from qkv.generate._common import _evaluating
+from qkv.generate._repeat import RepeatGuard
 from qkv.generate.beam import beam_search
 from qkv.generate.greedy import greedy_search
 
@@ -31,10 +32,12 @@ def translate(
     progress: bool = False,
     cache_dtype: torch.dtype | None = None,
     no_repeat_ngram: int = 0,
+    repeat_guard: bool = False,
 ) -> list[str]:
     """Translate ``sentences`` (batched by length, in order). ``beam_size=1`` is greedy;
-    ``cache_dtype`` and ``no_repeat_ngram`` as :func:`greedy_search`'s. Each output has at most
-    ``2·len(source) + 10`` tokens."""
+    ``cache_dtype`` and ``no_repeat_ngram`` as :func:`greedy_search`'s; ``repeat_guard=True``:
+    the tokenizer's :class:`~qkv.generate.RepeatGuard` (no stutter such as "gigigi"). Each
+    output has at most ``2·len(source) + 10`` tokens."""
     from tqdm import tqdm
 
     if isinstance(sentences, str):
@@ -47,6 +50,7 @@ def translate(
         warnings.warn(f"{n} sentence(s) longer than {limit} tokens were cut to {limit}",
                       stacklevel=2)  # fmt: skip
     ids = [s[:limit] + [tokenizer.eos_id] for s in ids]
+    guard = RepeatGuard.for_tokenizer(tokenizer) if repeat_guard else None
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
     out: list[str] = [""] * len(ids)
     batches, cur = [], []
@@ -66,10 +70,11 @@ def translate(
             src = src.to(dev)
             if beam_size == 1:
                 hyp = greedy_search(model, src, cache_dtype=cache_dtype,
-                                    no_repeat_ngram=no_repeat_ngram)  # fmt: skip
+                                    no_repeat_ngram=no_repeat_ngram, repeat_guard=guard)  # fmt: skip
             else:
                 hyp = beam_search(model, src, beam_size=beam_size, length_penalty=length_penalty,
-                                  cache_dtype=cache_dtype, no_repeat_ngram=no_repeat_ngram)  # fmt: skip
+                                  cache_dtype=cache_dtype, no_repeat_ngram=no_repeat_ngram,
+                                  repeat_guard=guard)  # fmt: skip
             for r, i in enumerate(batch):
                 out[i] = tokenizer.decode(hyp[r].tolist())
     return out
