@@ -322,7 +322,7 @@ def _hover_value(page, canvas: str, fx: float, fy: float) -> tuple[int, int, flo
     page.mouse.move(box["x"] + fx * box["width"], box["y"] + fy * box["height"])
     page.wait_for_selector("#tip:not([hidden])")
     i, j = map(int, page.get_attribute("#tip", "data-cell").split(","))
-    return i, j, float(page.text_content("#tip").rsplit("= ", 1)[1])
+    return i, j, float(page.text_content("#tip").rsplit("= ", 1)[1].replace("\u2212", "-"))  # "−0.002"
 
 
 def test_two_long_texts(server, browser):

@@ -34,8 +34,9 @@ def _ready(page) -> None:
     page.wait_for_selector("#view-lens[data-state='ready']")
 
 
-def _fmt(v: float) -> str:  # app.js fmt(): 3 decimals (1 from 100 up)
-    return f"{v:.1f}" if abs(v) >= 100 else f"{v:.3f}"
+def _fmt(v: float) -> str:  # export.js fmt(): 3 decimals (1 from 100 up), a minus sign, no "-0"
+    s = f"{v:.1f}" if abs(v) >= 100 else f"{v:.3f}"
+    return s.lstrip("-") if not s.strip("-0.") else s.replace("-", "\u2212")
 
 
 def _shot(page, name: str) -> None:

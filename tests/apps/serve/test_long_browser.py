@@ -36,7 +36,8 @@ def _as_page_shows(v: float) -> str:
     """``v`` as the page writes it: stored in a Float32Array, then ``toFixed(3)`` (ties away
     from zero, on the exact binary value)."""
     f = Decimal(float(np.float32(v)))
-    return str(f.quantize(Decimal("0.001"), rounding=ROUND_HALF_UP))
+    s = str(f.quantize(Decimal("0.001"), rounding=ROUND_HALF_UP))
+    return s.lstrip("-") if not s.strip("-0.") else s.replace("-", "\u2212")  # export.js fmt()
 
 
 def _timed(page, what: str, act, ready_selector: str, base: float = 20.0) -> None:
@@ -81,7 +82,7 @@ def test_a_2048_token_text_in_every_view(server, browser):
         i, j, shown = _hover(page, canvas, fx, fy)
         assert shown == _as_page_shows(exact[i, j]), (i, j, shown, exact[i, j])
     i, j, shown = _hover(page, "#view-step .card[data-key='masked'] .hm > canvas", 0.3, 0.6)
-    assert abs(float(shown)) < 1000  # the masked scores: finite here (no mask in an encoder)
+    assert abs(float(shown.replace("\u2212", "-"))) < 1000  # the masked scores: finite here (no mask in an encoder)
     _shot(page, "step")
 
     # model view: the pooled thumbnails, and the selected head exact under them

@@ -15,11 +15,18 @@ from collections.abc import Callable
 
 from torch import Tensor
 
-from qkv.apps.serve.limits import STEP_DIMS, TOKEN_LIMIT, AttentionRequest, BadRequest
+from qkv.apps.serve.limits import (
+    MAX_PIECES,
+    STEP_DIMS,
+    TOKEN_LIMIT,
+    AttentionRequest,
+    BadRequest,
+)
 from qkv.apps.serve.long import is_long, long_fields, packed_steps
 from qkv.capture.maps import AttentionMaps
 from qkv.capture.page import maps_json, number, rounded, stats_json
 from qkv.capture.stats import pronoun_probe
+from qkv.limits import CHARS_PER_TOKEN, split_to_fit
 
 __all__ = [
     "STEPS",
@@ -31,6 +38,9 @@ __all__ = [
     "matrix",
     "pick_layer",
     "probe_json",
+    "pieces_fields",
+    "split_notice",
+    "split_source",
     "step_matrices",
 ]
 
@@ -58,6 +68,46 @@ def cut_to_limit(
     short = "".join(units[:lo]).rstrip()
     tokens, inputs = encode(short)
     return short, tokens, inputs, True
+
+
+def split_source(
+    encode: Callable[[str], tuple[list[str], tuple]], text: str, limit: int
+) -> tuple[list[str], bool]:
+    """A source text for translation as ``qkv translate`` takes a line: ``[text]`` when it
+    ``encode``s to at most ``limit`` tokens, else its sentences, and word runs of a sentence
+    too long alone, each within ``limit`` (:func:`qkv.limits.split_to_fit`, the function
+    :meth:`qkv.translate.Translator.pieces` uses). Returns ``(pieces, cut)``: at most
+    :data:`MAX_PIECES` pieces, ``cut`` when more text was left out.
+
+    Only the first ``MAX_PIECES × limit × CHARS_PER_TOKEN`` characters are split (no piece is
+    longer than ``limit × CHARS_PER_TOKEN`` characters), so the work is bounded by the limits,
+    not by the text."""
+    count = lambda s: len(encode(s)[0])  # noqa: E731
+    if count(text) <= limit:
+        return [text], False
+    bound = MAX_PIECES * limit * CHARS_PER_TOKEN
+    pieces = split_to_fit(text[:bound], limit, count)
+    cut = len(pieces) > MAX_PIECES or bool(text[bound:].strip())
+    return pieces[:MAX_PIECES] or [text], cut
+
+
+def pieces_fields(pieces: list[str], outputs: list[str], shown: int) -> dict:
+    """A translation's ``pieces`` (``[{"source", "text"}]``: each piece and its translation;
+    ``[]`` when the text was not split) and ``piece`` (the one the maps show)."""
+    if len(pieces) < 2:
+        return {"pieces": [], "piece": 0}
+    return {"pieces": [{"source": p, "text": o} for p, o in zip(pieces, outputs)],
+            "piece": shown}  # fmt: skip
+
+
+def split_notice(translation: dict, limit: int, cut: bool) -> str:
+    """The answer's ``notice`` (English, for API clients; the page has it in every language)
+    for a text translated in pieces."""
+    n, shown = len(translation["pieces"]), translation["piece"] + 1
+    out = (f"The text is longer than the {limit} source tokens the maps can show: it was "
+           f"translated in {n} pieces (at sentence ends, then between words, as qkv translate "
+           f"splits a long line) and the translations joined; the maps show piece {shown}.")  # fmt: skip
+    return out + (f" The text after piece {n} was left out." if cut else "")
 
 
 def pick_layer(names: list[str], req: AttentionRequest) -> str:

@@ -218,7 +218,7 @@ def create_app(registry: Registry | None = None, *, allow_hosts: Iterable[str] =
             "limits": {"tokens": limits.TOKEN_LIMIT, "translate_tokens": limits.TRANSLATE_LIMIT,
                        "body_bytes": limits.MAX_BODY_BYTES, "cells": limits.MAX_CELLS,
                        "beam": limits.MAX_BEAM, "long_tokens": limits.LONG_TOKEN_LIMIT,
-                       "long_bytes": limits.MAX_LONG_BYTES},
+                       "long_bytes": limits.MAX_LONG_BYTES, "pieces": limits.MAX_PIECES},
         })  # fmt: skip
 
     async def answer(request: Request, parse, compute, route: str) -> Response:

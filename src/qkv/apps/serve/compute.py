@@ -8,7 +8,8 @@ caller holds the model's lock (:class:`qkv.apps.serve.models.Entry`).
 
 This module answers for qkv's own models; a transformers model's request is handed, once,
 to :func:`qkv.apps.serve.compute_hf.hf_attention`. What both answers share (the token
-limit cut, the layer/head checks, the maps' fields, the step matrices) is in
+limit cut, a translation's source split into pieces as ``qkv translate`` splits a long line,
+the layer/head checks, the maps' fields, the step matrices) is in
 :mod:`qkv.apps.serve.answer`.
 
 Shapes: a layer's ``weights`` are ``[h][Tq][Tk]``; for a translation ``Tq`` runs over the
@@ -30,7 +31,10 @@ from qkv.apps.serve.answer import (
     choose_layer,
     cut_to_limit,
     maps_fields,
+    pieces_fields,
     probe_json,
+    split_notice,
+    split_source,
     step_matrices,
 )
 from qkv.apps.serve.limits import (
@@ -214,11 +218,21 @@ def _translation(entry: Entry, req: AttentionRequest, text: str) -> dict:
 
         encode = lambda t: (["<s>", *simple_tokenize(t), "</s>"], ())  # noqa: E731
     limit = translator_limit(model)
-    text, _, _, cut = cut_to_limit(encode, text, limit)
+    # a text longer than the maps' limit: translated piece by piece, as qkv translate does
+    pieces, cut = split_source(encode, text, limit)
+    shown = min(req.piece, len(pieces) - 1)
+    text, _, _, cut_piece = cut_to_limit(encode, pieces[shown], limit)
+    pieces[shown] = text
     beam = req.beam if loaded.tokenizer is not None else 1
     layer, module, spec = _selection(model, req)
+
+    def joined(shown_text: str, beam: int) -> list[str]:  # every piece's translation
+        return [shown_text if i == shown else decode_translation(entry, p, beam)["text"]
+                for i, p in enumerate(pieces)]  # fmt: skip
+
     with torch.no_grad(), heads_off(model, spec):
         d = decode_translation(entry, text, beam)
+        outputs = joined(d["text"], beam)
         merged = merge_steps(d["steps"])
         src, tgt = torch.tensor([d["src"]]), torch.tensor([d["tgt_in"]])
         with grab_call(model, layer) as calls:
@@ -229,22 +243,25 @@ def _translation(entry: Entry, req: AttentionRequest, text: str) -> dict:
         k_tok = d["source_tokens"] if (enc or kind == "cross") else d["inputs"]
         step = step_detail(module, calls[0], req.head, q_tok, k_tok)
     out = {
-        "limit": limit, "text": text, "tokens": d["source_tokens"], "truncated": cut,
+        "limit": limit, "text": text, "tokens": d["source_tokens"], "truncated": cut or cut_piece,
         **maps_fields(merged, req),
         "step": {"layer": layer, **step},
         "translation": {"source_tokens": d["source_tokens"], "target_tokens": d["produced"],
-                        "decoder_inputs": d["inputs"], "text": d["text"], "beam": beam,
+                        "decoder_inputs": d["inputs"], "text": " ".join(outputs), "beam": beam,
                         "steps": len(d["steps"]), "beams": d.get("beams", []),
-                        "length_penalty": 1.0, **_warnings(loaded, text)},
+                        "length_penalty": 1.0, **pieces_fields(pieces, outputs, shown),
+                        **_warnings(loaded, " ".join(pieces))},
     }  # fmt: skip
     if beam > 1:
         with torch.no_grad(), heads_off(model, spec):
-            out["translation"]["greedy_text"] = decode_translation(entry, text, 1)["text"]
+            greedy = decode_translation(entry, text, 1)["text"]
+            out["translation"]["greedy_text"] = " ".join(joined(greedy, 1))
     if spec:
         with torch.no_grad():
             base = decode_translation(entry, text, beam)
+            before = joined(base["text"], beam)
         out["ablation"] = {"heads": ablation_heads(spec),
-                           "baseline": {"translation": base["text"],
+                           "baseline": {"translation": " ".join(before),
                                         "probe": probe_json(merge_steps(base["steps"]), req)}}  # fmt: skip
     return out
 
@@ -278,4 +295,6 @@ def attention(entry: Entry, req: AttentionRequest) -> dict:
     out["truncated"] = bool(out["truncated"] or cut_chars)
     out["notice"] = (f"The text was cut to its first {len(out['tokens'])} tokens (limit {limit})."
                      if out["truncated"] else None)  # fmt: skip
+    if "translation" in out and out["translation"]["pieces"]:
+        out["notice"] = split_notice(out["translation"], limit, out["truncated"])
     return {"model": entry.name, "random": entry.random, "limit": limit, **out}

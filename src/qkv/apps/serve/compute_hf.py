@@ -30,7 +30,9 @@ from qkv.apps.serve.answer import (
     choose_layer,
     cut_to_limit,
     maps_fields,
+    pieces_fields,
     probe_json,
+    split_source,
     step_matrices,
 )
 from qkv.apps.serve.limits import (
@@ -100,13 +102,24 @@ def hf_attention(entry: Entry, req: AttentionRequest, text: str) -> dict:
         cross = {n: h for n, h in counts.items() if n not in enc and _kind(loaded, n) == "cross"}
         dec = sum(counts.values()) - sum(enc.values()) - sum(cross.values())
         limit = translate_limit(sum(enc.values()), dec, sum(cross.values()))
-        text, tokens, _, cut = cut_to_limit(loaded.encode, text, limit)
+        # a text longer than the maps' limit: translated piece by piece, as qkv translate does
+        pieces, cut = split_source(loaded.encode, text, limit)
+        shown = min(req.piece, len(pieces) - 1)
+        text, tokens, _, cut_piece = cut_to_limit(loaded.encode, pieces[shown], limit)
+        pieces[shown], cut = text, cut or cut_piece
         layer = choose_layer(req, counts)
         spec = ablation_spec(req, counts)
         new_tokens = target_limit(len(tokens))
+
+        def joined(shown_text: str, beam: int) -> list[str]:  # every piece's translation
+            return [shown_text if i == shown else translate_hf(
+                        loaded, p, max_new_tokens=target_limit(len(loaded.encode(p)[0])),
+                        beam=beam)["text"] for i, p in enumerate(pieces)]  # fmt: skip
+
         with heads_off(hf.model, spec):
             d = translate_hf(loaded, text, max_new_tokens=new_tokens, beam=req.beam)
-            greedy = (translate_hf(loaded, text, max_new_tokens=new_tokens)["text"]
+            outputs = joined(d["text"], req.beam)
+            greedy = (" ".join(joined(translate_hf(loaded, text, max_new_tokens=new_tokens)["text"], 1))
                       if req.beam > 1 else None)  # fmt: skip
             _, (ids, mask) = loaded.encode(text)
             with record_call(hf.model, layer) as calls:  # teacher-forced replay of the output
@@ -121,16 +134,17 @@ def hf_attention(entry: Entry, req: AttentionRequest, text: str) -> dict:
                                 k_tok, spec)  # fmt: skip
         maps = d["maps"]
         tr = {"source_tokens": d["source_tokens"], "target_tokens": d["produced"],
-              "decoder_inputs": d["inputs"], "text": d["text"], "beam": req.beam,
+              "decoder_inputs": d["inputs"], "text": " ".join(outputs), "beam": req.beam,
               "steps": len(d["produced"]), "beams": _beams(loaded, d["beams"]),
-              "length_penalty": d["length_penalty"]}  # fmt: skip
+              "length_penalty": d["length_penalty"], **pieces_fields(pieces, outputs, shown)}  # fmt: skip
         if greedy is not None:
             tr["greedy_text"] = greedy
         extra = {"translation": tr}
         if spec:
             base = translate_hf(loaded, text, max_new_tokens=new_tokens, beam=req.beam)
+            before = joined(base["text"], req.beam)
             extra["ablation"] = {"heads": ablation_heads(spec),
-                                 "baseline": {"translation": base["text"],
+                                 "baseline": {"translation": " ".join(before),
                                               "probe": probe_json(base["maps"], req)}}  # fmt: skip
     else:
         shown = enc if hf.kind == "encoder-decoder" else counts

@@ -29,7 +29,12 @@ MAX_TOP_K           10       tokens per cell of the Lens (compute_lens), which r
                              probabilities, the attribution 2 × MAX_TOP_K per head at one
                              position; 2,048 tokens, the tests' 2-layer Llama, top_k 5: 440 kB,
                              0.15 s (top_k 10: 820 kB)
-TRANSLATE_LIMIT     48       source tokens when translating; target ≤ target_limit(source)
+TRANSLATE_LIMIT     48       source tokens in the maps when translating; target ≤
+                             target_limit(source). A longer text is split as ``qkv translate``
+                             splits a line (sentences, then word runs: qkv.limits.split_to_fit),
+                             each piece translated and the translations joined; the maps show
+                             one piece (``piece``)
+MAX_PIECES          8        pieces translated for one request; the text after them is cut
 MAX_CELLS           320,000  attention weights as JSON in one response (all layers × heads ×
                              Tq × Tk; pooled maps count as their cells)
 MAX_BEAM            8        beam size
@@ -71,6 +76,7 @@ __all__ = [
     "MAX_JSON_DEPTH",
     "LONG_TOKEN_LIMIT",
     "MAX_LONG_BYTES",
+    "MAX_PIECES",
     "MAX_BODY_BYTES",
     "MAX_TEXT_CHARS",
     "READ_TIMEOUT_S",
@@ -98,6 +104,7 @@ MAX_BEAM = 8
 STEP_DIMS = 64
 MAX_ABLATE = 512
 MAX_CANDIDATES = 8
+MAX_PIECES = 8  # pieces of a long text translated for one request (qkv.apps.serve.answer)
 MAX_LONG_BYTES = 64 * 2**20  # a long answer's JSON (see the table above)
 
 
@@ -136,6 +143,7 @@ class AttentionRequest:
     ablate: list[tuple[str, int]] = field(default_factory=list)
     probe_token: str | None = None
     probe_candidates: list[str] = field(default_factory=list)
+    piece: int = 0  # translating a text split into pieces: the one whose maps are shown
     # answered long beyond the JSON maps' limit (qkv.apps.serve.long); not a body field:
     # qkv view's self-contained page keeps to TOKEN_LIMIT
     long: bool = True
@@ -319,4 +327,5 @@ def parse_request(body: object) -> AttentionRequest:
         ablate=pairs,
         probe_token=token,
         probe_candidates=candidates,
+        piece=_int(body, "piece", 0, 0, MAX_PIECES - 1),
     )

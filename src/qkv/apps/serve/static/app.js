@@ -9,23 +9,22 @@
     if (text !== undefined) e.textContent = String(text);
     return e;
   };
-  // head colours and colour scales: export.js's (loaded first), so that the screen and a
-  // downloaded picture always agree
-  const { HEAD_COLORS, seq, div, seqRGB, divRGB } = window.qkvExport;
+  // head colours, colour scales, numbers (fmt: 3 decimals, cellText: a cell's 2) and label
+  // widths: export.js's (loaded first), so that the screen and a downloaded picture agree
+  const { HEAD_COLORS, seq, div, seqRGB, divRGB, fmt, cellText, cellFont, textWidth, FONT } = window.qkvExport;
   const Maps = window.qkvMaps; // maps.js: matrices of any size, painted as ImageData
   const LONG_ROWS = 128; // a map of more tokens is a long answer's (qkv.limits.TOKEN_LIMIT)
+  const LABEL_PX = 11, SIN60 = Math.sin(Math.PI / 3); // token labels: their font size; columns turn 60°
   const S = { data: null, strings: null, lang: "en", view: "step", layer: null, head: 0,
     heads: new Set(), pinned: null, step: 0, off: new Set(), offline: false, busy: false,
     pending: false, timer: null, probeToken: "it", probeCands: "animal, street", models: [],
-    error: null, notice: null, status: null, urlSel: null, win: 0 };
+    error: null, notice: null, status: null, urlSel: null, win: 0, piece: 0, pieceOf: null };
   let cmp = null; // compare.js: A beside B (made in start(), once app.js's helpers exist)
   let lg = null; // long.js: a long answer's packed maps, head window and downloads (idem)
   let lens = null; // lens.js: the Lens view (made in start() too)
   let engine = null; // engine.js: where every answer comes from (chosen in start(), once)
 
   // ---------- heat maps on canvas ----------
-  function fmt(v) { return v === null || v === undefined ? "−∞" : (Math.abs(v) >= 100 ? v.toFixed(1) : v.toFixed(3)); }
-
   const tip = () => $("#tip");
   function showTip(ev, text) {
     const t = tip(); t.textContent = text; t.hidden = false;
@@ -37,55 +36,71 @@
   // heatmap(values, rows, cols, {maxWidth, maxCell, prob, features, ints, highlightRow,
   // rowsShown}): values [R][C] (JSON) or a maps.js matrix (a long answer's, decoded). Painted as
   // one ImageData (maps.js); a map wider than its room at 2 px a cell is drawn smaller than its
-  // cells (a pixel: the largest value under it), and hover shows the exact cell under the pointer
+  // cells (a pixel: the largest value under it), and hover shows the exact cell under the pointer.
+  // Token labels: rows at the left, columns rotated above, with room for the longest label (its
+  // height above, its tail right of the last column); where cells are narrower than the font,
+  // every k-th label (hover a cell: the tooltip names its row and column)
   function heatmap(values, rows, cols, opt) {
     const wrap = el("div", "hm");
     const M = values.get ? values : Maps.rows(values);
     const R = M.R, C = M.C, prob = !!opt.prob;
     const m = Math.max(Math.abs(M.lo), Math.abs(M.hi));
     const feat = !!opt.features; // columns are feature dimensions, not tokens
-    const labW = R <= 64 ? 70 : 0, labH = !feat && C <= 40 ? 46 : 0;
-    const fit = Math.floor((opt.maxWidth - labW) / Math.max(1, C));
-    const cell = fit >= 2 ? Math.min(opt.maxCell || 26, fit) : Math.max(1, opt.maxWidth - labW) / Math.max(1, C);
+    const rowText = R <= LONG_ROWS ? rows.map((r) => clip(r, 10)) : null;
+    const colText = !feat && C <= LONG_ROWS ? cols.map((c) => clip(c, 10)) : null;
+    const colW = colText ? Math.max(0, ...colText.map((c) => textWidth(c, LABEL_PX))) : 0;
+    const labW = rowText ? 70 : 0, labH = colText ? Math.ceil(colW * SIN60 + LABEL_PX) : 0;
+    const padR = colText ? Math.ceil(colW / 2 + LABEL_PX / 2) : 0; // the last label's tail
+    const room = Math.max(1, opt.maxWidth - labW - padR);
+    const fit = Math.floor(room / Math.max(1, C));
+    const cell = fit >= 2 ? Math.min(opt.maxCell || 26, fit) : room / Math.max(1, C);
     let cellH = feat ? Math.max(12, Math.min(20, cell)) : cell;
     if (R > LONG_ROWS) cellH = Math.min(cellH, Math.max(600, opt.maxWidth) / R); // a long answer's rows fit too
+    // every k-th label, so that two never overlap (rotated 60°: their gap is cell · sin 60°)
+    const everyR = Math.max(1, Math.ceil((LABEL_PX + 1) / cellH)), everyC = Math.max(1, Math.ceil((LABEL_PX + 1) / (cell * SIN60)));
+    const padY = rowText ? Math.max(0, Math.ceil(LABEL_PX / 2 - cellH / 2)) : 0; // the first and last row labels' overhang
+    const top = Math.max(labH, padY);
     const cv = el("canvas");
-    const W = Math.round(labW + cell * C), H = Math.round(labH + cellH * R);
+    const W = Math.round(labW + cell * C + (colText ? Math.max(0, padR - cell / 2) : 0)), H = Math.round(top + cellH * R + padY);
     const dpr = window.devicePixelRatio || 1;
     cv.width = W * dpr; cv.height = H * dpr; cv.style.width = W + "px"; cv.style.height = H + "px";
     const g = cv.getContext("2d");
-    Maps.paint(g, M, Math.round(labW * dpr), Math.round(labH * dpr), Math.round(cell * C * dpr), Math.round(cellH * R * dpr),
+    Maps.paint(g, M, Math.round(labW * dpr), Math.round(top * dpr), Math.round(cell * C * dpr), Math.round(cellH * R * dpr),
       { prob, m, seqRGB, divRGB, rowsShown: opt.rowsShown });
     g.scale(dpr, dpr);
     if (opt.highlightRow !== undefined && opt.highlightRow < R) {
       g.strokeStyle = "#e67700"; g.lineWidth = 2;
-      g.strokeRect(labW + 1, labH + opt.highlightRow * cellH + 1, C * cell - 2, cellH - 2);
+      g.strokeRect(labW + 1, top + opt.highlightRow * cellH + 1, C * cell - 2, cellH - 2);
     }
-    if (!feat && cell >= 16 && C <= 24 && R <= 40) { // exact values in big cells
-      g.font = "9px sans-serif"; g.textAlign = "center"; g.textBaseline = "middle";
+    const cfs = cellFont(cell, (v) => textWidth(v, 9), prob, opt.ints);
+    if (!feat && cfs && C <= 24 && R <= 40) { // exact values in big cells, in a font that fits them
+      g.font = `${cfs}px sans-serif`; g.textAlign = "center"; g.textBaseline = "middle";
       for (let i = 0; i < R; i++) for (let j = 0; j < C; j++) {
         const v = M.get(i, j); const x = prob ? v : (m ? Math.abs(v) / m : 0);
         const dim = opt.rowsShown !== undefined && i > opt.rowsShown;
         g.fillStyle = dim ? "#aaa" : v !== null && x > 0.6 ? "#fff" : "#222";
-        g.fillText(v === null ? "−∞" : (Math.abs(v) >= 10 || opt.ints ? v.toFixed(0) : v.toFixed(2)).replace(/^(-?)0\./, "$1."), labW + (j + 0.5) * cell, labH + (i + 0.5) * cell);
+        g.fillText(cellText(v, opt.ints), labW + (j + 0.5) * cell, top + (i + 0.5) * cell);
       }
     }
-    g.fillStyle = "#222"; g.font = "11px 'Noto Sans', 'Noto Sans CJK SC', sans-serif";
-    if (labW && cellH >= 9) {
+    g.fillStyle = "#222"; g.font = `${LABEL_PX}px ${FONT}`;
+    if (rowText) {
       g.textAlign = "right"; g.textBaseline = "middle";
-      rows.forEach((r, i) => g.fillText(clip(r, 10), labW - 4, labH + (i + 0.5) * cellH));
+      rowText.forEach((r, i) => { if (i % everyR === 0) g.fillText(r, labW - 4, top + (i + 0.5) * cellH); });
     }
-    if (labH && cell >= 9) {
+    if (colText) {
       g.textAlign = "left"; g.textBaseline = "middle";
-      cols.forEach((c, j) => {
-        g.save(); g.translate(labW + (j + 0.5) * cell, labH - 4); g.rotate(-Math.PI / 3);
-        g.fillText(clip(c, 7), 0, 0); g.restore();
+      colText.forEach((c, j) => {
+        if (j % everyC) return;
+        g.save(); g.translate(labW + (j + 0.5) * cell, top - 4); g.rotate(-Math.PI / 3);
+        g.fillText(c, 0, 0); g.restore();
       });
     }
+    // which labels are drawn (the browser tests read them): every k-th row and column, 0: none
+    cv.dataset.rowLabels = rowText ? everyR : 0; cv.dataset.colLabels = colText ? everyC : 0;
     const long = R > LONG_ROWS || C > LONG_ROWS; // the tip names positions: many cells share a pixel
     cv.addEventListener("mousemove", (ev) => {
       const r = cv.getBoundingClientRect();
-      const j = Math.floor((ev.clientX - r.left - labW) / cell), i = Math.floor((ev.clientY - r.top - labH) / cellH);
+      const j = Math.floor((ev.clientX - r.left - labW) / cell), i = Math.floor((ev.clientY - r.top - top) / cellH);
       if (i < 0 || j < 0 || i >= R || j >= C) return hideTip();
       const v = M.get(i, j);
       showTip(ev, t((feat ? "map.tipFeature" : "map.tip") + (long ? "At" : ""), { row: rows[i], col: cols[j], v: fmt(v), i, j }));
@@ -364,21 +379,42 @@
     tr.beams.forEach((b, i) => {
       const row = el("tr", b.chosen ? "chosen" : "");
       const hyp = el("td"); hyp.append(data("span", "", b.text), b.chosen ? "  " + t("beams.chosen") : "");
-      row.append(el("td", "", String(i + 1)), el("td", "num", b.score.toFixed(3)), hyp);
+      row.append(el("td", "", String(i + 1)), el("td", "num", fmt(b.score)), hyp);
       tb.append(row);
     });
     return tb;
   }
 
+  // a text longer than the maps' limit was translated in pieces (as qkv translate splits a
+  // line): each piece and its translation; a click shows that piece's maps
+  function piecesTable(tr) {
+    const box = el("div", "pieces"); box.id = "pieces";
+    box.append(el("p", "hint", t("trans.pieces", { n: tr.pieces.length, piece: tr.piece + 1 })));
+    const tb = el("table", "beams");
+    const head = el("tr"); ["#", t("trans.pieceSource"), t("trans.pieceOutput")].forEach((h) => head.append(el("th", "", h))); tb.append(head);
+    tr.pieces.forEach((p, i) => {
+      const row = el("tr", i === tr.piece ? "chosen" : "pick"); row.dataset.piece = i;
+      row.append(el("td", "", String(i + 1)), data("td", "", p.source), data("td", "", p.text));
+      if (i !== tr.piece) {
+        row.title = t("trans.pieceTitle", { i: i + 1 });
+        row.addEventListener("click", () => { S.piece = i; S.pieceOf = $("#text").value; S.step = 0; refresh(); });
+      }
+      tb.append(row);
+    });
+    box.append(tb);
+    return box;
+  }
+
   function renderTrans(root) {
     const tr = S.data.translation;
-    if (!tr) { root.append(el("p", "intro", t("trans.none"))); return; }
+    if (!tr) { root.append(el("p", "intro", t("trans.none"))); return false; } // (nothing to download)
     const n = tr.target_tokens.length;
     S.step = Math.min(S.step, n - 1);
     const line = el("p", "intro"); line.append(el("strong", "", t("trans.label")), data("span", "", tr.text));
     if (!cmp.on()) root.append(line); // (comparing: each side shows its own output)
     if (tr.beam > 1) root.append(elt("p", "hint", "trans.beamHint", { beam: tr.beam, greedy: tr.greedy_text }));
     if (tr.beams && tr.beams.length > 1) root.append(beamTable(tr));
+    if (tr.pieces && tr.pieces.length > 1 && !cmp.on()) root.append(piecesTable(tr));
     const ctl = el("div", "row2");
     const slider = el("input"); slider.type = "range"; slider.min = 0; slider.max = n - 1; slider.value = S.step; slider.id = "step-slider";
     slider.addEventListener("input", () => { S.step = +slider.value; renderView(); });
@@ -513,8 +549,9 @@
     if (!S.offline) cmp.writeURL(); // the page's state in its address (compare.js)
     const root = $("#view-" + S.view); root.replaceChildren();
     if (!S.data) { if (S.error) root.append(elt("p", "err", ...S.error)); return; }
-    try { RENDER[S.view](root); } catch (err) { root.append(elt("p", "err", "view.renderError", { err })); console.error(err); }
-    window.qkvExport.attach(root, { S: lg.isLong(S.data) ? lg.exportState() : S, t, short }); // export.js: download buttons
+    let drawn = true; // a view returns false when it has nothing to show (then nothing to download)
+    try { drawn = RENDER[S.view](root) !== false; } catch (err) { root.append(elt("p", "err", "view.renderError", { err })); console.error(err); }
+    if (drawn) window.qkvExport.attach(root, { S: lg.isLong(S.data) ? lg.exportState() : S, t, short }); // export.js: download buttons
     document.body.dataset.view = S.view;
   }
   function setTabs() {
@@ -549,6 +586,7 @@
     if (link) { if (link.layer) body.layer = link.layer; body.head = link.head; }
     else if (S.layer && S.data && S.data.model === body.model && !!S.data.translation === body.translate && layers().some((l) => l.name === S.layer)) body.layer = S.layer;
     else { body.head = 0; body.ablate = []; S.off.clear(); } // another model: its heads are all on
+    if (body.translate && S.piece && S.pieceOf === body.text) body.piece = S.piece; // a split text's piece
     const cands = S.probeCands.split(",").map((x) => x.trim()).filter(Boolean);
     if (S.probeToken && cands.length) body.probe = { token: S.probeToken, candidates: cands.slice(0, 8) };
     return body;
@@ -556,6 +594,9 @@
   async function refresh() {
     if (S.offline) return;
     if (S.busy) { S.pending = true; return; }
+    // an empty text: nothing to ask the server; said in place of the maps, as an error is (the
+    // previous ones belong to another text, and maybe another model)
+    if (!$("#text").value.trim()) { cmp.accept(null); fail(["error.emptyText"]); return; }
     S.busy = true; document.body.dataset.ready = "0"; showStatus("status.computing");
     const sel = [S.layer, S.head]; // the selection this request is for (a long text takes seconds)
     // comparing (compare.js): a second request for B, the same endpoint with its own text or heads off
@@ -604,7 +645,9 @@
     if (d.random) notes.push(["notice.random"]);
     // a model whose positions stop before 2,048 tokens (qkv.apps.serve.long.map_limit) says so
     const ownCap = d.positions && d.limit < d.positions && d.limit < 2048;
-    if (d.truncated) notes.push([ownCap ? "notice.cutPositions" : d.notice_key || "notice.cut", { n: d.tokens.length, limit: d.limit, positions: d.positions }]);
+    const pieces = (d.translation && d.translation.pieces) || [];
+    if (pieces.length > 1) notes.push([d.truncated ? "notice.splitCut" : "notice.split", { n: pieces.length, limit: d.limit, piece: d.translation.piece + 1, cmd: "qkv translate" }]);
+    else if (d.truncated) notes.push([ownCap ? "notice.cutPositions" : d.notice_key || "notice.cut", { n: d.tokens.length, limit: d.limit, positions: d.positions }]);
     else if (d.notice) notes.push(d.notice);
     for (const w of (d.translation && d.translation.warnings) || []) notes.push(["warn." + w.code, w]);
     if (lg.isLong(d)) notes.push(["notice.long", { n: d.tokens.length, k: d.layers[0].pooled.k }]);

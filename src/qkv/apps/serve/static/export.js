@@ -26,7 +26,25 @@
     "export.tooBig": "Too large to download ({size}; the limit is {limit}).",
     "export.failed": "Download failed: {error}",
     "export.saved": "Saved {name}",
+    "grid.head": "head {head}",
+    "grid.thumbTitle": "{layer}, head {head}",
+    "map.grey": "grey = −∞",
+    "compare.legend": "blue: B lower than A · white: the same · red: B higher than A",
+    "svg.random": "{model} (random weights)",
+    "svg.tokens": "tokens:",
+    "svg.probe": "“{token}” → {candidates}: {deciding} of {n} heads decide",
+    "svg.dla": "{layer}, head {head}: {v} on “{pred}” (position {i})",
+    "svg.up": "up: {tokens}",
+    "svg.down": "down: {tokens}",
+    "svg.lens": "logit lens: probability of each cell's top token",
+    "svg.lensSpan": "logit lens: probability of each cell's top token (positions {a}–{b} of {n})",
+    "svg.blocks": "each cell: the mean of {k}×{k} values ({r} × {c}; labels: every block's first token)",
+    "svg.weakest": "the {n} weakest lines (weight < {w}) are left out",
   };
+  // the words of a picture, in the page's language (strings.json, else EN): the view being
+  // drawn sets `pic` (describe), so that the panels need no context of their own
+  let pic = null;
+  const word = (key, vars) => say(pic || {}, key, vars);
 
   // ---------- small helpers ----------
   // XML 1.0 cannot hold C0 controls (but tab, newline, return), lone surrogates, U+FFFE/FFFF
@@ -36,7 +54,12 @@
   const num = (v) => String(Math.round(v * 100) / 100); // coordinates: 2 decimals are plenty
   const num3 = (v) => String(Math.round(v * 1000) / 1000); // opacities
   function clip(s, n) { s = String(s); return s.length > n ? s.slice(0, n - 1) + "…" : s; }
-  function fmt(v) { return v === null || v === undefined ? "−∞" : (Math.abs(v) >= 100 ? v.toFixed(1) : v.toFixed(3)); }
+  // numbers as the page prints them (app.js uses these too): a minus sign (U+2212), and a value
+  // that rounds to zero is 0 ("0.00", never "-0.00" or "-.00"); null is −∞ (a masked score)
+  function fixed(v, d) { const s = v.toFixed(d); return /^-[0.]*$/.test(s) ? s.slice(1) : s.replace(/^-/, "\u2212"); }
+  function fmt(v) { return v === null || v === undefined ? "−∞" : fixed(v, Math.abs(v) >= 100 ? 1 : 3); }
+  // a value written in its heat-map cell: 2 decimals (0 for |v| >= 10 and for integer maps)
+  function cellText(v, ints) { return v === null || v === undefined ? "−∞" : fixed(v, Math.abs(v) >= 10 || ints ? 0 : 2); }
   // the colour scales as [r, g, b] (maps.js paints pixels with them) and as "#rrggbb"
   function seqRGB(v) { // 0..1 → white..blue
     const t = Math.max(0, Math.min(1, v));
@@ -59,6 +82,13 @@
     if (!measure) measure = document.createElement("canvas").getContext("2d");
     measure.font = `${size}px ${FONT}`;
     return measure.measureText(String(s)).width;
+  }
+  // the font size (px, ≤ 9) at which a cell's widest value fits a cell of `cell` pixels, or 0
+  // when that would be under 6 px (then the cells show colours only); width(s): s's width at 9 px
+  function cellFont(cell, width, prob, ints) {
+    const widest = ints ? "00" : prob ? "0.00" : "\u22120.00";
+    const size = Math.min(9, Math.floor(9 * (cell - 3) / width(widest)));
+    return size >= 6 ? size : 0;
   }
   function sizeText(n) { return n >= 1048576 ? (n / 1048576).toFixed(1) + " MB" : Math.ceil(n / 1024) + " KB"; }
 
@@ -120,12 +150,13 @@
       parts.push(`<rect x="1" y="${o.highlightRow * cellH + 1}" width="${C * cell - 2}" height="${cellH - 2}" stroke="#e67700" stroke-width="2"/>`);
     }
     parts.push("</g>");
-    if (!feat && b.k === 1 && cell >= 16 && C <= 24 && R <= 40) { // exact values in big cells
-      parts.push(`<g font-size="9" text-anchor="middle">`);
+    const cfs = cellFont(cell, (v) => textWidth(v, 9), prob, o.ints); // the values' font: fits the cells
+    if (!feat && b.k === 1 && cfs && C <= 24 && R <= 40) { // exact values in big cells
+      parts.push(`<g font-size="${cfs}" text-anchor="middle">`);
       for (let i = 0; i < R; i++) for (let j = 0; j < C; j++) {
         const v = values[i][j]; const x = prob ? v : (m ? Math.abs(v) / m : 0);
         const dim = o.rowsShown !== undefined && i > o.rowsShown;
-        const s = v === null ? "−∞" : (Math.abs(v) >= 10 || o.ints ? v.toFixed(0) : v.toFixed(2)).replace(/^(-?)0\./, "$1.");
+        const s = cellText(v, o.ints);
         parts.push(`<text x="${num(x0 + (j + 0.5) * cell)}" y="${num(y0 + (i + 0.5) * cellH)}" dominant-baseline="central" fill="${dim ? "#aaa" : v !== null && x > 0.6 ? "#fff" : "#222"}">${xml(s)}</text>`);
       }
       parts.push("</g>");
@@ -144,8 +175,8 @@
       `<text x="0" y="9">${xml(lo0)}</text><rect x="${num(lw)}" y="0" width="120" height="10" fill="url(#${id})" stroke="#ccd" stroke-width="0.5"/>`,
       `<text x="${num(lw + 124)}" y="9">${xml(hi1)}</text>`);
     const notes = [];
-    if (values.some((row) => row.includes(null))) notes.push(o.greyNote || "grey = −∞");
-    if (b.k > 1) notes.push(`each cell: the mean of ${b.k}×${b.k} values (${o.values.length} × ${o.values[0].length}; labels: every block's first token)`);
+    if (values.some((row) => row.includes(null))) notes.push(word("map.grey"));
+    if (b.k > 1) notes.push(word("svg.blocks", { k: b.k, r: o.values.length, c: o.values[0].length }));
     if (notes.length) parts.push(`<text x="${num(lw + 132 + textWidth(hi1, 10))}" y="9">${xml(notes.join("; "))}</text>`);
     parts.push("</g></g>");
     const w = Math.max(x0 + C * cell + colW * 0.5, lw + 140 + textWidth(notes.join("; "), 10), o.title ? textWidth(o.title, 13) : 0);
@@ -166,7 +197,7 @@
     let note = "";
     if (lines.length > MAX_LINES) {
       lines.sort((a, b) => b[0] - a[0]);
-      note = `the ${lines.length - MAX_LINES} weakest lines (weight < ${fmt(lines[MAX_LINES - 1][0])}) are left out`;
+      note = word("svg.weakest", { n: lines.length - MAX_LINES, w: fmt(lines[MAX_LINES - 1][0]) });
       lines = lines.slice(0, MAX_LINES);
     }
     const parts = [`<g class="headview" font-size="${fs}" fill="#1d2330">`];
@@ -190,7 +221,7 @@
     const H = Math.max(R, C) * RH;
     const ly = H + 16; // legend: the heads drawn, in their colours
     parts.push(`<g class="legend" font-size="11">`);
-    active.forEach(([h, hi], a) => parts.push(`<rect x="${a * 64}" y="${ly - 10}" width="12" height="12" fill="${HEAD_COLORS[hi % HEAD_COLORS.length]}"/><text x="${a * 64 + 16}" y="${ly}">head ${xml(h)}</text>`));
+    active.forEach(([h, hi], a) => parts.push(`<rect x="${a * 64}" y="${ly - 10}" width="12" height="12" fill="${HEAD_COLORS[hi % HEAD_COLORS.length]}"/><text x="${a * 64 + 16}" y="${ly}">${xml(word("grid.head", { head: h }))}</text>`));
     if (note) parts.push(`<text x="0" y="${ly + 18}" fill="#667">${xml(note)}</text>`);
     parts.push("</g></g>");
     return { w: Math.ceil(Math.max(bx + active.length * 13, active.length * 64)), h: ly + (note ? 24 : 6), body: parts.join("\n") };
@@ -202,7 +233,7 @@
     const labs = ls.map((l) => short(ctx, l.name));
     const lw = 10 + Math.max(...labs.map((x) => textWidth(x, fs)));
     const parts = [`<g class="grid" font-size="${fs}" fill="#1d2330">`];
-    for (let h = 0; h < H; h++) parts.push(`<text x="${num(lw + h * (TS + GAP) + TS / 2)}" y="12" text-anchor="middle" fill="#667">head ${h}</text>`);
+    for (let h = 0; h < H; h++) parts.push(`<text x="${num(lw + h * (TS + GAP) + TS / 2)}" y="12" text-anchor="middle" fill="#667">${xml(word("grid.head", { head: h }))}</text>`);
     ls.forEach((L, li) => {
       const y = 20 + li * (TS + GAP);
       parts.push(`<text x="${num(lw - 8)}" y="${y + TS / 2}" text-anchor="end" dominant-baseline="central">${xml(labs[li])}</text>`);
@@ -296,10 +327,12 @@
   // the view's other numbers (JSON "shown"), and the picture's panels
   function describe(ctx) {
     const S = ctx.S, d = S.data, view = S.view;
+    pic = ctx;
+    const named = (layer, head) => word("grid.thumbTitle", { layer, head });
     let L = layerOf(S), head = S.head;
     const heat = (M, h, extra) => { // one head's weights; a head the layer lacks: its first (as app.js)
       const i = Math.max(0, M.heads.indexOf(h));
-      return heatPanel(Object.assign({ values: M.weights[i], rows: M.q_tokens, cols: M.k_tokens, prob: true, maxWidth: 600, maxCell: 44, key: "weights", title: `${M.name}, head ${M.heads[i]}` }, extra || {}));
+      return heatPanel(Object.assign({ values: M.weights[i], rows: M.q_tokens, cols: M.k_tokens, prob: true, maxWidth: 600, maxCell: 44, key: "weights", title: named(M.name, M.heads[i]) }, extra || {}));
     };
     const out = { view, shown: {}, panels: [], maxW: 1200 };
     if (view === "step") {
@@ -318,7 +351,7 @@
       out.panels = [linesPanel(L, active, S.pinned)];
     } else if (view === "model") {
       out.shown = { layers: d.layers, heads_off: [...S.off], thumbnails: `max over the cells under each of at most ${THUMB}×${THUMB} cells, colour = √weight` };
-      const words = wrapWords(["tokens:", ...d.tokens.map((x) => clip(x, 24))], 1000, 11);
+      const words = wrapWords([word("svg.tokens"), ...d.tokens.map((x) => clip(x, 24))], 1000, 11);
       out.panels = [gridPanel(d.layers, ctx), Object.assign(textPanel(words, 11, "#667"), { newRow: true })];
     } else if (view === "trans" && d.translation) {
       const tr = d.translation, { cl, dl } = transLayers(S);
@@ -329,7 +362,7 @@
       if (dl) {
         const dh = dl.heads[Math.max(0, dl.heads.indexOf(S.head))], w = (dl.weights[dl.heads.indexOf(dh)][step] || []).slice(0, step + 1);
         out.shown.decoder_self = { layer: dl.name, head: dh, query: dl.q_tokens[step], keys: dl.k_tokens.slice(0, w.length), weights: w };
-        out.panels.push(barsPanel(`${dl.name}, head ${dh}: ${clip(dl.q_tokens[step], 16)}`, dl.k_tokens.slice(0, w.length), w));
+        out.panels.push(barsPanel(`${named(dl.name, dh)}: ${clip(dl.q_tokens[step], 16)}`, dl.k_tokens.slice(0, w.length), w));
       }
     } else if (view === "diff" && ctx.diff) { // compare.js: A, B and B − A of one layer and head
       const df = ctx.diff;
@@ -341,15 +374,15 @@
           note: "B − A, position by position (3 decimals); a label A/B where the two tokens differ" } } };
       out.matrix = { rows: df.rows, cols: df.cols, values: df.values }; // the CSV: B − A
       const size = { maxWidth: 400, maxCell: 30 }; // the three in a row
-      out.panels = [heat(df.a, head, { title: `A: ${df.a.name}, head ${head}`, ...size }), heat(df.b, head, { title: `B: ${df.b.name}, head ${head}`, ...size }),
-        heatPanel({ key: "diff", values: df.values, rows: df.rows, cols: df.cols, title: `B − A: ${L.name}, head ${head}`, ...size }),
-        Object.assign(textPanel(["B − A: blue = B lower than A, white = the same, red = B higher", `A: ${clip(df.textA, 120)}`,
+      out.panels = [heat(df.a, head, { title: `A: ${named(df.a.name, head)}`, ...size }), heat(df.b, head, { title: `B: ${named(df.b.name, head)}`, ...size }),
+        heatPanel({ key: "diff", values: df.values, rows: df.rows, cols: df.cols, title: `B − A: ${named(L.name, head)}`, ...size }),
+        Object.assign(textPanel([`B − A: ${word("compare.legend")}`, `A: ${clip(df.textA, 120)}`,
           `B: ${clip(df.textB, 120)}`], 11, "#667"), { newRow: true })];
       out.maxW = 1500;
     } else if (view === "work" && d.probe && !d.probe.error && d.probe.rows.length) {
       const pr = d.probe;
       out.shown = { probe: pr, ablation: d.ablation || null, heads_off: [...S.off] };
-      out.panels = [textPanel([`“${pr.token}” → ${pr.candidates.join(", ")}: ${pr.deciding} of ${pr.n_heads} heads decide`], 13),
+      out.panels = [textPanel([word("svg.probe", { token: pr.token, candidates: pr.candidates.join(", "), deciding: pr.deciding, n: pr.n_heads })], 13),
         Object.assign(heatPanel({ key: "probe", values: pr.rows.map((r) => pr.candidates.map((c) => r.scores[c] ?? null)), rows: pr.rows.map((r) => `${short(ctx, r.layer)} h${r.head}`),
           cols: pr.candidates, prob: true, maxWidth: 60 * pr.candidates.length, maxCell: 60 }), { newRow: true }),
         heat(L, head)];
@@ -359,12 +392,13 @@
       out.matrix = { corner: "layer \\ position", rows: tb.layers, cols: lz.tokens, values: tb.probs.map((r) => r.map((c) => c[0])) }; // the CSV: top-1 probabilities
       // a long text: the pictures hold the table's window of positions (lens.js), the CSV all
       const [a, b] = S.lensWindow || [0, lz.tokens.length], cut = (xs) => xs.slice(a, b);
-      const span = S.lensWindow ? ` (positions ${a}–${b - 1} of ${lz.tokens.length})` : "";
-      out.panels = [heatPanel({ key: "lens", values: out.matrix.values.map(cut), rows: tb.layers, cols: cut(lz.tokens), prob: true, maxWidth: 900, maxCell: 30, title: "logit lens: probability of each cell's top token" + span }),
+      const lensTitle = S.lensWindow ? word("svg.lensSpan", { a, b: b - 1, n: lz.tokens.length }) : word("svg.lens");
+      out.panels = [heatPanel({ key: "lens", values: out.matrix.values.map(cut), rows: tb.layers, cols: cut(lz.tokens), prob: true, maxWidth: 900, maxCell: 30, title: lensTitle }),
         Object.assign(textPanel(tb.layers.flatMap((n, i) => wrapWords([`${n}:`, ...cut(tb.tokens[i]).map((c) => clip(c[0], 12))], 1100, 11)), 11, "#334"), { newRow: true })];
       const k = L.pooled ? L.pooled.k : 1; // (a long answer's maps: pooled in k × k blocks)
-      if (at) out.panels.push(Object.assign(textPanel([`${L.name}, head ${head}: ${at.target} on ${lz.predicted} (position ${lz.position})`,
-        `up: ${at.up.map(([x, v]) => `${x} ${v}`).join(", ")}`, `down: ${at.down.map(([x, v]) => `${x} ${v}`).join(", ")}`], 11, "#334"), { newRow: true }), heat(L, head, { highlightRow: Math.floor(lz.position / k) }));
+      const amounts = (xs) => xs.map(([x, v]) => `${x} ${fmt(v)}`).join(", ");
+      if (at) out.panels.push(Object.assign(textPanel([word("svg.dla", { layer: L.name, head, v: fmt(at.target), pred: lz.predicted, i: lz.position }),
+        word("svg.up", { tokens: amounts(at.up) }), word("svg.down", { tokens: amounts(at.down) })], 11, "#334"), { newRow: true }), heat(L, head, { highlightRow: Math.floor(lz.position / k) }));
       else out.panels.push(Object.assign(heat(L, head), { newRow: true }));
       out.maxW = 1200;
     } else {
@@ -384,7 +418,8 @@
     gradients = [];
     const desc = describe(ctx);
     const S = ctx.S;
-    const sub = `${S.data.model || ""}${S.data.random ? " (random weights)" : ""} · ${desc.L.name} · head ${desc.head}`;
+    const model = S.data.model || "";
+    const sub = `${S.data.random ? word("svg.random", { model }) : model} · ${desc.L.name} · ${word("grid.head", { head: desc.head })}`;
     const head = textPanel([sub], 11, "#667");
     head.fullRow = true;
     const doc = compose(`qkv ${desc.view}: ${sub}`, [head, ...desc.panels], desc.maxW);
@@ -507,5 +542,5 @@
   }
 
   window.qkvExport = { attach, xml, toSVG, toJSON, toCSV, MAX_SIDE, MAX_BYTES, HEAD_COLORS, seq, div,
-    range, seqRGB, divRGB };
+    range, seqRGB, divRGB, fmt, cellText, cellFont, textWidth, FONT };
 })();
