@@ -33,3 +33,9 @@ def test_the_tour_names_the_translators_target_language():
     assert _language("en-fr", "target") == "French"
     assert _language("fr-en", "target") == "English"
     assert _language("/some/dir/my-model", "target") == "output"
+
+
+def test_the_tour_writes_into_a_folder_of_its_own_by_default():
+    from qkv.apps.cli import build_parser
+
+    assert build_parser().parse_args(["tour"]).out_dir == "qkv-tour"

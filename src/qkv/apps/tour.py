@@ -172,7 +172,7 @@ def heads_at_work(model: str, sentence: str, variant: str | None, top: int, out:
 
 
 def tour(
-    out_dir: str | os.PathLike = ".",
+    out_dir: str | os.PathLike = "qkv-tour",
     *,
     text: str = NOTES,
     sentence: str = PRONOUN,
@@ -225,7 +225,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "tour", help="the notes' story on real models: attention, translation, heads"
     )
-    p.add_argument("--out-dir", type=output_dir, default=".", help="where the pages/pictures go")
+    p.add_argument("--out-dir", type=output_dir, default="qkv-tour",
+                   help="the folder the pages and pictures go into (made if needed)")  # fmt: skip
     p.add_argument("--text", type=text_arg, default=NOTES, help="the sentence to translate")
     p.add_argument("--sentence", type=text_arg, default=PRONOUN, help="the pronoun sentence")
     p.add_argument("--model", default="minilm", help="model for the probe: minilm | random | DIR")
