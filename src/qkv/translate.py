@@ -83,8 +83,8 @@ WARNINGS = {
             "about 40 words, so the translation may be poor.",
     "pieces": "Words here are unknown to the model's vocabulary (split into many small pieces), "
               "so the translation may be poor.",
-    "caps": "The text is all in capitals: it was translated in lower case and the translation "
-            "put back into capitals.",
+    "caps": "The text is all in capitals: it was translated in sentence case (a capital first "
+            "letter, the rest small) and the translation put back into capitals.",
 }  # fmt: skip
 
 

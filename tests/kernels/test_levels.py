@@ -368,7 +368,8 @@ def test_no_tool_walking_the_package_can_load_a_level():
 
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("aarch64-linux-gnu-g++") is None,
-                    reason="no aarch64 cross compiler (scripts/setup-system.sh installs it)")  # fmt: skip
+                    reason="no aarch64-linux-gnu-g++ on PATH (scripts/setup-system.sh installs "
+                    "it; the wheel's test runs with a PATH of the fresh venv alone)")  # fmt: skip
 @pytest.mark.skipif(_levels._machine() == "aarch64", reason="this machine builds its Arm level")
 def test_the_neon_level_compiles_for_aarch64(tmp_path):
     """Every kernel source with the aarch64 level's flags, cross-compiled against this torch's
