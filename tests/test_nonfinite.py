@@ -340,8 +340,24 @@ def test_every_level_follows_the_rule(level):
     res = deadline.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", __file__,
          "-k", "every_backend_follows or unused_tail or only_the_rows or int8_cache or "
-               "all_minus_inf or underflows or numpy_mask"],
+               "all_minus_inf or underflows or numpy_mask or aligned"],
         600, f"the non-finite tests on level {level}",
         env=dict(os.environ, QKV_ISA=level), capture_output=True, text=True,
     )  # fmt: skip
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
+
+
+@pytest.mark.parametrize("Tk", [1, 5])
+def test_int8_rows_whose_scales_are_not_aligned(Tk):
+    """d = 6: each row's scale sits at an offset that is not a multiple of 4, so the look at
+    the scales copies them (one row alone is contiguous, yet still misaligned)."""
+    g = torch.Generator().manual_seed(8)
+    q = torch.randn(1, 1, 1, 6, generator=g)
+    k, v = torch.randn(1, 1, Tk, 6, generator=g), torch.randn(1, 1, Tk, 6, generator=g)
+    v[0, 0, Tk - 1, 2] = math.nan
+    k8, v8, k_held, v_held = int8_rows(k, v)
+    mask = torch.ones(1, 1, 1, Tk, dtype=torch.bool)
+    mask[..., Tk - 1] = Tk == 1  # the NaN row hidden, unless it is the only key
+    for backend in ("auto", "decode", "decode_attention", "math"):
+        got = run(backend, q, k8, v8, mask=mask)
+        assert_rule(got, rule(q, k_held, v_held, mask=mask), 2e-3, backend)

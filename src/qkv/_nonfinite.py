@@ -26,8 +26,8 @@ values at keys no row may see before a kernel reads them (a cheap look at the ma
 the values themselves only at keys some row may not see), and sends a call whose non-finite
 value sits at a key that some rows see and others do not to the reference, which
 :func:`weights_times_values` (:mod:`qkv.kernels.reference`) computes exactly. PyTorch's SDPA
-gives zeros for a row whose
-logits are all NaN, so :func:`scores_may_be_nonfinite` sends such calls to the reference too.
+gives zeros for a row whose logits are all NaN, so :func:`scores_may_be_nonfinite` sends
+such calls to the reference too.
 
 On CUDA these checks are skipped (each would wait for the device): there the kernels' own
 IEEE behaviour applies. A NaN at a key a row sees still makes it NaN; a NaN or inf at a key it
@@ -45,7 +45,7 @@ from torch import Tensor
 
 from qkv._versions import version
 from qkv.kernels._native import native_module
-from qkv.kernels.decode import SCALE_BYTES
+from qkv.kernels.decode import row_scales
 from qkv.kernels.reference import checked as _checked
 from qkv.kernels.reference import finite as _finite
 from qkv.kernels.reference import weights_times_values
@@ -55,14 +55,8 @@ __all__ = ["quick_look", "scores_may_be_nonfinite", "values_for_kernel", "weight
 
 def _as_float_rows(v: Tensor) -> Tensor:
     """``v`` itself, or for an int8 cache's packed rows ``(..., Tk, d + 4)`` their scales
-    ``(..., Tk, 1)`` as fp32: finite exactly where the row is (quantize_rows)."""
-    if v.dtype != torch.int8:
-        return v
-    tail = v[..., -SCALE_BYTES:]
-    try:
-        return tail.view(torch.float32)  # no copy where the rows' layout allows it
-    except RuntimeError:  # rows of d + 4 bytes with d not a multiple of 4
-        return tail.contiguous().view(torch.float32)
+    ``(..., Tk, 1)``: finite exactly where the row is (quantize_rows)."""
+    return row_scales(v) if v.dtype == torch.int8 else v
 
 
 def scores_may_be_nonfinite(q: Tensor, k: Tensor, bias: Tensor | None) -> bool:

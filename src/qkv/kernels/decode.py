@@ -89,15 +89,23 @@ def decode_rejects(
 SCALE_BYTES = 4
 
 
+def row_scales(packed: Tensor) -> Tensor:
+    """The fp32 scales ``(..., 1)`` of packed int8 rows ``(..., d + 4)``: a view where the
+    rows' layout allows it (``d`` a multiple of 4), else a copy."""
+    tail = packed[..., -SCALE_BYTES:]
+    try:
+        return tail.view(torch.float32)
+    except RuntimeError:  # d not a multiple of 4: a copy (contiguous() may be the same tensor)
+        return tail.clone(memory_format=torch.contiguous_format).view(torch.float32)
+
+
 def dequantize_rows(packed: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
     """Packed int8 rows ``(..., d + 4)`` (:func:`qkv.cache.quantize_rows`) → ``(..., d)`` in
     ``dtype``."""
     if packed.dtype != torch.int8 or packed.shape[-1] < SCALE_BYTES:
         raise ValueError(f"packed must be int8 rows (..., d + {SCALE_BYTES}), got "
                          f"{packed.dtype} {tuple(packed.shape)}")  # fmt: skip
-    scale = packed[..., -SCALE_BYTES:].clone(memory_format=torch.contiguous_format)
-    scale = scale.view(torch.float32)  # (..., 1)
-    return (packed[..., :-SCALE_BYTES].float() * scale).to(dtype)
+    return (packed[..., :-SCALE_BYTES].float() * row_scales(packed)).to(dtype)
 
 
 def as_unpacked(t: Tensor, like: Tensor) -> Tensor:
