@@ -44,13 +44,15 @@ import torch
 from torch import Tensor
 
 from qkv._versions import version
+from qkv.block_mask import BlockMask
 from qkv.kernels._native import native_module
 from qkv.kernels.decode import row_scales
 from qkv.kernels.reference import checked as _checked
 from qkv.kernels.reference import finite as _finite
 from qkv.kernels.reference import weights_times_values
 
-__all__ = ["quick_look", "scores_may_be_nonfinite", "values_for_kernel", "weights_times_values"]
+__all__ = ["quick_look", "scores_may_be_nonfinite", "values_for_flash", "values_for_kernel",
+           "weights_times_values"]
 
 
 def _as_float_rows(v: Tensor) -> Tensor:
@@ -170,6 +172,23 @@ def values_for_kernel(
     if not exact:
         return v, False
     return (v, True) if hidden is None else (v.masked_fill(hidden.unsqueeze(-1), 0), True)
+
+
+def values_for_flash(
+    v: Tensor,
+    *,
+    mask: Tensor | BlockMask | None,
+    bias: Tensor | None,
+    causal: bool,
+    window: int | None,
+    Tq: int,
+) -> tuple[Tensor, bool]:
+    """:func:`values_for_kernel` for the fused flash kernel, whose ``mask`` may be a
+    :class:`~qkv.block_mask.BlockMask`: its hidden keys are anywhere, so every value is
+    looked at (exact only when all are finite)."""
+    if isinstance(mask, BlockMask):
+        return v, not _checked(v) or _finite(v)
+    return values_for_kernel(v, mask=mask, bias=bias, causal=causal, window=window, Tq=Tq)
 
 
 def _values_seen(

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from qkv import dispatch, masks
-from qkv._nonfinite import scores_may_be_nonfinite, values_for_kernel
+from qkv._nonfinite import scores_may_be_nonfinite, values_for_flash, values_for_kernel
 from qkv._validate import (
     check_bias,
     check_block_mask,
@@ -240,12 +240,9 @@ def scaled_dot_product_attention(
         )  # fmt: skip
         why = decision if isinstance(decision, str) else None
         if why is None:
-            if isinstance(mask, BlockMask):  # its hidden keys are anywhere: look at every value
-                exact = q.device.type == "cuda" or bool(torch.isfinite(v).all())
-            else:
-                v, exact = values_for_kernel(
-                    v, mask=mask, bias=bias, causal=causal, window=window, Tq=shape.Tq
-                )
+            v, exact = values_for_flash(
+                v, mask=mask, bias=bias, causal=causal, window=window, Tq=shape.Tq
+            )
             if not exact:
                 why = _NONFINITE_VALUES
         if why is None:

@@ -601,14 +601,11 @@ def flash_attention(
         check_mask(mask, shape, q.device)
     check_bias(bias, shape, q.device)
     if q.device.type != "cuda" and not shape.empty:
-        from qkv._nonfinite import values_for_kernel  # (it imports this module)
+        from qkv._nonfinite import values_for_flash  # (it imports this module)
 
-        if isinstance(mask, BlockMask):  # its hidden keys are anywhere: every value
-            exact = bool(torch.isfinite(v).all())
-        else:
-            v, exact = values_for_kernel(
-                v, mask=mask, bias=bias, causal=causal, window=window, Tq=shape.Tq
-            )
+        v, exact = values_for_flash(
+            v, mask=mask, bias=bias, causal=causal, window=window, Tq=shape.Tq
+        )
         if not exact:
             out, lse = reference_attention(q, k, v, shape, **args)
             return (out, lse) if return_lse else out
