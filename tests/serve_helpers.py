@@ -99,6 +99,17 @@ def running_server(app) -> Iterator[int]:
         sock.close()
 
 
+@contextmanager
+def serving(tmp_path_factory, name: str, *, minilm: bool) -> Iterator[str]:
+    """The test registry (:func:`registry`) served on 127.0.0.1, torch on one thread: its
+    URL (the browser tests' module fixtures)."""
+    from qkv.apps.serve.app import create_app
+
+    reg = registry(tmp_path_factory.mktemp(name), minilm=minilm)
+    with one_thread(), running_server(create_app(reg)) as port:
+        yield f"http://127.0.0.1:{port}"
+
+
 def page_ready(page, timeout_ms: float = 30_000) -> None:
     """Wait until the explorer page has finished its current request (``data-ready``).
 

@@ -5,18 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from serve_helpers import chromium, one_thread, registry, running_server
+from serve_helpers import chromium, serving
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """A real uvicorn server in a thread: random + a tiny translator (no MiniLM: the API
-    tests cover it)."""
-    from qkv.apps.serve.app import create_app
-
-    reg = registry(tmp_path_factory.mktemp("serve-browser"), minilm=False)
-    with one_thread(), running_server(create_app(reg)) as port:
-        yield f"http://127.0.0.1:{port}"
+    """random + a tiny translator (no MiniLM: the API tests cover it)."""
+    with serving(tmp_path_factory, "serve-browser", minilm=False) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -13,16 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from serve_helpers import (
-    chromium,
-    expect_download,
-    one_thread,
-    page_ready,
-    page_text,
-    post_json,
-    registry,
-    running_server,
-)
+from serve_helpers import expect_download, page_ready, page_text, post_json, serving
 
 pytest.importorskip("uvicorn")
 ROOT = Path(__file__).resolve().parents[3]  # the repository (this is tests/apps/serve/)
@@ -52,17 +43,8 @@ CanvasRenderingContext2D.prototype.fillText = function (text, x, y, ...rest) {
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """random, the tiny translator, the shipped en-fr, and MiniLM (an encoder, no translation)."""
-    from qkv.apps.serve.app import create_app
-
-    reg = registry(tmp_path_factory.mktemp("serve-details"), minilm=True)
-    with one_thread(), running_server(create_app(reg)) as port:
-        yield f"http://127.0.0.1:{port}"
-
-
-@pytest.fixture(scope="module")
-def browser():
-    with chromium() as b:
-        yield b
+    with serving(tmp_path_factory, "serve-details", minilm=True) as url:
+        yield url
 
 
 def _open(browser, url: str, height: int = 900, downloads: bool = False):
