@@ -1,0 +1,148 @@
+// qkv in-page engine: the models' ONNX Runtime Web sessions. A model folder (written by
+// qkv.apps.web.export) holds manifest.json, encoder.onnx and decoder.onnx over one
+// weights.bin, and tokenizer.json; load() fetches them once, from the page's own origin.
+//
+//   qkvRuntime.load(url)        a Model: manifest, tokenizer, encode(), step()
+//   qkvRuntime.Tensor           {data, dims}: what the graphs take and give (row-major)
+//
+// Shapes (onnx_graphs.py): L layers, N rows (hypotheses), h heads, S source, P cached and
+// T new target positions. The runtime is ort.wasm.min.js, WebAssembly with SIMD, one thread
+// unless the page is cross-origin isolated (GitHub Pages cannot be).
+"use strict";
+(() => {
+  // the site's root: this file is <root>/engine/runtime.js, the runtime <root>/ort/
+  const ROOT = new URL("../", document.currentScript.src).href;
+
+  class Tensor {
+    constructor(data, dims) { this.data = data; this.dims = dims; }
+    get size() { return this.dims.reduce((a, b) => a * b, 1); }
+    // the element strides of each axis
+    strides() {
+      const s = new Array(this.dims.length).fill(1);
+      for (let i = this.dims.length - 2; i >= 0; i--) s[i] = s[i + 1] * this.dims[i + 1];
+      return s;
+    }
+    // the sub-tensor at leading indices (a view: no copy)
+    at(...index) {
+      const st = this.strides();
+      let off = 0;
+      index.forEach((v, i) => { off += v * st[i]; });
+      const dims = this.dims.slice(index.length);
+      const n = dims.reduce((a, b) => a * b, 1);
+      return new Tensor(this.data.subarray(off, off + n), dims);
+    }
+    // nested arrays of a 2-D tensor (rows)
+    rows() {
+      const [r, c] = this.dims;
+      return Array.from({ length: r }, (_, i) => Array.from(this.data.subarray(i * c, (i + 1) * c)));
+    }
+    // the rows `index` of axis `axis` (beam search follows its hypotheses)
+    gather(axis, index) {
+      const outer = this.dims.slice(0, axis).reduce((a, b) => a * b, 1);
+      const inner = this.dims.slice(axis + 1).reduce((a, b) => a * b, 1);
+      const n = this.dims[axis];
+      const out = new this.data.constructor(outer * index.length * inner);
+      for (let o = 0; o < outer; o++) {
+        index.forEach((r, j) => {
+          out.set(this.data.subarray((o * n + r) * inner, (o * n + r + 1) * inner), (o * index.length + j) * inner);
+        });
+      }
+      const dims = this.dims.slice();
+      dims[axis] = index.length;
+      return new Tensor(out, dims);
+    }
+  }
+
+  function ortTensor(t) {
+    if (t.data instanceof BigInt64Array) return new ort.Tensor("int64", t.data, t.dims);
+    if (t.data instanceof Uint8Array) return new ort.Tensor("bool", t.data, t.dims);
+    return new ort.Tensor("float32", t.data, t.dims);
+  }
+  const ids = (rows) => new Tensor(BigInt64Array.from(rows.flat(), (v) => BigInt(v)), [rows.length, rows[0].length]);
+  const ones = (dims) => new Tensor(new Float32Array(dims.reduce((a, b) => a * b, 1)).fill(1), dims);
+
+  async function fetchOk(url) {
+    const r = await fetch(url);
+    if (!r.ok) throw new Error(`${url}: HTTP ${r.status}`);
+    return r;
+  }
+
+  let configured = false;
+  function configure() {
+    if (configured) return;
+    configured = true;
+    ort.env.wasm.wasmPaths = ROOT + "ort/";
+    // threads need SharedArrayBuffer, which only a cross-origin isolated page has
+    ort.env.wasm.numThreads = self.crossOriginIsolated ? Math.min(4, navigator.hardwareConcurrency || 1) : 1;
+    ort.env.logLevel = "error";
+  }
+
+  class Model {
+    constructor(manifest, tokenizer, encoder, decoder, bytes) {
+      this.manifest = manifest;
+      this.cfg = manifest.config;
+      this.tokenizer = tokenizer;
+      this.encoder = encoder;
+      this.decoder = decoder;
+      this.bytes = bytes; // downloaded
+    }
+
+    // encoder: src ids [S] → {memory, x, q, k, ..., memory_k, memory_v} (Tensors)
+    async encode(src, headMask) {
+      const c = this.cfg;
+      const feeds = { src: ids([src]), head_mask: headMask || ones([c.n_encoder_layers, c.n_heads]) };
+      return this.run(this.encoder, feeds);
+    }
+
+    // decoder: tokens [N][T] over caches → {logits, next_k, next_v, self.*, cross.*};
+    // `outputs`: the names wanted (default: all)
+    async step(tokens, past, memory, headMask, outputs) {
+      const c = this.cfg, N = tokens.length, S = memory.k.dims[3];
+      const feeds = {
+        tgt: ids(tokens), memory_mask: new Tensor(new Uint8Array(N * S).fill(1), [N, 1, 1, S]),
+        past_k: past.k, past_v: past.v, memory_k: memory.k, memory_v: memory.v,
+        head_mask: headMask || ones([2 * c.n_decoder_layers, c.n_heads]),
+      };
+      return this.run(this.decoder, feeds, outputs);
+    }
+
+    // empty self-attention caches for N rows
+    emptyPast(N) {
+      const c = this.cfg, dims = [c.n_decoder_layers, N, c.n_kv_heads, 0, c.d_k];
+      return { k: new Tensor(new Float32Array(0), dims), v: new Tensor(new Float32Array(0), dims) };
+    }
+
+    async run(session, feeds, outputs) {
+      const given = {};
+      for (const name of session.inputNames) given[name] = ortTensor(feeds[name]);
+      const out = await session.run(given, outputs);
+      const res = {};
+      for (const [name, t] of Object.entries(out)) {
+        res[name] = new Tensor(t.data, t.dims.map(Number));
+      }
+      return res;
+    }
+  }
+
+  // url: the model's folder ("models/en-fr/"); onProgress(bytes) as the files arrive
+  async function load(url) {
+    configure();
+    const manifest = await (await fetchOk(url + "manifest.json")).json();
+    const bytes = async (f) => new Uint8Array(await (await fetchOk(url + f)).arrayBuffer());
+    const [weights, enc, dec, tok] = await Promise.all([
+      bytes("weights.bin"), bytes("encoder.onnx"), bytes("decoder.onnx"),
+      fetchOk(url + "tokenizer.json").then((r) => r.json()),
+    ]);
+    const options = {
+      executionProviders: ["wasm"], graphOptimizationLevel: "all",
+      externalData: [{ path: "weights.bin", data: weights }],
+    };
+    const encoder = await ort.InferenceSession.create(enc, options);
+    const decoder = await ort.InferenceSession.create(dec, options);
+    const tokenizer = window.qkvTokenize.fromJson(tok);
+    const size = weights.length + enc.length + dec.length + JSON.stringify(tok).length;
+    return new Model(manifest, tokenizer, encoder, decoder, size);
+  }
+
+  window.qkvRuntime = { load, Tensor, ids, ones };
+})();
