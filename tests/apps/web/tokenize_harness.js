@@ -1,0 +1,59 @@
+// Runs tokenize.js for tests/apps/web/test_tokenize_js.py: one JSON request on stdin, one
+// JSON answer on stdout, so that a whole test module costs one node start.
+//
+//   {"unicode": {"cps": [...], "ref": {name: [cp...] | {cp: image}}}}
+//       -> {"unicode": {name: {"fixed": [mismatching cps], "base": [mismatching cps]}}}
+//   {"tokenizers": {name: {"path": file, "options": {...}} | {"hashed": {...}}},
+//    "encode": [[name, text, options?]], "decode": [[name, ids, options?]],
+//    "labels": [[name, ids]]}
+//       -> {"encode": [{ids, tokens} | {error}], "decode": [string | {error}], "labels": [...]}
+"use strict";
+const fs = require("fs");
+const path = require("path");
+const T = require(path.join(__dirname, "../../../src/qkv/apps/web/static/tokenize.js"));
+
+function unicode(req) {
+  const out = {};
+  for (const [name, ref] of Object.entries(req.ref)) {
+    const cls = T._internal.CLASSES[name];
+    const isMap = !Array.isArray(ref);
+    const set = isMap ? null : new Set(ref);
+    const res = { fixed: [], base: [] };
+    for (const cp of req.cps) {
+      const c = String.fromCodePoint(cp);
+      const want = isMap ? (ref[cp] === undefined ? c : ref[cp]) : set.has(cp);
+      if (cls.fixed(cp) !== want) res.fixed.push(cp);
+      if (cls.base(cp) !== want) res.base.push(cp);
+    }
+    out[name] = res;
+  }
+  return out;
+}
+
+function guarded(fn) {
+  try {
+    return fn();
+  } catch (e) {
+    return { error: `${e.name}: ${e.message}` };
+  }
+}
+
+const req = JSON.parse(fs.readFileSync(0, "utf8"));
+const res = {};
+if (req.unicode) res.unicode = unicode(req.unicode);
+if (req.tokenizers) {
+  const toks = {}, timing = {};
+  for (const [name, spec] of Object.entries(req.tokenizers)) {
+    const t0 = process.hrtime.bigint();
+    toks[name] = guarded(() => spec.hashed ? T.hashed(spec.hashed)
+      : T.fromJson(JSON.parse(fs.readFileSync(spec.path, "utf8")), spec.options));
+    timing[name] = Number(process.hrtime.bigint() - t0) / 1e6;
+  }
+  const call = (name, fn) => (toks[name].error ? toks[name] : guarded(() => fn(toks[name])));
+  res.load = Object.fromEntries(Object.entries(toks).map(([k, v]) => [k, v.error || null]));
+  res.load_ms = timing;
+  res.encode = (req.encode || []).map(([n, text, o]) => call(n, (t) => t.encode(text, o)));
+  res.decode = (req.decode || []).map(([n, ids, o]) => call(n, (t) => t.decode(ids, o)));
+  res.labels = (req.labels || []).map(([n, ids]) => call(n, (t) => t.labels(ids)));
+}
+process.stdout.write(JSON.stringify(res));
