@@ -133,6 +133,7 @@ def export_model(out: Path, name: str) -> dict:
     final = Path(out) / "models" / name
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=final.parent))
+    tmp.chmod(0o755)  # a web server serves it (mkdtemp makes it private)
     try:
         graphs = {}
         for kind, graph in (("encoder", EncoderGraph(model)), ("decoder", DecoderGraph(model))):

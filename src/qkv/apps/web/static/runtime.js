@@ -134,7 +134,7 @@
       fetchOk(url + "tokenizer.json").then((r) => r.json()),
     ]);
     const options = {
-      executionProviders: ["wasm"], graphOptimizationLevel: "all",
+      executionProviders: ["wasm"], graphOptimizationLevel: "basic",
       externalData: [{ path: "weights.bin", data: weights }],
     };
     const encoder = await ort.InferenceSession.create(enc, options);
