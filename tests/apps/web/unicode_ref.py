@@ -23,6 +23,7 @@ PREDICATES = ("rust.whitespace", "rust.other", "rust.punctuation", "rust.nonspac
               "onig.letter", "onig.number", "onig.space", "py.word", "py.punctOrSymbol",
               "py.space")  # fmt: skip
 MAPS = ("rust.lower", "rust.nfd", "py.lower")
+IGNORED = "ignored"  # {name: code points whose class the port never asks}
 HARNESS = Path(__file__).with_name("tokenize_harness.js")
 SCRIPT = Path(__file__).parents[3] / "src/qkv/apps/web/static/tokenize.js"
 _ASCII_PUNCT = {c for c in range(0x21, 0x7F) if not chr(c).isalnum()}
@@ -36,8 +37,9 @@ def code_points(step: int = 1) -> list[int]:
 
 
 def classes(cps: Iterable[int]) -> dict:
-    """``{name: [code points in the class]}`` for PREDICATES and ``{name: {cp: image}}``
-    (only where the image differs from the character) for MAPS."""
+    """``{name: [code points in the class]}`` for PREDICATES, ``{name: {cp: image}}``
+    (only where the image differs from the character) for MAPS, and under IGNORED the code
+    points whose class does not matter."""
     clean = normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=False,
                                        strip_accents=False, lowercase=False)  # fmt: skip
     strip = normalizers.BertNormalizer(clean_text=False, handle_chinese_chars=False,
@@ -49,6 +51,7 @@ def classes(cps: Iterable[int]) -> dict:
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     word = re.compile(r"\w")
     out: dict = {name: [] for name in PREDICATES} | {name: {} for name in MAPS}
+    out[IGNORED] = {"rust.nonspacing": []}
     for cp in cps:
         c = chr(cp)
         n = len(bert.pre_tokenize_str("a" + c + "a"))
@@ -59,8 +62,9 @@ def classes(cps: Iterable[int]) -> dict:
         if cp not in (0, 0xFFFD) and clean.normalize_str(c) == "":
             out["rust.other"].append(cp)
         d = nfd.normalize_str(c)
-        if d != c:
+        if d != c:  # its own class never counts: the accents are stripped after NFD
             out["rust.nfd"][cp] = d
+            out[IGNORED]["rust.nonspacing"].append(cp)
         elif strip.normalize_str(c) == "":
             out["rust.nonspacing"].append(cp)
         low = lower.normalize_str(c)
@@ -88,8 +92,8 @@ def compare(cps: list[int], ref: dict) -> dict:
     code points where tokenize.js's corrected (``fixed``) and uncorrected (``base``) class
     or map disagrees with ``ref`` (from :func:`classes`)."""
     sent = {k: (v if isinstance(v, list) else {str(a): b for a, b in v.items()})
-            for k, v in ref.items()}  # fmt: skip
-    req = json.dumps({"unicode": {"cps": cps, "ref": sent}})
+            for k, v in ref.items() if k != IGNORED}  # fmt: skip
+    req = json.dumps({"unicode": {"cps": cps, "ref": sent, "ignore": ref[IGNORED]}})
     out = subprocess.run(["node", str(HARNESS)], input=req, capture_output=True, text=True,
                          check=True, timeout=300)  # fmt: skip
     return json.loads(out.stdout)["unicode"]
@@ -106,20 +110,40 @@ def _ranges(cps: Iterable[int]) -> str:
 
 
 def fixes(ref: dict, diff: dict) -> dict:
-    """UNICODE_FIXES for tokenize.js: where the JS base classes differ from ``ref``."""
+    """UNICODE_FIXES for tokenize.js: where the JS base classes differ from ``ref``, and every
+    member (or mapped character) of a reference class that Python's Unicode 14 does not know:
+    a browser with an older Unicode than node's may not know it either."""
     out: dict = {}
     for name, r in diff.items():
-        base = r["base"]
+        later = {c for c in ref[name] if _unassigned(c)}
+        base = set(r["base"]) | later
         if not base:
             continue
         if name in MAPS:
-            out[name] = {"=": {f"{c:x}": ref[name].get(c, chr(c)) for c in base}}
+            out[name] = {"=": {f"{c:x}": ref[name].get(c, chr(c)) for c in sorted(base)}}
         else:
             inside = set(ref[name])
             plus = _ranges(c for c in base if c in inside)
             minus = _ranges(c for c in base if c not in inside)
             out[name] = {k: v for k, v in (("+", plus), ("-", minus)) if v}
     return out
+
+
+def _wrap(items: list[str], sep: str, width: int) -> list[str]:
+    """``items`` joined by ``sep`` into lines of at most ``width`` characters (a range string
+    keeps its trailing comma on each line but the last)."""
+    lines, cur = [], ""
+    for item in items:
+        if cur and len(cur) + len(sep) + len(item) > width:
+            lines.append(cur + (sep.strip() if sep == "," else ""))
+            cur = item
+        else:
+            cur = f"{cur}{sep}{item}" if cur else item
+    return [*lines, cur] if cur else lines
+
+
+def _unassigned(cp: int) -> bool:
+    return unicodedata.category(chr(cp)) == "Cn"
 
 
 def write_fixes() -> None:
@@ -131,7 +155,13 @@ def write_fixes() -> None:
     for name, fix in table.items():
         lines.append(f"    {json.dumps(name)}: {{")
         for key, value in fix.items():
-            lines.append(f"      {json.dumps(key)}: {json.dumps(value, ensure_ascii=True)},")
+            if isinstance(value, str):  # ranges: strings of ≤ 90 characters joined with +
+                parts = _wrap(value.split(","), ",", 88)
+                body = " +\n        ".join(json.dumps(p) for p in parts)
+            else:
+                items = [f"{json.dumps(k)}: {json.dumps(v)}" for k, v in value.items()]
+                body = "{\n        " + ",\n        ".join(_wrap(items, ", ", 88)) + ",\n      }"
+            lines.append(f"      {json.dumps(key)}: {body},")
         lines.append("    },")
     lines.append("  };")
     text = SCRIPT.read_text(encoding="utf-8")
