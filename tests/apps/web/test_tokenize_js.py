@@ -322,9 +322,14 @@ def test_bad_input_is_one_clear_error(tmp_path):
     assert got["decode"][0]["error"].startswith("TypeError: ids must be an array of integers")
 
 
-def _unicode_classes(step: int) -> None:
-    cps = unicode_ref.code_points(step)
-    ref = unicode_ref.classes(cps)
+@pytest.fixture(scope="module")
+def sample() -> tuple[list[int], dict]:
+    """Planes 0-1 code point by code point, every 16th above, and the references' classes."""
+    cps = unicode_ref.code_points(16)
+    return cps, unicode_ref.classes(cps)
+
+
+def _check_classes(cps: list[int], ref: dict) -> None:
     diff = unicode_ref.compare(cps, ref)
     bad = {name: [hex(c) for c in r["fixed"][:10]] for name, r in diff.items() if r["fixed"]}
     assert not bad, (
@@ -335,12 +340,57 @@ def _unicode_classes(step: int) -> None:
     assert any(r["base"] for r in diff.values())
 
 
-def test_unicode_classes_match_the_references():
-    """Each class and map tokenize.js uses equals the reference's, planes 0-1 code point by
-    code point, the planes above sampled."""
-    _unicode_classes(step=16)
+def test_unicode_classes_match_the_references(sample):
+    """Each class and map tokenize.js uses equals the reference's."""
+    _check_classes(*sample)
 
 
 @pytest.mark.slow
 def test_unicode_classes_match_the_references_everywhere():
-    _unicode_classes(step=1)
+    cps = unicode_ref.code_points()
+    _check_classes(cps, unicode_ref.classes(cps))
+
+
+def subset(ref: dict, keep: set[int]) -> dict:
+    """``ref`` (from :func:`unicode_ref.classes`) on the code points ``keep`` only."""
+    out = {}
+    for name, v in ref.items():
+        if name == unicode_ref.IGNORED:
+            out[name] = {k: [c for c in cs if c in keep] for k, cs in v.items()}
+        elif isinstance(v, list):
+            out[name] = [c for c in v if c in keep]
+        else:
+            out[name] = {str(c): img for c, img in v.items() if c in keep}
+    return out
+
+
+def test_a_browser_gives_the_same_answers(case, sample):
+    """tokenize.js in chromium (its own JavaScript engine and Unicode tables): the same
+    answers as Python's, and the same Unicode classes, for all the texts above."""
+    from serve_helpers import chromium
+
+    req = dict(case.req)
+    req["tokenizers"] = {
+        name: {**{k: v for k, v in spec.items() if k != "path"},
+               **({"json": json.loads(Path(spec["path"]).read_text(encoding="utf-8"))}
+                  if "path" in spec else {})}
+        for name, spec in case.req["tokenizers"].items()
+    }  # fmt: skip
+    cps = sample[0][::7]  # a seventh of the sample: the page's own tables, not every entry
+    ref = subset(sample[1], set(cps))
+    req["unicode"] = {"cps": cps, "ignore": ref.pop(unicode_ref.IGNORED), "ref": ref}
+    with chromium() as browser:
+        page = browser.new_page()
+        page.set_content("<!doctype html><meta charset='utf-8'><title>tokenize</title>")
+        page.add_script_tag(path=str(ROOT / "src/qkv/apps/web/static/tokenize.js"))
+        page.add_script_tag(path=str(HERE / "tokenize_harness.js"))
+        got = page.evaluate("(req) => window.qkvTokenizeHarness(req)", req)
+    bad = {name: r["fixed"][:10] for name, r in got["unicode"].items() if r["fixed"]}
+    assert not bad, f"chromium's Unicode classes differ from the references: {bad}"
+    assert got["load"] == {name: None for name in req["tokenizers"]}
+    for kind in ("encode", "decode", "labels"):
+        adjust = lambda call, g: random_model(call, g) if call[0] == "random" else g  # noqa: E731
+        bad = [(call, want, adjust(call, g))
+               for call, want, g in zip(case.req[kind], case.want[kind], got[kind], strict=True)
+               if adjust(call, g) != want]  # fmt: skip
+        assert not bad, f"{kind}: {len(bad)} calls differ in chromium, first: {bad[:2]}"
