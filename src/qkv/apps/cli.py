@@ -15,7 +15,8 @@ import sys
 from qkv.apps.cli_args import Parser, guard_stdout, run_command
 
 # the module under qkv/apps/ whose add_parser(subparsers) defines each subcommand, in --help order
-SUBCOMMANDS = ["tour", "explain", "translate", "train", "data_cli", "embed", "view", "serve.cli"]
+SUBCOMMANDS = ["tour", "explain", "translate", "train", "data_cli", "embed", "view", "serve.cli",
+               "web_cli"]
 
 
 def build_parser() -> Parser:
