@@ -151,22 +151,23 @@ def write_fixes() -> None:
     cps = code_points()
     ref = classes(cps)
     table = fixes(ref, compare(cps, ref))
-    lines = ["  const UNICODE_FIXES = {"]
+    lines = ["    return {"]
     for name, fix in table.items():
-        lines.append(f"    {json.dumps(name)}: {{")
+        lines.append(f"      {json.dumps(name)}: {{")
         for key, value in fix.items():
             if isinstance(value, str):  # ranges: strings of ≤ 90 characters joined with +
-                parts = _wrap(value.split(","), ",", 88)
-                body = " +\n        ".join(json.dumps(p) for p in parts)
+                parts = _wrap(value.split(","), ",", 86)
+                body = " +\n          ".join(json.dumps(p) for p in parts)
             else:
                 items = [f"{json.dumps(k)}: {json.dumps(v)}" for k, v in value.items()]
-                body = "{\n        " + ",\n        ".join(_wrap(items, ", ", 88)) + ",\n      }"
-            lines.append(f"      {json.dumps(key)}: {body},")
-        lines.append("    },")
-    lines.append("  };")
+                body = "{\n          " + ",\n          ".join(_wrap(items, ", ", 86))
+                body += ",\n        }"
+            lines.append(f"        {json.dumps(key)}: {body},")
+        lines.append("      },")
+    lines.append("    };")
     text = SCRIPT.read_text(encoding="utf-8")
     begin = text.index("\n", text.index("// BEGIN UNICODE_FIXES")) + 1
-    end = text.index("  // END UNICODE_FIXES")
+    end = text.index("    // END UNICODE_FIXES")
     tmp = SCRIPT.with_suffix(".js.tmp")
     tmp.write_text(text[:begin] + "\n".join(lines) + "\n" + text[end:], encoding="utf-8")
     tmp.replace(SCRIPT)

@@ -16,137 +16,19 @@
  * idToToken(id), tokenToId(token) and labels(ids), the token labels /api/attention sends.
  *
  * Unicode: the reference implementations carry their own Unicode tables (HF tokenizers' Rust
- * crates, Python 3.11's Unicode 14), older than the JavaScript engine's. UNICODE_FIXES below
- * lists the code points where the two disagree (characters assigned since), generated from
- * the references and checked code point by code point by tests/apps/web/test_tokenize_js.py.
+ * crates, Python 3.11's Unicode 14), older than the JavaScript engine's. unicodeFixes(), at
+ * the end, lists the code points where the two disagree (characters assigned since),
+ * generated from the references and checked code point by code point by
+ * tests/apps/web/test_tokenize_js.py.
  */
 (function (root) {
   "use strict";
 
   // ---- Unicode classes ------------------------------------------------------------------
 
-  // Code points where a reference's class differs from the JS engine's \p{...}: "+" ranges
-  // the reference counts in and JS does not, "-" ranges JS counts in and the reference does
-  // not (hex, "a-b" or "a"). Filled from the references; see the header.
-  // BEGIN UNICODE_FIXES (written by tests/apps/web/unicode_ref.py)
-  const UNICODE_FIXES = {
-    "rust.other": {
-      "-": "890-891,8e2,110cd,13430-1343f",
-    },
-    "rust.punctuation": {
-      "+": "166d,111c9",
-      "-": "61d,9fd,a76,c77,c84,1b4e-1b4f,1b7d-1b7f,2e43-2e4f,2e52-2e5d,10d6e,10ead,10ed0," +
-        "10f55-10f59,10f86-10f89,113d4-113d5,113d7-113d8,1144b-1144f,1145a-1145b,1145d," +
-        "11660-1166c,116b9,1183b,11944-11946,119e2,11a3f-11a46,11a9a-11a9c,11a9e-11aa2," +
-        "11b00-11b09,11be1,11c41-11c45,11c70-11c71,11ef7-11ef8,11f43-11f4f,11fff,12ff1-12ff2," +
-        "16d6d-16d6f,16e97-16e9a,16fe2,1e5ff,1e95e-1e95f",
-    },
-    "rust.nonspacing": {
-      "+": "1734,1171e",
-      "-": "7fd,897-89f,8ca-8e1,9fe,afa-aff,b55,c04,c3c,d00,d3b-d3c,d81,eba,ece,180f,1885-1886," +
-        "1abf-1add,1ae0-1aeb,1df6-1dfb,a82c,a8c5,a8ff,a9bd,10d24-10d27,10d69-10d6d,10eab-10eac," +
-        "10efa-10eff,10f46-10f50,10f82-10f85,11070,11073-11074,110c2,111c9,111cf,1123e,11241," +
-        "1133b,113bb-113c0,113ce,113d0,113d2,113e1-113e2,11438-1143f,11442-11444,11446,1145e," +
-        "1182f-11837,11839-1183a,1193b-1193c,1193e,11943,119d4-119d7,119da-119db,119e0," +
-        "11a01-11a0a,11a33-11a38,11a3b-11a3e,11a47,11a51-11a56,11a59-11a5b,11a8a-11a96," +
-        "11a98-11a99,11b60,11b62-11b64,11b66,11c30-11c36,11c38-11c3d,11c3f,11c92-11ca7," +
-        "11caa-11cb0,11cb2-11cb3,11cb5-11cb6,11d31-11d36,11d3a,11d3c-11d3d,11d3f-11d45,11d47," +
-        "11d90-11d91,11d95,11d97,11ef3-11ef4,11f00-11f01,11f36-11f3a,11f40,11f42,11f5a,13440," +
-        "13447-13455,1611e-16129,1612d-1612f,16f4f,16fe4,1cf00-1cf2d,1cf30-1cf46,1e000-1e006," +
-        "1e008-1e018,1e01b-1e021,1e023-1e024,1e026-1e02a,1e08f,1e130-1e136,1e2ae,1e2ec-1e2ef," +
-        "1e4ec-1e4ef,1e5ee-1e5ef,1e6e3,1e6e6,1e6ee-1e6ef,1e6f5,1e944-1e94a",
-    },
-    "onig.letter": {
-      "+": "1c89-1c8a,a7cb-a7cd,a7da-a7dc,105c0-105f3,10d4a-10d65,10d6f-10d85,10ec2-10ec4," +
-        "1123f-11240,11380-11389,1138b,1138e,11390-113b5,113b7,113d1,113d3,11bc0-11be0,11f02," +
-        "11f04-11f10,11f12-11f33,1342f,13441-13446,13460-143fa,16100-1611d,16d40-16d6c,18cff," +
-        "1b132,1b155,1df25-1df2a,1e030-1e06d,1e4d0-1e4eb,1e5d0-1e5ed,1e5f0,2b739,2ebf0-2ee5d," +
-        "31350-323af",
-      "-": "88f,c5c,cdc,a7ce-a7cf,a7d2,a7d4,a7f1,10940-10959,10ec5-10ec7,11db0-11ddb,16ea0-16eb8," +
-        "16ebb-16ed3,16ff2-16ff3,187f8-187ff,18d09-18d1e,18d80-18df2,1e6c0-1e6de,1e6e0-1e6e2," +
-        "1e6e4-1e6e5,1e6e7-1e6ed,1e6f0-1e6f4,1e6fe-1e6ff,2b73a-2b73f,2cea2-2cead,323b0-33479",
-    },
-    "onig.number": {
-      "+": "10d40-10d49,116d0-116e3,11bf0-11bf9,11f50-11f59,16130-16139,16d70-16d79,1ccf0-1ccf9," +
-        "1d2c0-1d2d3,1e4f0-1e4f9,1e5f1-1e5fa",
-      "-": "11de0-11de9,16ff4-16ff6",
-    },
-    "py.word": {
-      "-": "88f,c5c,cdc,1c89-1c8a,a7cb-a7cf,a7d2,a7d4,a7da-a7dc,a7f1,105c0-105f3,10940-10959," +
-        "10d40-10d65,10d6f-10d85,10ec2-10ec7,1123f-11240,11380-11389,1138b,1138e,11390-113b5," +
-        "113b7,113d1,113d3,116d0-116e3,11bc0-11be0,11bf0-11bf9,11db0-11ddb,11de0-11de9,11f02," +
-        "11f04-11f10,11f12-11f33,11f50-11f59,1342f,13441-13446,13460-143fa,16100-1611d," +
-        "16130-16139,16d40-16d6c,16d70-16d79,16ea0-16eb8,16ebb-16ed3,16ff2-16ff6,187f8-187ff," +
-        "18cff,18d09-18d1e,18d80-18df2,1b132,1b155,1ccf0-1ccf9,1d2c0-1d2d3,1df25-1df2a," +
-        "1e030-1e06d,1e4d0-1e4eb,1e4f0-1e4f9,1e5d0-1e5ed,1e5f0-1e5fa,1e6c0-1e6de,1e6e0-1e6e2," +
-        "1e6e4-1e6e5,1e6e7-1e6ed,1e6f0-1e6f4,1e6fe-1e6ff,2b739-2b73f,2cea2-2cead,2ebf0-2ee5d," +
-        "31350-33479",
-    },
-    "py.punctOrSymbol": {
-      "-": "1b4e-1b4f,1b7f,20c1,2427-2429,2b96,2ffc-2fff,31e4-31e5,31ef,fbc3-fbd2,fd90-fd91," +
-        "fdc8-fdce,10d6e,10d8e-10d8f,10ed0-10ed8,113d4-113d5,113d7-113d8,11b00-11b09,11be1," +
-        "11f43-11f4f,16d6d-16d6f,1cc00-1ccef,1ccfa-1ccfc,1cd00-1ceb3,1ceba-1ced0,1cee0-1cef0," +
-        "1e5ff,1f6d8,1f6dc,1f774-1f77f,1f7d9,1f8b2-1f8bb,1f8c0-1f8c1,1f8d0-1f8d8,1fa54-1fa57," +
-        "1fa75-1fa77,1fa87-1fa8a,1fa8e-1fa8f,1faad-1faaf,1fabb-1fabf,1fac6,1fac8,1facd-1facf," +
-        "1fada-1fadc,1fadf,1fae8-1faea,1faef,1faf7-1faf8,1fbcb-1fbef,1fbfa",
-    },
-    "rust.lower": {
-      "=": {
-        "1c89": "\u1c8a", "a7cb": "\u0264", "a7cc": "\ua7cd", "a7ce": "\ua7cf", "a7d2": "\ua7d3",
-        "a7d4": "\ua7d5", "a7da": "\ua7db", "a7dc": "\u019b", "10d50": "\ud803\udd70",
-        "10d51": "\ud803\udd71", "10d52": "\ud803\udd72", "10d53": "\ud803\udd73",
-        "10d54": "\ud803\udd74", "10d55": "\ud803\udd75", "10d56": "\ud803\udd76",
-        "10d57": "\ud803\udd77", "10d58": "\ud803\udd78", "10d59": "\ud803\udd79",
-        "10d5a": "\ud803\udd7a", "10d5b": "\ud803\udd7b", "10d5c": "\ud803\udd7c",
-        "10d5d": "\ud803\udd7d", "10d5e": "\ud803\udd7e", "10d5f": "\ud803\udd7f",
-        "10d60": "\ud803\udd80", "10d61": "\ud803\udd81", "10d62": "\ud803\udd82",
-        "10d63": "\ud803\udd83", "10d64": "\ud803\udd84", "10d65": "\ud803\udd85",
-        "16ea0": "\ud81b\udebb", "16ea1": "\ud81b\udebc", "16ea2": "\ud81b\udebd",
-        "16ea3": "\ud81b\udebe", "16ea4": "\ud81b\udebf", "16ea5": "\ud81b\udec0",
-        "16ea6": "\ud81b\udec1", "16ea7": "\ud81b\udec2", "16ea8": "\ud81b\udec3",
-        "16ea9": "\ud81b\udec4", "16eaa": "\ud81b\udec5", "16eab": "\ud81b\udec6",
-        "16eac": "\ud81b\udec7", "16ead": "\ud81b\udec8", "16eae": "\ud81b\udec9",
-        "16eaf": "\ud81b\udeca", "16eb0": "\ud81b\udecb", "16eb1": "\ud81b\udecc",
-        "16eb2": "\ud81b\udecd", "16eb3": "\ud81b\udece", "16eb4": "\ud81b\udecf",
-        "16eb5": "\ud81b\uded0", "16eb6": "\ud81b\uded1", "16eb7": "\ud81b\uded2",
-        "16eb8": "\ud81b\uded3",
-      },
-    },
-    "rust.nfd": {
-      "=": {
-        "105c9": "\ud801\uddc9", "105e4": "\ud801\udde4", "11383": "\ud804\udf83",
-        "11385": "\ud804\udf85", "1138e": "\ud804\udf8e", "11391": "\ud804\udf91",
-        "113c5": "\ud804\udfc5", "113c7": "\ud804\udfc7", "113c8": "\ud804\udfc8",
-        "11938": "\ud806\udd38", "16121": "\ud818\udd21", "16122": "\ud818\udd22",
-        "16123": "\ud818\udd23", "16124": "\ud818\udd24", "16125": "\ud818\udd25",
-        "16126": "\ud818\udd26", "16127": "\ud818\udd27", "16128": "\ud818\udd28",
-        "16d68": "\ud81b\udd68", "16d69": "\ud81b\udd69", "16d6a": "\ud81b\udd6a",
-      },
-    },
-    "py.lower": {
-      "=": {
-        "1c89": "\u1c89", "a7cb": "\ua7cb", "a7cc": "\ua7cc", "a7ce": "\ua7ce", "a7d2": "\ua7d2",
-        "a7d4": "\ua7d4", "a7da": "\ua7da", "a7dc": "\ua7dc", "10d50": "\ud803\udd50",
-        "10d51": "\ud803\udd51", "10d52": "\ud803\udd52", "10d53": "\ud803\udd53",
-        "10d54": "\ud803\udd54", "10d55": "\ud803\udd55", "10d56": "\ud803\udd56",
-        "10d57": "\ud803\udd57", "10d58": "\ud803\udd58", "10d59": "\ud803\udd59",
-        "10d5a": "\ud803\udd5a", "10d5b": "\ud803\udd5b", "10d5c": "\ud803\udd5c",
-        "10d5d": "\ud803\udd5d", "10d5e": "\ud803\udd5e", "10d5f": "\ud803\udd5f",
-        "10d60": "\ud803\udd60", "10d61": "\ud803\udd61", "10d62": "\ud803\udd62",
-        "10d63": "\ud803\udd63", "10d64": "\ud803\udd64", "10d65": "\ud803\udd65",
-        "16ea0": "\ud81b\udea0", "16ea1": "\ud81b\udea1", "16ea2": "\ud81b\udea2",
-        "16ea3": "\ud81b\udea3", "16ea4": "\ud81b\udea4", "16ea5": "\ud81b\udea5",
-        "16ea6": "\ud81b\udea6", "16ea7": "\ud81b\udea7", "16ea8": "\ud81b\udea8",
-        "16ea9": "\ud81b\udea9", "16eaa": "\ud81b\udeaa", "16eab": "\ud81b\udeab",
-        "16eac": "\ud81b\udeac", "16ead": "\ud81b\udead", "16eae": "\ud81b\udeae",
-        "16eaf": "\ud81b\udeaf", "16eb0": "\ud81b\udeb0", "16eb1": "\ud81b\udeb1",
-        "16eb2": "\ud81b\udeb2", "16eb3": "\ud81b\udeb3", "16eb4": "\ud81b\udeb4",
-        "16eb5": "\ud81b\udeb5", "16eb6": "\ud81b\udeb6", "16eb7": "\ud81b\udeb7",
-        "16eb8": "\ud81b\udeb8",
-      },
-    },
-  };
-  // END UNICODE_FIXES
+  // Code points where a reference's class differs from the JS engine's \p{...}: see
+  // unicodeFixes() at the end of the file
+  const UNICODE_FIXES = unicodeFixes();
 
   function parseRanges(spec) {
     const out = [];
@@ -225,6 +107,16 @@
   function codePoints(s) {
     const out = [];
     for (const ch of s) out.push(ch.codePointAt(0));
+    return out;
+  }
+
+  /** cps[start:end] as a string, in chunks: a spread of a whole long text would pass more
+   * arguments than an engine takes. */
+  function fromCodePoints(cps, start = 0, end = cps.length) {
+    let out = "";
+    for (let i = start; i < end; i += 8192) {
+      out += String.fromCodePoint(...cps.slice(i, Math.min(end, i + 8192)));
+    }
     return out;
   }
 
@@ -362,7 +254,7 @@
           if (j < n && j - i > 1) j -= 1;
         }
       }
-      out.push(String.fromCodePoint(...cps.slice(i, j)));
+      out.push(fromCodePoints(cps, i, j));
       i = j;
     }
     return out;
@@ -556,7 +448,7 @@
     let a = 0, b = cps.length;
     while (a < b && py.space(cps[a])) a++;
     while (b > a && py.space(cps[b - 1])) b--;
-    return String.fromCodePoint(...cps.slice(a, b));
+    return fromCodePoints(cps, a, b);
   }
 
   function pieceLabel(text) {
@@ -617,7 +509,7 @@
       }
       cps = out;
     }
-    let text = String.fromCodePoint(...cps);
+    let text = fromCodePoints(cps);
     if (opt.lowercase) text = cps.map(rust.lower).join("");
     return text;
   }
@@ -626,7 +518,7 @@
   function bertSplit(s) {
     const out = [];
     let cur = [];
-    const flush = () => { if (cur.length) out.push(String.fromCodePoint(...cur)); cur = []; };
+    const flush = () => { if (cur.length) out.push(fromCodePoints(cur)); cur = []; };
     for (const c of codePoints(s)) {
       if (rust.whitespace(c)) flush();
       else if (isAsciiPunct(c) || rust.punctuation(c)) { flush(); out.push(String.fromCodePoint(c)); }
@@ -685,7 +577,7 @@
         while (start < cps.length) {
           let end = cps.length, found = null;
           while (start < end) {
-            const sub = (start > 0 ? prefix : "") + String.fromCodePoint(...cps.slice(start, end));
+            const sub = (start > 0 ? prefix : "") + fromCodePoints(cps, start, end);
             if (toId.has(sub)) { found = sub; break; }
             end -= 1;
           }
@@ -804,7 +696,7 @@
       if (py.word(c)) {
         let j = i + 1;
         while (j < cps.length && py.word(cps[j])) j++;
-        out.push(String.fromCodePoint(...cps.slice(i, j)));
+        out.push(fromCodePoints(cps, i, j));
         i = j;
       } else {
         if (!pyReSpace(c)) out.push(String.fromCodePoint(c));
@@ -877,4 +769,131 @@
   };
   if (typeof module !== "undefined" && module.exports) module.exports = api;
   root.qkvTokenize = api;
+
+  // ---- Unicode corrections --------------------------------------------------------------
+
+  /** Where each reference's Unicode class or map differs from the JS engine's: "+" ranges
+   * the reference counts in and the engine may not, "-" ranges the engine counts in and the
+   * reference does not (hex, "a-b" or "a"), "=" images of single code points. */
+  function unicodeFixes() {
+    // BEGIN UNICODE_FIXES (written by tests/apps/web/unicode_ref.py)
+    return {
+      "rust.other": {
+        "-": "890-891,8e2,110cd,13430-1343f",
+      },
+      "rust.punctuation": {
+        "+": "166d,111c9",
+        "-": "61d,9fd,a76,c77,c84,1b4e-1b4f,1b7d-1b7f,2e43-2e4f,2e52-2e5d,10d6e,10ead,10ed0," +
+          "10f55-10f59,10f86-10f89,113d4-113d5,113d7-113d8,1144b-1144f,1145a-1145b,1145d," +
+          "11660-1166c,116b9,1183b,11944-11946,119e2,11a3f-11a46,11a9a-11a9c,11a9e-11aa2," +
+          "11b00-11b09,11be1,11c41-11c45,11c70-11c71,11ef7-11ef8,11f43-11f4f,11fff,12ff1-12ff2," +
+          "16d6d-16d6f,16e97-16e9a,16fe2,1e5ff,1e95e-1e95f",
+      },
+      "rust.nonspacing": {
+        "+": "1734,1171e",
+        "-": "7fd,897-89f,8ca-8e1,9fe,afa-aff,b55,c04,c3c,d00,d3b-d3c,d81,eba,ece,180f,1885-1886," +
+          "1abf-1add,1ae0-1aeb,1df6-1dfb,a82c,a8c5,a8ff,a9bd,10d24-10d27,10d69-10d6d,10eab-10eac," +
+          "10efa-10eff,10f46-10f50,10f82-10f85,11070,11073-11074,110c2,111c9,111cf,1123e,11241," +
+          "1133b,113bb-113c0,113ce,113d0,113d2,113e1-113e2,11438-1143f,11442-11444,11446,1145e," +
+          "1182f-11837,11839-1183a,1193b-1193c,1193e,11943,119d4-119d7,119da-119db,119e0," +
+          "11a01-11a0a,11a33-11a38,11a3b-11a3e,11a47,11a51-11a56,11a59-11a5b,11a8a-11a96," +
+          "11a98-11a99,11b60,11b62-11b64,11b66,11c30-11c36,11c38-11c3d,11c3f,11c92-11ca7," +
+          "11caa-11cb0,11cb2-11cb3,11cb5-11cb6,11d31-11d36,11d3a,11d3c-11d3d,11d3f-11d45,11d47," +
+          "11d90-11d91,11d95,11d97,11ef3-11ef4,11f00-11f01,11f36-11f3a,11f40,11f42,11f5a,13440," +
+          "13447-13455,1611e-16129,1612d-1612f,16f4f,16fe4,1cf00-1cf2d,1cf30-1cf46,1e000-1e006," +
+          "1e008-1e018,1e01b-1e021,1e023-1e024,1e026-1e02a,1e08f,1e130-1e136,1e2ae,1e2ec-1e2ef," +
+          "1e4ec-1e4ef,1e5ee-1e5ef,1e6e3,1e6e6,1e6ee-1e6ef,1e6f5,1e944-1e94a",
+      },
+      "onig.letter": {
+        "+": "1c89-1c8a,a7cb-a7cd,a7da-a7dc,105c0-105f3,10d4a-10d65,10d6f-10d85,10ec2-10ec4," +
+          "1123f-11240,11380-11389,1138b,1138e,11390-113b5,113b7,113d1,113d3,11bc0-11be0,11f02," +
+          "11f04-11f10,11f12-11f33,1342f,13441-13446,13460-143fa,16100-1611d,16d40-16d6c,18cff," +
+          "1b132,1b155,1df25-1df2a,1e030-1e06d,1e4d0-1e4eb,1e5d0-1e5ed,1e5f0,2b739,2ebf0-2ee5d," +
+          "31350-323af",
+        "-": "88f,c5c,cdc,a7ce-a7cf,a7d2,a7d4,a7f1,10940-10959,10ec5-10ec7,11db0-11ddb,16ea0-16eb8," +
+          "16ebb-16ed3,16ff2-16ff3,187f8-187ff,18d09-18d1e,18d80-18df2,1e6c0-1e6de,1e6e0-1e6e2," +
+          "1e6e4-1e6e5,1e6e7-1e6ed,1e6f0-1e6f4,1e6fe-1e6ff,2b73a-2b73f,2cea2-2cead,323b0-33479",
+      },
+      "onig.number": {
+        "+": "10d40-10d49,116d0-116e3,11bf0-11bf9,11f50-11f59,16130-16139,16d70-16d79,1ccf0-1ccf9," +
+          "1d2c0-1d2d3,1e4f0-1e4f9,1e5f1-1e5fa",
+        "-": "11de0-11de9,16ff4-16ff6",
+      },
+      "py.word": {
+        "-": "88f,c5c,cdc,1c89-1c8a,a7cb-a7cf,a7d2,a7d4,a7da-a7dc,a7f1,105c0-105f3,10940-10959," +
+          "10d40-10d65,10d6f-10d85,10ec2-10ec7,1123f-11240,11380-11389,1138b,1138e,11390-113b5," +
+          "113b7,113d1,113d3,116d0-116e3,11bc0-11be0,11bf0-11bf9,11db0-11ddb,11de0-11de9,11f02," +
+          "11f04-11f10,11f12-11f33,11f50-11f59,1342f,13441-13446,13460-143fa,16100-1611d," +
+          "16130-16139,16d40-16d6c,16d70-16d79,16ea0-16eb8,16ebb-16ed3,16ff2-16ff6,187f8-187ff," +
+          "18cff,18d09-18d1e,18d80-18df2,1b132,1b155,1ccf0-1ccf9,1d2c0-1d2d3,1df25-1df2a," +
+          "1e030-1e06d,1e4d0-1e4eb,1e4f0-1e4f9,1e5d0-1e5ed,1e5f0-1e5fa,1e6c0-1e6de,1e6e0-1e6e2," +
+          "1e6e4-1e6e5,1e6e7-1e6ed,1e6f0-1e6f4,1e6fe-1e6ff,2b739-2b73f,2cea2-2cead,2ebf0-2ee5d," +
+          "31350-33479",
+      },
+      "py.punctOrSymbol": {
+        "-": "1b4e-1b4f,1b7f,20c1,2427-2429,2b96,2ffc-2fff,31e4-31e5,31ef,fbc3-fbd2,fd90-fd91," +
+          "fdc8-fdce,10d6e,10d8e-10d8f,10ed0-10ed8,113d4-113d5,113d7-113d8,11b00-11b09,11be1," +
+          "11f43-11f4f,16d6d-16d6f,1cc00-1ccef,1ccfa-1ccfc,1cd00-1ceb3,1ceba-1ced0,1cee0-1cef0," +
+          "1e5ff,1f6d8,1f6dc,1f774-1f77f,1f7d9,1f8b2-1f8bb,1f8c0-1f8c1,1f8d0-1f8d8,1fa54-1fa57," +
+          "1fa75-1fa77,1fa87-1fa8a,1fa8e-1fa8f,1faad-1faaf,1fabb-1fabf,1fac6,1fac8,1facd-1facf," +
+          "1fada-1fadc,1fadf,1fae8-1faea,1faef,1faf7-1faf8,1fbcb-1fbef,1fbfa",
+      },
+      "rust.lower": {
+        "=": {
+          "1c89": "\u1c8a", "a7cb": "\u0264", "a7cc": "\ua7cd", "a7ce": "\ua7cf",
+          "a7d2": "\ua7d3", "a7d4": "\ua7d5", "a7da": "\ua7db", "a7dc": "\u019b",
+          "10d50": "\ud803\udd70", "10d51": "\ud803\udd71", "10d52": "\ud803\udd72",
+          "10d53": "\ud803\udd73", "10d54": "\ud803\udd74", "10d55": "\ud803\udd75",
+          "10d56": "\ud803\udd76", "10d57": "\ud803\udd77", "10d58": "\ud803\udd78",
+          "10d59": "\ud803\udd79", "10d5a": "\ud803\udd7a", "10d5b": "\ud803\udd7b",
+          "10d5c": "\ud803\udd7c", "10d5d": "\ud803\udd7d", "10d5e": "\ud803\udd7e",
+          "10d5f": "\ud803\udd7f", "10d60": "\ud803\udd80", "10d61": "\ud803\udd81",
+          "10d62": "\ud803\udd82", "10d63": "\ud803\udd83", "10d64": "\ud803\udd84",
+          "10d65": "\ud803\udd85", "16ea0": "\ud81b\udebb", "16ea1": "\ud81b\udebc",
+          "16ea2": "\ud81b\udebd", "16ea3": "\ud81b\udebe", "16ea4": "\ud81b\udebf",
+          "16ea5": "\ud81b\udec0", "16ea6": "\ud81b\udec1", "16ea7": "\ud81b\udec2",
+          "16ea8": "\ud81b\udec3", "16ea9": "\ud81b\udec4", "16eaa": "\ud81b\udec5",
+          "16eab": "\ud81b\udec6", "16eac": "\ud81b\udec7", "16ead": "\ud81b\udec8",
+          "16eae": "\ud81b\udec9", "16eaf": "\ud81b\udeca", "16eb0": "\ud81b\udecb",
+          "16eb1": "\ud81b\udecc", "16eb2": "\ud81b\udecd", "16eb3": "\ud81b\udece",
+          "16eb4": "\ud81b\udecf", "16eb5": "\ud81b\uded0", "16eb6": "\ud81b\uded1",
+          "16eb7": "\ud81b\uded2", "16eb8": "\ud81b\uded3",
+        },
+      },
+      "rust.nfd": {
+        "=": {
+          "105c9": "\ud801\uddc9", "105e4": "\ud801\udde4", "11383": "\ud804\udf83",
+          "11385": "\ud804\udf85", "1138e": "\ud804\udf8e", "11391": "\ud804\udf91",
+          "113c5": "\ud804\udfc5", "113c7": "\ud804\udfc7", "113c8": "\ud804\udfc8",
+          "11938": "\ud806\udd38", "16121": "\ud818\udd21", "16122": "\ud818\udd22",
+          "16123": "\ud818\udd23", "16124": "\ud818\udd24", "16125": "\ud818\udd25",
+          "16126": "\ud818\udd26", "16127": "\ud818\udd27", "16128": "\ud818\udd28",
+          "16d68": "\ud81b\udd68", "16d69": "\ud81b\udd69", "16d6a": "\ud81b\udd6a",
+        },
+      },
+      "py.lower": {
+        "=": {
+          "1c89": "\u1c89", "a7cb": "\ua7cb", "a7cc": "\ua7cc", "a7ce": "\ua7ce",
+          "a7d2": "\ua7d2", "a7d4": "\ua7d4", "a7da": "\ua7da", "a7dc": "\ua7dc",
+          "10d50": "\ud803\udd50", "10d51": "\ud803\udd51", "10d52": "\ud803\udd52",
+          "10d53": "\ud803\udd53", "10d54": "\ud803\udd54", "10d55": "\ud803\udd55",
+          "10d56": "\ud803\udd56", "10d57": "\ud803\udd57", "10d58": "\ud803\udd58",
+          "10d59": "\ud803\udd59", "10d5a": "\ud803\udd5a", "10d5b": "\ud803\udd5b",
+          "10d5c": "\ud803\udd5c", "10d5d": "\ud803\udd5d", "10d5e": "\ud803\udd5e",
+          "10d5f": "\ud803\udd5f", "10d60": "\ud803\udd60", "10d61": "\ud803\udd61",
+          "10d62": "\ud803\udd62", "10d63": "\ud803\udd63", "10d64": "\ud803\udd64",
+          "10d65": "\ud803\udd65", "16ea0": "\ud81b\udea0", "16ea1": "\ud81b\udea1",
+          "16ea2": "\ud81b\udea2", "16ea3": "\ud81b\udea3", "16ea4": "\ud81b\udea4",
+          "16ea5": "\ud81b\udea5", "16ea6": "\ud81b\udea6", "16ea7": "\ud81b\udea7",
+          "16ea8": "\ud81b\udea8", "16ea9": "\ud81b\udea9", "16eaa": "\ud81b\udeaa",
+          "16eab": "\ud81b\udeab", "16eac": "\ud81b\udeac", "16ead": "\ud81b\udead",
+          "16eae": "\ud81b\udeae", "16eaf": "\ud81b\udeaf", "16eb0": "\ud81b\udeb0",
+          "16eb1": "\ud81b\udeb1", "16eb2": "\ud81b\udeb2", "16eb3": "\ud81b\udeb3",
+          "16eb4": "\ud81b\udeb4", "16eb5": "\ud81b\udeb5", "16eb6": "\ud81b\udeb6",
+          "16eb7": "\ud81b\udeb7", "16eb8": "\ud81b\udeb8",
+        },
+      },
+    };
+    // END UNICODE_FIXES
+  }
 })(typeof window !== "undefined" ? window : globalThis);
