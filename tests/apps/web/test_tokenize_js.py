@@ -297,6 +297,9 @@ BAD = {
     "a Unigram model": {"model": {"type": "Unigram", "vocab": []}},
     "BPE without the byte-level pre-tokenizer": {"model": {"type": "BPE", "vocab": {}},
                                                   "pre_tokenizer": {"type": "Whitespace"}},
+    "BPE without qkv's specials": {
+        "model": {"type": "BPE", "vocab": {"a": 0}, "merges": []}, "decoder": {"type": "ByteLevel"},
+        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "use_regex": True}},
 }  # fmt: skip
 
 
@@ -314,7 +317,14 @@ def test_bad_input_is_one_clear_error(tmp_path):
     assert "json must be a parsed tokenizer.json object, got an array" in got["load"]["a list"]
     assert 'json.model.type must be "BPE"' in got["load"]["a Unigram model"]
     assert '"Unigram"' in got["load"]["a Unigram model"]
-    assert "ByteLevel pre_tokenizer" in got["load"]["BPE without the byte-level pre-tokenizer"]
+    assert got["load"]["BPE without the byte-level pre-tokenizer"] == (
+        "TypeError: tokenizer.json: pre_tokenizer must be ByteLevel with add_prefix_space false "
+        'and use_regex true, got {"type":"Whitespace"}'
+    )
+    assert got["load"]["BPE without qkv's specials"] == (
+        "TypeError: tokenizer.json: the id of <pad> must be 0 (qkv's specials: <pad> <s> </s> "
+        "<unk>), got undefined"
+    )
     assert "vocabSize must be an integer > 5, got 3" in got["load"]["bad-vocab"]
     assert got["encode"][0] == {"error": "TypeError: text must be a string, got number"}
     assert "lone surrogate U+D800 at index 3" in got["encode"][1]["error"]

@@ -100,7 +100,8 @@
   const py = {
     word: charClass("py.word", /^[\p{L}\p{N}_]$/u),
     punctOrSymbol: charClass("py.punctOrSymbol", /^[\p{P}\p{S}]$/u),
-    space: charClass("py.space", /^[\t\n\v\f\r\x1c-\x1f \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]$/u),
+    space: charClass("py.space",
+      /^[\t\n\v\f\r\x1c-\x1f \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]$/u),
     lower: charMap("py.lower", (c) => c.toLowerCase()),
   };
 
@@ -132,21 +133,38 @@
     }
   }
 
+  function checkIds(ids) {
+    if (!Array.isArray(ids) || !ids.every(Number.isInteger)) {
+      throw new TypeError(`ids must be an array of integers, got ${show(ids)}`);
+    }
+  }
+
+  /** A value in an error message: JSON, cut short. */
+  function show(v) {
+    const s = v === undefined ? "undefined" : JSON.stringify(v);
+    return s.length > 120 ? s.slice(0, 117) + "..." : s;
+  }
+
+  /** One clear error for a tokenizer.json this port does not read. */
+  function fail(field, expected, got) {
+    throw new TypeError(`tokenizer.json: ${field} must be ${expected}, got ${show(got)}`);
+  }
+
   // ---- Pieces shared by both tokenizer.json kinds --------------------------------------
 
   /** tokenizer.json's added tokens: the text is split on them first (leftmost, longest),
    * before any normalisation, as HF's AddedVocabulary does for `normalized: false` ones. */
   function addedTokens(json) {
     const list = json.added_tokens || [];
-    if (!Array.isArray(list)) throw new TypeError("tokenizer.json: added_tokens must be a list");
+    if (!Array.isArray(list)) fail("added_tokens", "a list", list);
     for (const t of list) {
-      if (typeof t !== "object" || t === null || typeof t.content !== "string" || !Number.isInteger(t.id)) {
-        throw new TypeError(`tokenizer.json: an added token must have content and id, got ${JSON.stringify(t)}`);
+      if (typeof t !== "object" || t === null || typeof t.content !== "string" ||
+          !Number.isInteger(t.id)) {
+        fail("an added token", "{content: string, id: integer, …}", t);
       }
       for (const opt of ["normalized", "lstrip", "rstrip", "single_word"]) {
         if (t[opt]) {
-          throw new TypeError(`tokenizer.json: added token ${JSON.stringify(t.content)} has ` +
-            `${opt}: true; qkvTokenize supports only false`);
+          fail(`added token ${show(t.content)}'s ${opt}`, "false (all qkvTokenize reads)", t[opt]);
         }
       }
     }
@@ -160,9 +178,8 @@
     while (i < text.length) {
       let best = null;
       for (const t of added) {
-        if (t.content && text.startsWith(t.content, i) && (!best || t.content.length > best.content.length)) {
-          best = t;
-        }
+        const longer = !best || t.content.length > best.content.length;
+        if (t.content && longer && text.startsWith(t.content, i)) best = t;
       }
       if (best) {
         if (i > start) out.push([text.slice(start, i), null]);
@@ -179,7 +196,7 @@
 
   function vocabMaps(vocab, added) {
     if (typeof vocab !== "object" || vocab === null || Array.isArray(vocab)) {
-      throw new TypeError("tokenizer.json: model.vocab must be an object {token: id}");
+      fail("model.vocab", "an object {token: id}", vocab);
     }
     const toId = new Map(), toToken = new Map();
     for (const [tok, id] of Object.entries(vocab)) {
@@ -328,27 +345,26 @@
     const model = json.model;
     const pre = json.pre_tokenizer || {};
     if (pre.type !== "ByteLevel" || pre.add_prefix_space || pre.use_regex === false) {
-      throw new TypeError("tokenizer.json: a BPE tokenizer must have a ByteLevel pre_tokenizer " +
-        `with add_prefix_space false and use_regex true, got ${JSON.stringify(pre)}`);
+      fail("pre_tokenizer", "ByteLevel with add_prefix_space false and use_regex true", pre);
     }
     const norm = json.normalizer;
     if (norm && norm.type !== "NFC") {
-      throw new TypeError(`tokenizer.json: a BPE tokenizer's normalizer must be NFC or none, got ${JSON.stringify(norm)}`);
+      fail("normalizer", "NFC or null for a BPE tokenizer", norm);
     }
     if ((json.decoder || {}).type !== "ByteLevel") {
-      throw new TypeError(`tokenizer.json: a BPE tokenizer's decoder must be ByteLevel, got ${JSON.stringify(json.decoder)}`);
+      fail("decoder", "ByteLevel for a BPE tokenizer", json.decoder);
     }
     for (const opt of ["dropout", "continuing_subword_prefix", "end_of_word_suffix"]) {
-      if (model[opt]) throw new TypeError(`tokenizer.json: model.${opt} must be null, got ${JSON.stringify(model[opt])}`);
+      if (model[opt]) fail(`model.${opt}`, "null", model[opt]);
     }
-    if (model.byte_fallback || model.ignore_merges) {
-      throw new TypeError("tokenizer.json: model.byte_fallback and model.ignore_merges must be false");
+    for (const opt of ["byte_fallback", "ignore_merges"]) {
+      if (model[opt]) fail(`model.${opt}`, "false", model[opt]);
     }
     const added = addedTokens(json);
     const { toId, toToken } = vocabMaps(model.vocab, added);
     QKV_SPECIALS.forEach((name, i) => {
       if (toId.get(name) !== i) {
-        throw new TypeError(`tokenizer.json: qkv's tokenizer must map ${name} to id ${i}, got ${toId.get(name)}`);
+        fail(`the id of ${name}`, `${i} (qkv's specials: <pad> <s> </s> <unk>)`, toId.get(name));
       }
     });
     const ranks = new Map();
@@ -369,7 +385,7 @@
           const id = toId.get(tok);
           if (id !== undefined) hit.push([id, tok]);
           else if (unk !== null && toId.has(unk)) hit.push([toId.get(unk), unk]);
-          else throw new Error(`tokenizer.json: ${JSON.stringify(tok)} is not in the vocabulary and there is no unk_token`);
+          else fail("model.unk_token", `a token (${show(tok)} is not in the vocabulary)`, unk);
         }
         cache.set(word, hit);
       }
@@ -392,12 +408,6 @@
         bytes.push(...(ok ? own : UTF8.encode(tok)));
       }
       return FROM_UTF8.decode(new Uint8Array(bytes));
-    }
-
-    function checkIds(ids) {
-      if (!Array.isArray(ids) || !ids.every(Number.isInteger)) {
-        throw new TypeError(`ids must be an array of integers, got ${JSON.stringify(ids).slice(0, 80)}`);
-      }
     }
 
     return {
@@ -537,14 +547,14 @@
     const model = json.model;
     const n = json.normalizer || {};
     if (n.type !== "BertNormalizer") {
-      throw new TypeError(`tokenizer.json: a WordPiece tokenizer's normalizer must be BertNormalizer, got ${JSON.stringify(json.normalizer)}`);
+      fail("normalizer", "BertNormalizer for a WordPiece tokenizer", json.normalizer);
     }
     if ((json.pre_tokenizer || {}).type !== "BertPreTokenizer") {
-      throw new TypeError(`tokenizer.json: a WordPiece tokenizer's pre_tokenizer must be BertPreTokenizer, got ${JSON.stringify(json.pre_tokenizer)}`);
+      fail("pre_tokenizer", "BertPreTokenizer for a WordPiece tokenizer", json.pre_tokenizer);
     }
     const dec = json.decoder || {};
     if (dec.type !== "WordPiece") {
-      throw new TypeError(`tokenizer.json: a WordPiece tokenizer's decoder must be WordPiece, got ${JSON.stringify(json.decoder)}`);
+      fail("decoder", "WordPiece for a WordPiece tokenizer", json.decoder);
     }
     const opt = {
       clean: n.clean_text !== false,
@@ -558,7 +568,7 @@
     const prefix = model.continuing_subword_prefix == null ? "##" : model.continuing_subword_prefix;
     const maxChars = model.max_input_chars_per_word == null ? 100 : model.max_input_chars_per_word;
     const unk = model.unk_token;
-    if (!toId.has(unk)) throw new TypeError(`tokenizer.json: model.unk_token ${JSON.stringify(unk)} is not in the vocabulary`);
+    if (!toId.has(unk)) fail("model.unk_token", "a token of the vocabulary", unk);
     const [cls, sep] = templateSpecials(json, toId);
     const specialIds = new Set(added.filter((t) => t.special).map((t) => t.id));
     const maxLength = lengthOption(options.maxLength, "options.maxLength");
@@ -621,9 +631,7 @@
       /** transformers' decode(ids): the WordPiece decoder, specials kept (as Python's
        * default), `skipSpecialTokens` to drop them. */
       decode(ids, decodeOptions) {
-        if (!Array.isArray(ids) || !ids.every(Number.isInteger)) {
-          throw new TypeError(`ids must be an array of integers, got ${JSON.stringify(ids).slice(0, 80)}`);
-        }
+        checkIds(ids);
         const skip = !!(decodeOptions && decodeOptions.skipSpecialTokens);
         const toks = ids.filter((i) => toToken.has(i) && !(skip && specialIds.has(i)))
           .map((i) => toToken.get(i));
@@ -645,7 +653,9 @@
 
   function lengthOption(v, what) {
     if (v === undefined || v === null) return null;
-    if (!Number.isInteger(v) || v < 2) throw new TypeError(`${what} must be an integer >= 2 or null, got ${JSON.stringify(v)}`);
+    if (!Number.isInteger(v) || v < 2) {
+      throw new TypeError(`${what} must be an integer >= 2 or null, got ${show(v)}`);
+    }
     return v;
   }
 
@@ -656,12 +666,11 @@
     const ok = pp.type === "TemplateProcessing" && single.length === 3 && single[0].SpecialToken &&
       single[1].Sequence && single[1].Sequence.id === "A" && single[2].SpecialToken;
     if (!ok) {
-      throw new TypeError("tokenizer.json: a WordPiece tokenizer's post_processor must be " +
-        `TemplateProcessing "[CLS] $A [SEP]", got ${JSON.stringify(json.post_processor).slice(0, 200)}`);
+      fail("post_processor", 'TemplateProcessing "[CLS] $A [SEP]"', json.post_processor);
     }
     const names = [single[0].SpecialToken.id, single[2].SpecialToken.id];
     for (const t of names) {
-      if (!toId.has(t)) throw new TypeError(`tokenizer.json: special token ${JSON.stringify(t)} is not in the vocabulary`);
+      if (!toId.has(t)) fail("post_processor's special token", "a token of the vocabulary", t);
     }
     return names;
   }
@@ -720,12 +729,14 @@
   function hashed(options) {
     const vocabSize = (options || {}).vocabSize === undefined ? 1000 : options.vocabSize;
     if (!Number.isInteger(vocabSize) || vocabSize <= TINY_SPECIALS.length) {
-      throw new TypeError(`vocabSize must be an integer > ${TINY_SPECIALS.length}, got ${JSON.stringify(vocabSize)}`);
+      const least = TINY_SPECIALS.length;
+      throw new TypeError(`vocabSize must be an integer > ${least}, got ${show(vocabSize)}`);
     }
     const tokenToId = (tok) => {
       const s = TINY_SPECIALS.indexOf(tok);
       if (s >= 0) return s;
-      return TINY_SPECIALS.length + (crc32(UTF8.encode(pyLower(tok))) % (vocabSize - TINY_SPECIALS.length));
+      const n = TINY_SPECIALS.length;
+      return n + (crc32(UTF8.encode(pyLower(tok))) % (vocabSize - n));
     };
     const label = (id) => (id === 4 ? "</s>" : `#${id}`); // random ids: no vocabulary
     return {
@@ -758,7 +769,8 @@
     const type = (json.model || {}).type;
     if (type === "BPE") return byteLevelBpe(json);
     if (type === "WordPiece") return wordPiece(json, options || {});
-    throw new TypeError(`json.model.type must be "BPE" (byte-level) or "WordPiece" (BERT), got ${JSON.stringify(type)}`);
+    throw new TypeError(`json.model.type must be "BPE" (byte-level) or "WordPiece" (BERT), ` +
+      `got ${show(type)}`);
   }
 
   const api = {
