@@ -38,7 +38,7 @@ __all__ = ["ENGINE_SCRIPTS", "MODELS", "ORT_FILES", "check_parity", "export_mode
            "export_site_models", "ort_dist"]  # fmt: skip
 
 # the models the page can run: name -> the argument of qkv.translate.load
-MODELS = {"en-fr": "en-fr", "fr-en": "fr-en"}
+MODELS = ("en-fr", "fr-en", "minilm", "random")
 
 # ONNX Runtime Web's WebAssembly build, single-threaded SIMD (the threaded build needs
 # cross-origin isolation, which GitHub Pages cannot give); the .mjs is its loader
@@ -114,55 +114,112 @@ def _copy(src: Path, dst: Path) -> None:
     tmp.replace(dst)
 
 
+def _loaded(name: str):
+    """``(registry entry info, Loaded, {graph: Spec}, tokenizer.json path, tokenizer kind)``."""
+    import torch
+
+    from qkv.apps.serve.models import default_registry
+    from qkv.apps.web.onnx_graphs import encoder_spec, seq2seq_spec, tiny_seq2seq_spec
+
+    reg = default_registry()
+    entry = reg.get(name)
+    info = entry.info()
+    loaded = entry.loaded
+    if name == "minilm":
+        bert = loaded.model
+
+        def hidden(ids):  # qkv.inspect.minilm's hidden: one sentence, no padding
+            return bert(ids, attention_mask=torch.ones_like(ids)).last_hidden_state
+
+        path = Path(bert.tokenizer.name_or_path) / "tokenizer.json"
+        return info, loaded, {"encoder": encoder_spec(bert, hidden)}, path, "wordpiece"
+    if name == "random":
+        specs = {"encoder": encoder_spec(loaded.model, loaded.model),
+                 "source": tiny_seq2seq_spec(loaded.full_model)}  # fmt: skip
+        specs["decoder"] = specs["source"]
+        return info, loaded, specs, None, "hashed"
+    from qkv.models.shipped import shipped_dir
+
+    spec = seq2seq_spec(loaded.full_model)
+    path = shipped_dir(name) / "tokenizer.json"
+    return info, loaded, {"encoder": spec, "source": spec, "decoder": spec}, path, "bpe"
+
+
 def export_model(out: Path, name: str) -> dict:
     """Export model ``name`` into ``out/models/<name>/`` (run with ``QKV_NATIVE=0``: see the
     module docstring); returns its manifest."""
     import torch
 
     from qkv.apps.serve.compute import translator_limit
+    from qkv.apps.serve.limits import LONG_TOKEN_LIMIT
+    from qkv.apps.serve.long import map_limit, position_limit
     from qkv.apps.web.onnx_graphs import DecoderGraph, EncoderGraph, graph_io
-    from qkv.apps.web.weights import shared_fp16
-    from qkv.translate import NO_REPEAT_NGRAM, load
+    from qkv.apps.web.weights import shared_weights
+    from qkv.positional import SinusoidalPositionalEncoding
+    from qkv.translate import NO_REPEAT_NGRAM
 
     _check_names([name])
-    tr = load(MODELS[name])
-    model = tr.model.eval().requires_grad_(False)
-    cfg = model.cfg
-    for embed in (model.encoder.embed, model.decoder.embed):  # every position, traced once
-        embed.position.table(cfg.max_len)
+    info, loaded, specs, tokenizer, tok_kind = _loaded(name)
+    # every position a page may ask for, in the traced table: the model's own, or as many as
+    # the explorer shows at most
+    table = position_limit(loaded.full_model or loaded.model) or LONG_TOKEN_LIMIT
+    for spec in specs.values():
+        spec.model.eval().requires_grad_(False)
+        for m in spec.model.modules():
+            if isinstance(m, SinusoidalPositionalEncoding):
+                m.table(table)
     final = Path(out) / "models" / name
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=final.parent))
     tmp.chmod(0o755)  # a web server serves it (mkdtemp makes it private)
     try:
-        graphs = {}
-        for kind, graph in (("encoder", EncoderGraph(model)), ("decoder", DecoderGraph(model))):
-            args, inputs, outputs, dynamic = graph_io(kind, model)
-            path = tmp / f"{kind}.fp32.onnx"
+        paths: dict[str, Path] = {}
+        files: dict[str, str] = {}
+        for role, spec in specs.items():
+            kind = "decoder" if role == "decoder" else "encoder"
+            same = [r for r in paths if specs[r] is spec and (r == "decoder") == (role == "decoder")]
+            if same:  # the translators' encoder serves the encoder view and translation
+                files[role] = files[same[0]]
+                continue
+            graph = (DecoderGraph if kind == "decoder" else EncoderGraph)(spec)
+            args, inputs, outputs, dynamic = graph_io(kind, spec)
+            paths[role] = tmp / f"{role}.fp32.onnx"
+            files[role] = f"{role}.onnx"
             with torch.no_grad():
-                torch.onnx.export(graph.eval(), args, str(path), dynamo=False,
-                                  opset_version=OPSET, input_names=inputs, do_constant_folding=False,
-                                  output_names=outputs, dynamic_axes=dynamic)  # fmt: skip
-            graphs[kind] = path
-        shared_fp16(graphs, tmp, "weights.bin")  # -> encoder.onnx, decoder.onnx, weights.bin
-        shutil.copyfile(tr.path / "tokenizer.json", tmp / "tokenizer.json")
-        layers = [n for n, _ in _attention_names(model)]
+                torch.onnx.export(graph.eval(), args, str(paths[role]), dynamo=False,
+                                  opset_version=OPSET, input_names=inputs,
+                                  do_constant_folding=False, output_names=outputs,
+                                  dynamic_axes=dynamic)  # fmt: skip
+        shared_weights({r: p for r, p in paths.items()}, tmp, "weights.bin")
+        if tokenizer is not None:
+            shutil.copyfile(tokenizer, tmp / "tokenizer.json")
+        s2s = specs.get("decoder")
+        model = loaded.full_model or loaded.model
+        positions = position_limit(model)
+        enc = specs["encoder"]
         manifest = {
-            "name": name, "kind": "seq2seq", "label": f"translator {name}",
-            "src": tr.src, "tgt": tr.tgt,
-            "config": {"d_model": cfg.d_model, "n_heads": cfg.n_heads, "d_k": cfg.d_k,
-                       "n_kv_heads": cfg.kv_heads, "n_encoder_layers": cfg.n_encoder_layers,
-                       "n_decoder_layers": cfg.n_decoder_layers, "max_len": cfg.max_len,
-                       "vocab_size": cfg.tgt_vocab_size, "pad_id": cfg.pad_id,
-                       "bos_id": cfg.bos_id, "eos_id": cfg.eos_id},
-            "layers": layers, "limit": translator_limit(model),
-            "no_repeat_ngram": NO_REPEAT_NGRAM,
-            "files": ["encoder.onnx", "decoder.onnx", "weights.bin", "tokenizer.json"],
-            "sha256": {},
+            **{k: info[k] for k in ("name", "label", "label_key", "translator", "random")},
+            "tokenizer": tok_kind, "graphs": files,
+            "encoder": {"layers": [n for n, _ in enc.encoder], **enc.dims(),
+                        "limit": map_limit(positions), "positions": positions},
+            "files": sorted({*files.values(), "weights.bin",
+                             *(["tokenizer.json"] if tokenizer is not None else [])}),
         }  # fmt: skip
+        if s2s is not None:
+            m = s2s.model
+            cfg = getattr(m, "cfg", None)
+            manifest["translation"] = {
+                "layers": [n for n, _ in _attention_names(m)], **s2s.dims(),
+                "limit": translator_limit(m),
+                "vocab_size": cfg.tgt_vocab_size if cfg else m.vocab_size,
+                "max_len": cfg.max_len if cfg else None,
+                "pad_id": cfg.pad_id if cfg else None, "bos_id": cfg.bos_id if cfg else 3,
+                "eos_id": cfg.eos_id if cfg else 4,
+                "no_repeat_ngram": NO_REPEAT_NGRAM if cfg else 0,
+            }  # fmt: skip
         manifest["sha256"] = {f: hashlib.sha256((tmp / f).read_bytes()).hexdigest()
                               for f in manifest["files"]}  # fmt: skip
-        check_parity(tmp, model, tr.tokenizer, PARITY_TEXTS.get(tr.src or "en", PARITY_TEXTS["en"]))
+        check_parity(tmp, manifest, specs, loaded)
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1), "utf-8")
         if final.exists():
             shutil.rmtree(final)
@@ -179,10 +236,25 @@ def _attention_names(model) -> list[tuple[str, object]]:
     return attention_modules(model)
 
 
-def check_parity(folder: Path, model, tokenizer, text: str, tol: float = 1e-4) -> float:
-    """Greedy-decode ``text`` with the graphs in ``folder`` (onnxruntime) and with ``model``
-    step by step over its own cache; raise if the tokens differ or any logit or attention
-    weight differs by more than ``tol``. Returns the largest difference."""
+def _source_ids(name: str, loaded, text: str):
+    """A translation's source ids ``(1, S)``, as qkv.apps.serve.compute.decode_translation
+    makes them."""
+    import torch
+
+    if name == "random":
+        from qkv.inspect.tiny import simple_tokenize, token_id
+
+        words = ["<s>", *simple_tokenize(text), "</s>"]
+        return torch.tensor([[token_id(t, loaded.full_model.vocab_size) for t in words]])
+    return loaded.encode(text)[1][0]
+
+
+def check_parity(folder: Path, manifest: dict, specs: dict, loaded, tol: float = 1e-4) -> float:
+    """Run the graphs in ``folder`` (onnxruntime) on a sentence and compare with PyTorch:
+    the encoder's output and every layer's weights; for a translator, greedy decoding step by
+    step over the graphs' caches against the teacher-forced PyTorch forward of the same tokens
+    (every step's logits, its argmax, every weight). Raises if anything differs by more than
+    ``tol``; returns the largest difference."""
     import numpy as np
     import onnxruntime as ort
     import torch
@@ -192,59 +264,66 @@ def check_parity(folder: Path, model, tokenizer, text: str, tol: float = 1e-4) -
 
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
-    enc = ort.InferenceSession(str(folder / "encoder.onnx"), opts)
-    dec = ort.InferenceSession(str(folder / "decoder.onnx"), opts)
-    cfg = model.cfg
-    L_enc, L_dec, h = cfg.n_encoder_layers, cfg.n_decoder_layers, cfg.n_heads
-    src = torch.tensor([tokenizer.encode(text) + [tokenizer.eos_id]])  # (1, S)
-    S = src.shape[1]
-    e = dict(zip([o.name for o in enc.get_outputs()],
-                 enc.run(None, {"src": src.numpy(), "head_mask": np.ones((L_enc, h), np.float32)})))  # fmt: skip
+    graphs = manifest["graphs"]
+    session = {r: ort.InferenceSession(str(folder / f), opts) for r, f in graphs.items()}
     worst = 0.0
 
-    def close(name: str, a, b) -> None:
+    def close(what: str, a, b) -> None:
         nonlocal worst
-        diff = float(np.abs(np.asarray(a) - b.numpy()).max())
+        diff = float(np.abs(np.asarray(a) - np.asarray(b)).max())
         worst = max(worst, diff)
         if not diff <= tol:
-            raise AssertionError(f"{name}: the graph differs from PyTorch by {diff:.3g} > {tol}")
+            raise AssertionError(f"{what}: the graph differs from PyTorch by {diff:.3g} > {tol}")
 
-    with torch.no_grad(), recording(model) as rec:
-        mask = model.src_mask(src)
-        memory = model.encode(src, mask)
-        close("memory", e["memory"], memory)
-        cache = model.new_cache()
-        past = np.zeros((L_dec, 1, cfg.kv_heads, 0, cfg.d_k), np.float32)
-        pk, pv, tok, rows = past, past.copy(), cfg.bos_id, []
-        for _ in range(2 * S + 10):
-            logits = model.decode(torch.tensor([[tok]]), memory, mask, cache=cache)[0, -1]
-            d = dict(zip([o.name for o in dec.get_outputs()], dec.run(None, {
-                "tgt": np.array([[tok]]), "memory_mask": np.ones((1, 1, 1, S), bool),
-                "past_k": pk, "past_v": pv, "memory_k": e["memory_k"], "memory_v": e["memory_v"],
-                "head_mask": np.ones((2 * L_dec, h), np.float32)})))  # fmt: skip
-            close("logits", d["logits"][0], logits)
-            rows.append(d)
-            pk, pv = d["next_k"], d["next_v"]
-            ours, theirs = int(d["logits"][0].argmax()), int(logits.argmax())
-            if ours != theirs:
-                raise AssertionError(f"greedy token differs: graph {ours}, PyTorch {theirs}")
-            tok = ours
-            if tok == cfg.eos_id:
-                break
-    maps = merge_steps(rec.steps())  # each layer's rows over the steps: (h, T, Tk)
-    T = len(rows)
-    for i in range(L_enc):
-        close(f"encoder layer {i} weights", e["weights"][i, 0],
-              maps.weights[maps.index(f"encoder.layers.{i}.self_attn")])  # fmt: skip
-    for i in range(L_dec):
+    def run(role: str, feeds: dict) -> dict:
+        sess = session[role]
+        names = {i.name for i in sess.get_inputs()}
+        out = sess.run(None, {k: v for k, v in feeds.items() if k in names})
+        return dict(zip([o.name for o in sess.get_outputs()], out))
+
+    text = PARITY_TEXTS["fr" if manifest["name"] == "fr-en" else "en"]
+    enc = specs["encoder"]
+    d = enc.dims()
+    ids = loaded.encode(text)[1][0]  # (1, S)
+    e = run("encoder", {"src": ids.numpy(), "head_mask": np.ones((d["n_encoder_layers"], d["n_heads"]), np.float32)})
+    with torch.no_grad(), recording(enc.model) as rec:
+        close("encoder output", e["memory"], enc.encode(ids))
+    maps = merge_steps(rec.steps())
+    for i, (n, _) in enumerate(enc.encoder):
+        close(f"{n} weights", e["weights"][i, 0], maps.weights[maps.index(n)])
+    if "decoder" not in specs:
+        return worst
+    s2s, t = specs["decoder"], manifest["translation"]
+    L, h, kv, d_k = t["n_decoder_layers"], t["n_heads"], t["n_kv_heads"], t["d_k"]
+    src = _source_ids(manifest["name"], loaded, text)
+    S = src.shape[1]
+    e = run("source", {"src": src.numpy(), "head_mask": np.ones((t["n_encoder_layers"], h), np.float32)})
+    past = np.zeros((L, 1, kv, 0, d_k), np.float32)
+    pk, pv, tok, steps = past, past.copy(), t["bos_id"], []
+    for _ in range(min(2 * S + 10, 24)):
+        out = run("decoder", {"tgt": np.array([[tok]]), "memory_mask": np.ones((1, 1, 1, S), bool),
+                              "past_k": pk, "past_v": pv, "memory_k": e["memory_k"],
+                              "memory_v": e["memory_v"], "head_mask": np.ones((2 * L, h), np.float32)})  # fmt: skip
+        steps.append(out)
+        pk, pv, tok = out["next_k"], out["next_v"], int(out["logits"][0].argmax())
+        if tok == t["eos_id"]:
+            break
+    tgt = [t["bos_id"]] + [int(o["logits"][0].argmax()) for o in steps[:-1]]
+    with torch.no_grad(), recording(s2s.model) as rec:
+        logits = s2s.model(src, torch.tensor([tgt]))[0]  # (T, V)
+    maps = merge_steps(rec.steps())
+    for j, o in enumerate(steps):
+        close(f"step {j} logits", o["logits"][0], logits[j])
+        if int(o["logits"][0].argmax()) != int(logits[j].argmax()):
+            raise AssertionError(f"step {j}: the graph's token differs from PyTorch's")
+    T = len(steps)
+    for i in range(L):
         self_w = np.zeros((h, T, T), np.float32)
-        for t, d in enumerate(rows):
-            self_w[:, t, : t + 1] = d["self.weights"][i, 0, :, 0]
-        cross_w = np.concatenate([d["cross.weights"][i, 0] for d in rows], axis=1)
-        close(f"decoder layer {i} self weights", self_w,
-              maps.weights[maps.index(f"decoder.layers.{i}.self_attn")])  # fmt: skip
-        close(f"decoder layer {i} cross weights", cross_w,
-              maps.weights[maps.index(f"decoder.layers.{i}.cross_attn")])  # fmt: skip
+        for j, o in enumerate(steps):
+            self_w[:, j, : j + 1] = o["self.weights"][i, 0, :, 0]
+        cross_w = np.concatenate([o["cross.weights"][i, 0] for o in steps], axis=1)
+        close(f"decoder layer {i} self weights", self_w, maps.weights[maps.index(f"decoder.layers.{i}.self_attn")])
+        close(f"decoder layer {i} cross weights", cross_w, maps.weights[maps.index(f"decoder.layers.{i}.cross_attn")])
     return worst
 
 

@@ -25,18 +25,18 @@ Shapes: ``L`` layers, ``h`` heads, ``d_k`` per head; stacked per layer ``(L, N, 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
 from qkv.attention import MultiHeadAttention
 from qkv.functional import attention_steps
-from qkv.models.decoder import DecoderCache
 
-__all__ = ["STEP_KEYS", "DecoderGraph", "EncoderGraph", "TensorCache", "graph_io",
-           "traced_attention"]
+__all__ = ["STEP_KEYS", "DecoderGraph", "EncoderGraph", "Spec", "TensorCache", "encoder_spec",
+           "graph_io", "seq2seq_spec", "tiny_seq2seq_spec", "traced_attention"]
 
 # the step view's matrices each attention call gives (qkv.apps.serve.answer.STEPS, less the
 # inputs x/context which the graphs give once per layer): all (N, h, Tq, ·) but concat and wo
@@ -130,91 +130,151 @@ def _stack(found: dict[str, dict], names: list[str], key: str) -> Tensor:
     return torch.stack([found[n][key] for n in names])  # (L, ...)
 
 
-class EncoderGraph(nn.Module):
-    """``src (1, S)``, ``head_mask (L_enc, h)`` → ``memory (1, S, d_model)``,
-    ``x (L_enc, 1, S, d_model)`` (each self-attention's input), the step tensors
-    (:data:`STEP_KEYS`, ``(L_enc, 1, h, S, ·)``), ``cross_k``/``cross_v``
-    ``(L_dec, 1, h_kv, S, d_k)``."""
+@dataclass
+class Spec:
+    """What the graphs need to know of a model: its attention modules by role, its sizes, and
+    how to run it (the model's own methods; only the decoder's offset is passed explicitly,
+    as a traced size)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    model: nn.Module
+    encoder: list[tuple[str, MultiHeadAttention]]  # self-attention of the encoder (or encoder-only)
+    decoder: list[nn.Module]  # decoder layers (each .self_attn, .cross_attn); [] for an encoder
+    encode: Callable[[Tensor], Tensor]  # ids (1, S) → hidden/memory (1, S, d_model)
+    # tgt (N, T), memory_mask, [(self cache, cross cache)] per layer, offset → logits (N, T, V)
+    step: Callable[..., Tensor] | None = None
+
+    @property
+    def first(self) -> MultiHeadAttention:
+        return self.encoder[0][1]
+
+    def dims(self) -> dict:
+        m = self.first
+        return {"d_model": m.d_model, "n_heads": m.n_heads, "n_kv_heads": m.n_kv_heads,
+                "d_k": m.d_k, "n_encoder_layers": len(self.encoder),
+                "n_decoder_layers": len(self.decoder)}  # fmt: skip
+
+
+def seq2seq_spec(model: nn.Module) -> Spec:
+    """A :class:`~qkv.models.Seq2SeqTransformer` (the shipped translators)."""
+    dec = model.decoder
+
+    def step(tgt, memory_mask, caches, offset):  # Decoder.forward, the offset given
+        x = dec.embed(tgt, offset)  # (N, T, d_model)
+        for layer, (self_cache, cross_cache) in zip(dec.layers, caches):
+            x = layer(x, _UNREAD, memory_mask, self_cache=self_cache, cross_cache=cross_cache)
+        return dec.out(dec.norm(x))  # (N, T, V)
+
+    enc = [(f"encoder.layers.{i}.self_attn", layer.self_attn)
+           for i, layer in enumerate(model.encoder.layers)]  # fmt: skip
+    return Spec(model, enc, list(dec.layers), lambda src: model.encode(src, model.src_mask(src)),
+                step)  # fmt: skip
+
+
+def tiny_seq2seq_spec(model: nn.Module) -> Spec:
+    """The random tiny seq2seq (:class:`qkv.inspect.tiny.TinySeq2Seq`): no source mask."""
+
+    def step(tgt, memory_mask, caches, offset):
+        return model.decode(tgt, _UNREAD, caches=caches, offset=offset)  # (N, T, V)
+
+    enc = [(f"encoder.layers.{i}.self_attn", layer.self_attn)
+           for i, layer in enumerate(model.encoder.layers)]  # fmt: skip
+    return Spec(model, enc, list(model.decoder.layers), model.encode, step)
+
+
+def encoder_spec(model: nn.Module, encode: Callable[[Tensor], Tensor]) -> Spec:
+    """An encoder alone (MiniLM, the random tiny encoder): ``encode(ids)`` → hidden."""
+    from qkv.capture.record import attention_modules
+
+    return Spec(model, attention_modules(model), [], encode)
+
+
+# a filled cross cache: the decoder's layers never read the memory itself
+_UNREAD = torch.zeros(1)
+
+
+class EncoderGraph(nn.Module):
+    """``src (1, S)``, ``head_mask (L_enc, h)`` → ``memory (1, S, d_model)`` (an encoder-only
+    model: its hidden states), ``x (L_enc, 1, S, d_model)`` (each self-attention's input),
+    the step tensors (:data:`STEP_KEYS`, ``(L_enc, 1, h, S, ·)``), and for a seq2seq model
+    ``memory_k``/``memory_v`` ``(L_dec, 1, h_kv, S, d_k)``."""
+
+    def __init__(self, spec: Spec) -> None:
         super().__init__()
-        self.model = model
-        self.enc = [(f"encoder.layers.{i}.self_attn", layer.self_attn)
-                    for i, layer in enumerate(model.encoder.layers)]  # fmt: skip
+        self.spec = spec
+        self.model = spec.model  # its parameters are the graph's
 
     def forward(self, src: Tensor, head_mask: Tensor) -> tuple[Tensor, ...]:
-        names = [n for n, _ in self.enc]
+        spec = self.spec
+        names = [n for n, _ in spec.encoder]
         inputs: list[Tensor] = []
-        grab = [m.register_forward_pre_hook(lambda _m, a: inputs.append(a[0])) for _, m in self.enc]
+        grab = [m.register_forward_pre_hook(lambda _m, a: inputs.append(a[0]))
+                for _, m in spec.encoder]  # fmt: skip
         try:
-            with traced_attention(self.enc, head_mask) as found:
-                memory = self.model.encode(src, self.model.src_mask(src))  # (1, S, d_model)
+            with traced_attention(spec.encoder, head_mask) as found:
+                memory = spec.encode(src)  # (1, S, d_model)
         finally:
             for g in grab:
                 g.remove()
-        cross = [layer.cross_attn.project_kv(memory) for layer in self.model.decoder.layers]
-        return (memory, torch.stack(inputs), *(_stack(found, names, k) for k in STEP_KEYS),
-                torch.stack([k for k, _ in cross]), torch.stack([v for _, v in cross]))
+        out = (memory, torch.stack(inputs), *(_stack(found, names, k) for k in STEP_KEYS))
+        if not spec.decoder:
+            return out
+        cross = [layer.cross_attn.project_kv(memory) for layer in spec.decoder]
+        return (*out, torch.stack([k for k, _ in cross]), torch.stack([v for _, v in cross]))
 
 
 class DecoderGraph(nn.Module):
     """``tgt (N, T)``, ``memory_mask (N, 1, 1, S)`` (bool, True = may attend),
     ``past_k``/``past_v`` ``(L, N, h_kv, P, d_k)``, ``memory_k``/``memory_v``
-    ``(L, N, h_kv, S, d_k)`` (the cross caches: the memory itself is not read), ``head_mask (2·L, h)`` (each layer's self, then cross) →
-    ``logits (N, V)`` of the last position, ``next_k``/``next_v`` ``(L, N, h_kv, P + T, d_k)``,
-    then for self- and cross-attention: ``x (L, N, T, d_model)`` and the step tensors."""
+    ``(L, N, h_kv, S, d_k)`` (the cross caches: the memory itself is not read),
+    ``head_mask (2·L, h)`` (each layer's self, then cross) → ``logits (N, V)`` of the last
+    position, ``next_k``/``next_v`` ``(L, N, h_kv, P + T, d_k)``, then for self- and
+    cross-attention: ``x (L, N, T, d_model)`` and the step tensors."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, spec: Spec) -> None:
         super().__init__()
-        self.model = model
-        layers = model.decoder.layers
-        self.self_names = [f"decoder.layers.{i}.self_attn" for i in range(len(layers))]
-        self.cross_names = [f"decoder.layers.{i}.cross_attn" for i in range(len(layers))]
-        self.mods = [(n, m) for i, layer in enumerate(layers)
-                     for n, m in ((self.self_names[i], layer.self_attn),
-                                  (self.cross_names[i], layer.cross_attn))]  # fmt: skip
+        self.spec = spec
+        self.model = spec.model
+        n = len(spec.decoder)
+        self.self_names = [f"decoder.layers.{i}.self_attn" for i in range(n)]
+        self.cross_names = [f"decoder.layers.{i}.cross_attn" for i in range(n)]
+        self.mods = [(nm, m) for i, layer in enumerate(spec.decoder)
+                     for nm, m in ((self.self_names[i], layer.self_attn),
+                                   (self.cross_names[i], layer.cross_attn))]  # fmt: skip
 
     def forward(self, tgt: Tensor, memory_mask: Tensor, past_k: Tensor, past_v: Tensor,
                 memory_k: Tensor, memory_v: Tensor, head_mask: Tensor) -> tuple[Tensor, ...]:
         L = len(self.self_names)
-        cache = DecoderCache(0)
-        cache.self_attn = [TensorCache(past_k[i], past_v[i]) for i in range(L)]
-        cache.cross_attn = [TensorCache(memory_k[i], memory_v[i]) for i in range(L)]
-        unread = torch.zeros(1)  # a filled cross cache: the layers never read the memory
+        caches = [(TensorCache(past_k[i], past_v[i]), TensorCache(memory_k[i], memory_v[i]))
+                  for i in range(L)]  # fmt: skip
         inputs: dict[str, Tensor] = {}
         grab = [m.register_forward_pre_hook(lambda _m, a, n=n: inputs.__setitem__(n, a[0]))
                 for n, m in self.mods]  # fmt: skip
-        dec = self.model.decoder
         try:
             with traced_attention(self.mods, head_mask) as found:
-                # Decoder.forward with the offset a traced size: len(cache) would be a constant
-                x = dec.embed(tgt, past_k.shape[3])  # (N, T, d_model)
-                for i, layer in enumerate(dec.layers):
-                    x = layer(x, unread, memory_mask, self_cache=cache.self_attn[i],
-                              cross_cache=cache.cross_attn[i])  # fmt: skip
-                logits = dec.out(dec.norm(x))  # (N, T, V)
+                # the offset a traced size: the model's len(cache) would be a constant
+                logits = self.spec.step(tgt, memory_mask, caches, past_k.shape[3])  # (N, T, V)
         finally:
             for g in grab:
                 g.remove()
-        out = [logits[:, -1], torch.stack([c.k for c in cache.self_attn]),
-               torch.stack([c.v for c in cache.self_attn])]
+        out = [logits[:, -1], torch.stack([c.k for c, _ in caches]),
+               torch.stack([c.v for c, _ in caches])]
         for names in (self.self_names, self.cross_names):
             out.append(torch.stack([inputs[n] for n in names]))
             out += [_stack(found, names, k) for k in STEP_KEYS]
         return tuple(out)
 
 
-def graph_io(kind: str, model: nn.Module) -> tuple[tuple, list[str], list[str], dict]:
+def graph_io(kind: str, spec: Spec) -> tuple[tuple, list[str], list[str], dict]:
     """Example arguments, input and output names and dynamic axes of graph ``kind``
-    (``"encoder"`` or ``"decoder"``) of ``model``, for ``torch.onnx.export``."""
-    cfg = model.cfg
-    h, kv, d_k = cfg.n_heads, cfg.kv_heads, cfg.d_k
-    L_enc, L_dec, S = cfg.n_encoder_layers, cfg.n_decoder_layers, 5
+    (``"encoder"`` or ``"decoder"``) of ``spec``'s model, for ``torch.onnx.export``."""
+    d = spec.dims()
+    h, kv, d_k = d["n_heads"], d["n_kv_heads"], d["d_k"]
+    L_enc, L_dec, S = d["n_encoder_layers"], d["n_decoder_layers"], 5
     steps = list(STEP_KEYS)
     if kind == "encoder":
-        args = (torch.tensor([[5] * (S - 1) + [cfg.eos_id]]), torch.ones(L_enc, h))
-        outputs = ["memory", "x", *steps, "memory_k", "memory_v"]
-        return args, ["src", "head_mask"], outputs, {"src": {1: "S"}}
+        args = (torch.tensor([[5] * S]), torch.ones(L_enc, h))
+        cross = ["memory_k", "memory_v"] if L_dec else []
+        return args, ["src", "head_mask"], ["memory", "x", *steps, *cross], {"src": {1: "S"}}
     N, P, T = 2, 3, 1  # sizes to trace with (every one dynamic)
     args = (torch.full((N, T), 5), torch.ones(N, 1, 1, S, dtype=torch.bool),
             torch.randn(L_dec, N, kv, P, d_k), torch.randn(L_dec, N, kv, P, d_k),

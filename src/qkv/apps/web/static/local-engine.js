@@ -1,10 +1,11 @@
 // qkv in-page engine: the explorer's engine (docs/web.md, "The engine") over the models
 // exported by qkv.apps.web.export, run in the page with ONNX Runtime Web. attention()
-// answers /api/attention's JSON for a translation as qkv.apps.serve.compute._translation
-// does: the same decoding (qkvDecode), the same maps, statistics, probe and step matrices
-// (qkvAnswer), heads switched off through the graphs' head_mask input.
+// answers /api/attention's JSON as qkv.apps.serve.compute does, for a translation
+// (_translation) and for the maps of one forward pass (_encoder): the same decoding
+// (qkvDecode), maps, statistics, probe and step matrices (qkvAnswer), heads switched off
+// through the graphs' head_mask input.
 //
-//   qkvLocal.createEngine({base: "models/", models: ["en-fr", ...]})  an engine: live,
+//   qkvLocal.createEngine({base: "models/", models: ["minilm", ...]})  an engine: live,
 //       health(), attention(request), lens(request), saved() → null; strings() rejects
 //       (the site's wrapper gives the page its words)
 "use strict";
@@ -63,20 +64,21 @@
       head: int(body, "head", 0, 0, 1024), ablate, probe, piece: int(body, "piece", 0, 0, LIMITS.pieces - 1) };
   }
 
-  // answer.choose_layer / ablation_spec over the manifest's layers (all with n_heads heads)
-  function selection(m, req) {
-    const names = m.manifest.layers, h = m.cfg.n_heads;
+  // answer.choose_layer / ablation_spec over a section's layers (all with n_heads heads)
+  function selection(section, req) {
+    const names = section.layers, h = section.n_heads;
+    const list = `[${names.map((n) => `'${n}'`).join(", ")}]`;
     let layer = req.layer;
     if (layer === null) {
       const cross = names.filter((n) => n.includes("cross"));
       layer = req.translate && cross.length ? cross[cross.length - 1] : names[0];
     } else if (!names.includes(layer)) {
-      throw bad(`layer must be one of [${names.map((n) => `'${n}'`).join(", ")}], got '${layer}'`);
+      throw bad(`layer must be one of ${list}, got '${layer}'`);
     }
     if (req.head < 0 || req.head >= h) throw bad(`head must be in [0, ${h - 1}], got ${req.head}`);
     const spec = new Map();
     for (const [l, head] of req.ablate) {
-      if (!names.includes(l)) throw bad(`ablate: no layer named '${l}'; have [${names.map((n) => `'${n}'`).join(", ")}]`);
+      if (!names.includes(l)) throw bad(`ablate: no layer named '${l}'; have ${list}`);
       if (head < 0 || head >= h) throw bad(`ablate: head ${head} out of range for '${l}' (${h} heads)`);
       if (!spec.has(l)) spec.set(l, []);
       spec.get(l).push(head);
@@ -84,34 +86,81 @@
     return { layer, spec };
   }
 
-  // the graphs' head_mask inputs for the heads `spec` switches off
-  function headMasks(m, spec) {
-    const c = m.cfg, names = m.manifest.layers, T = window.qkvRuntime.Tensor;
-    const make = (prefix, n) => {
-      const layers = names.filter((x) => x.startsWith(prefix));
-      const data = new Float32Array(n * c.n_heads).fill(1);
-      layers.forEach((l, i) => (spec.get(l) || []).forEach((hd) => { data[i * c.n_heads + hd] = 0; }));
-      return new T(data, [n, c.n_heads]);
+  // the graphs' head_mask inputs ((L_enc, h) and the decoder's (2·L_dec, h), layers in
+  // model order) for the heads `spec` switches off
+  function headMasks(section, spec) {
+    const T = window.qkvRuntime.Tensor, h = section.n_heads;
+    const make = (layers) => {
+      const data = new Float32Array(Math.max(1, layers.length) * h).fill(1);
+      layers.forEach((l, i) => (spec.get(l) || []).forEach((hd) => { data[i * h + hd] = 0; }));
+      return new T(data, [layers.length, h]);
     };
-    return { enc: make("encoder.", c.n_encoder_layers), dec: make("decoder.", 2 * c.n_decoder_layers) };
+    return { enc: make(section.layers.filter((l) => !l.startsWith("decoder."))),
+      dec: make(section.layers.filter((l) => l.startsWith("decoder."))) };
   }
 
   const targetLimit = (S) => Math.min(LIMITS.target, Math.floor((S * 3) / 2) + 8);
+  const rstrip = (s) => s.replace(/[\s\u001c-\u001f\u0085]+$/u, "");
+
+  // answer.cut_to_limit: the longest prefix of text (whole words, else characters) that
+  // encode()s to at most limit tokens
+  function cutToLimit(encode, text, limit) {
+    const first = encode(text);
+    if (first.tokens.length <= limit) return { text, ...first, cut: false };
+    let units = text.match(/\S+\s*/gu) || [];
+    if (units.length < 2) units = Array.from(text);
+    let lo = 1, hi = units.length - 1;
+    while (lo < hi) {
+      const mid = Math.floor((lo + hi + 1) / 2);
+      if (encode(units.slice(0, mid).join("")).tokens.length <= limit) lo = mid; else hi = mid - 1;
+    }
+    if (units.length > 1 && /^\S+\s*$/u.test(units[0]) && encode(units[0]).tokens.length > limit) {
+      const chars = Array.from(units[0]);
+      return cutToLimit(encode, chars.slice(0, Math.max(1, Math.floor(chars.length / 2))).join(""), limit);
+    }
+    const short = rstrip(units.slice(0, lo).join(""));
+    return { text: short, ...encode(short), cut: true };
+  }
+
+  // the encoder view's tokens and ids (the server's Loaded.encode of each model)
+  function encoderInput(m, text) {
+    const tok = m.tokenizer, kind = m.manifest.tokenizer;
+    if (kind === "hashed") { // qkv.inspect.tiny.TinyEncoder.tokenize
+      const r = tok.encode(text);
+      return { tokens: ["[CLS]", ...r.tokens, "[SEP]"], ids: [1, ...r.ids, 2] };
+    }
+    if (kind === "wordpiece") { const r = tok.encode(text); return { tokens: r.tokens, ids: r.ids }; }
+    const t = m.manifest.translation; // a translator's encoder (loaded_from_seq2seq)
+    const ids = [...tok.encode(text).ids.slice(0, t.max_len - 1), t.eos_id];
+    return { tokens: tok.labels(ids), ids };
+  }
+
+  // a translation's source tokens and ids (compute.decode_translation)
+  function sourceInput(m, text) {
+    const tok = m.tokenizer, t = m.manifest.translation;
+    if (m.manifest.tokenizer === "hashed") { // <s> words </s>
+      const r = tok.encode(text);
+      return { tokens: ["<s>", ...r.tokens, "</s>"], ids: [t.bos_id, ...r.ids, t.eos_id] };
+    }
+    const ids = [...tok.encode(text).ids.slice(0, Math.floor(t.max_len / 2) - 1), t.eos_id];
+    return { tokens: tok.labels(ids), ids };
+  }
+
+  const range = (n) => Array.from({ length: n }, (_, i) => i);
 
   // compute.decode_translation: ids, labels, each layer's merged map, the output text
   async function decodeTranslation(m, text, beam, masks) {
-    const c = m.cfg, tok = m.tokenizer;
-    const src = [...tok.encode(text).ids.slice(0, Math.floor(c.max_len / 2) - 1), c.eos_id];
-    const enc = await m.encode(src, masks.enc);
-    const opts = { maxNew: targetLimit(src.length), ngram: m.manifest.no_repeat_ngram, headMask: masks.dec,
-      beam, lengthPenalty: 1.0 };
+    const t = m.manifest.translation, tok = m.tokenizer, random = m.manifest.tokenizer === "hashed";
+    const source = sourceInput(m, text), src = source.ids;
+    const enc = await m.encode(src, masks.enc, "source");
+    const opts = { maxNew: targetLimit(src.length), ngram: t.no_repeat_ngram, headMask: masks.dec, beam,
+      lengthPenalty: 1.0 };
     let hyp, beams = [], self, cross;
-    const L = c.n_decoder_layers, h = c.n_heads;
     if (beam <= 1) {
       const g = await D.greedy(m, enc, opts);
       hyp = g.hyp;
-      // each step's row of every decoder layer: (L, 1, h, 1, Tk)
-      self = (i, hd) => g.steps.map((s, t) => { const r = Array.from(s.self.at(i, 0, hd, 0).data); return r.concat(Array(hyp.length - 1 - t).fill(0)); });
+      // each step's row of every decoder layer, (L, 1, h, 1, Tk): the causal ones padded
+      self = (i, hd) => g.steps.map((s, j) => Array.from(s.self.at(i, 0, hd, 0).data).concat(Array(g.steps.length - 1 - j).fill(0)));
       cross = (i, hd) => g.steps.map((s) => Array.from(s.cross.at(i, 0, hd, 0).data));
     } else {
       const b = await D.beam(m, enc, opts);
@@ -122,15 +171,15 @@
       self = (i, hd) => r["self.weights"].at(i, 0, hd).rows();
       cross = (i, hd) => r["cross.weights"].at(i, 0, hd).rows();
     }
-    const sourceTokens = tok.labels(src), inputs = tok.labels([c.bos_id, ...hyp.slice(0, -1)]);
+    const sourceTokens = source.tokens;
+    const inputs = random ? ["<s>", ...tok.labels(hyp.slice(0, -1))] : tok.labels([t.bos_id, ...hyp.slice(0, -1)]);
     const produced = tok.labels(hyp);
-    const heads = Array.from({ length: h }, (_, i) => i);
-    const layers = [];
-    for (let i = 0; i < c.n_encoder_layers; i++) {
+    const heads = range(t.n_heads), layers = [];
+    for (let i = 0; i < t.n_encoder_layers; i++) {
       layers.push({ name: `encoder.layers.${i}.self_attn`, kind: "self", heads, q_tokens: sourceTokens,
         k_tokens: sourceTokens, w: heads.map((hd) => enc.weights.at(i, 0, hd).rows()) });
     }
-    for (let i = 0; i < L; i++) {
+    for (let i = 0; i < t.n_decoder_layers; i++) {
       layers.push({ name: `decoder.layers.${i}.self_attn`, kind: "causal", heads, q_tokens: inputs,
         k_tokens: inputs, w: heads.map((hd) => self(i, hd)) });
       layers.push({ name: `decoder.layers.${i}.cross_attn`, kind: "cross", heads, q_tokens: produced,
@@ -141,56 +190,93 @@
 
   // compute.step_detail from the graphs' tensors of one layer: t.x, t.context (or null) and
   // the step tensors (L, 1, h, ...) of its kind, at layer index i
-  function stepDetail(m, t, i, head, kind, qTok, kTok, off) {
-    const c = m.cfg, two = (k) => t[k].at(i, 0, head).rows();
+  function stepDetail(section, t, i, head, kind, qTok, kTok, off) {
+    const two = (k) => t[k].at(i, 0, head).rows();
     const wo = t.wo.at(i, 0).data, real = t.real.at(i, 0).data;
     let check = 0;
     for (let j = 0; j < wo.length; j++) check = Math.max(check, Math.abs(wo[j] - real[j]));
     const mats = { x: t.x.at(i, 0).rows(), context: t.context ? t.context.rows() : null, q: two("q"), k: two("k"),
       v: two("v"), scores: two("scores"), scaled: two("scaled"), mask: two("mask"), masked: two("masked"),
       weights: two("weights"), output: two("output"), concat: t.concat.at(i, 0).rows(), wo: t.wo.at(i, 0).rows() };
-    return { kind, head, n_heads: c.n_heads, d_k: c.d_k, d_model: c.d_model, scale: A.number(1 / Math.sqrt(c.d_k), 6),
-      matrices: A.stepMatrices(mats, qTok, kTok), check, head_off: off };
+    return { kind, head, n_heads: section.n_heads, d_k: section.d_k, d_model: section.d_model,
+      scale: A.number(1 / Math.sqrt(section.d_k), 6), matrices: A.stepMatrices(mats, qTok, kTok), check, head_off: off };
+  }
+
+  const TOO_LONG = "the page shows the maps of up to 320,000 attention weights; qkv serve answers longer texts";
+
+  // compute._encoder: the maps of one forward pass of the encoder (or encoder-only model)
+  async function encoderAnswer(m, req, text) {
+    const e = m.manifest.encoder;
+    const c = cutToLimit((s) => encoderInput(m, s), text, e.limit);
+    if (e.n_encoder_layers * e.n_heads * c.tokens.length ** 2 > 320000) throw new EngineError(TOO_LONG, 422);
+    const { layer, spec } = selection(e, req);
+    const out = await m.encode(c.ids, headMasks(e, spec).enc);
+    const heads = range(e.n_heads);
+    const layers = e.layers.map((name, i) => ({ name, kind: "self", heads, q_tokens: c.tokens, k_tokens: c.tokens,
+      w: heads.map((hd) => out.weights.at(i, 0, hd).rows()) }));
+    const i = e.layers.indexOf(layer);
+    const steps = Object.fromEntries(["x", "q", "k", "v", "scores", "scaled", "mask", "masked", "weights", "output",
+      "concat", "wo", "real"].map((k) => [k, out[k]]));
+    const step = stepDetail(e, steps, i, req.head, "self", c.tokens, c.tokens, (spec.get(layer) || []).includes(req.head));
+    const answer = { raw: layers.map((l) => l.w), limit: e.limit, positions: e.positions, text: c.text, tokens: c.tokens,
+      truncated: c.cut, layers: layers.map(A.layerJson), stats: A.stats(layers), probe: A.probe(layers, req),
+      step: { layer, ...step } };
+    if (spec.size) {
+      const base = await m.encode(c.ids, null);
+      let diff = 0, norm = 0;
+      out.memory.data.forEach((v, j) => { diff += (v - base.memory.data[j]) ** 2; norm += base.memory.data[j] ** 2; });
+      const baseLayers = e.layers.map((name, j) => ({ name, kind: "self", heads, q_tokens: c.tokens, k_tokens: c.tokens,
+        w: heads.map((hd) => base.weights.at(j, 0, hd).rows()) }));
+      answer.ablation = { heads: [...spec].flatMap(([l, hs]) => hs.map((hd) => [l, hd])),
+        hidden_change: A.number(Math.sqrt(diff) / Math.max(Math.sqrt(norm), 1e-12), 4),
+        baseline: { probe: A.probe(baseLayers, req) } };
+    }
+    return answer;
   }
 
   // compute._translation
   async function translation(m, req, text) {
-    const limit = m.manifest.limit;
-    const count = m.tokenizer.encode(text).ids.slice(0, m.cfg.max_len - 1).length + 1;
+    const t = m.manifest.translation;
+    if (!t) throw bad(`model '${m.manifest.name}' does not translate; pick a translator`);
+    const limit = t.limit;
+    const count = sourceInput(m, text).ids.length;
     if (count > limit) {
       throw new EngineError(`the text has ${count} source tokens; the page translates up to ${limit} ` +
         "(qkv serve translates a longer text in pieces)", 422);
     }
-    const { layer, spec } = selection(m, req);
-    const masks = headMasks(m, spec);
-    const d = await decodeTranslation(m, text, req.beam, masks);
+    const random = m.manifest.tokenizer === "hashed";
+    const beam = random ? 1 : req.beam;
+    const { layer, spec } = selection(t, req);
+    const masks = headMasks(t, spec);
+    const d = await decodeTranslation(m, text, beam, masks);
     // the step view: the layer's call replayed (teacher-forced), as compute.step_detail
     const idx = Number(layer.split(".")[2]);
     const off = (spec.get(layer) || []).includes(req.head);
     let step;
     if (layer.startsWith("encoder.")) {
-      step = stepDetail(m, d.enc, idx, req.head, "self", d.sourceTokens, d.sourceTokens, off);
+      step = stepDetail(t, d.enc, idx, req.head, "self", d.sourceTokens, d.sourceTokens, off);
     } else {
       const r = await D.replay(m, d.enc, d.hyp, masks.dec);
       const isCross = layer.endsWith("cross_attn"), p = isCross ? "cross." : "self.";
-      const t = Object.fromEntries(["x", "q", "k", "v", "scores", "scaled", "mask", "masked", "weights", "output",
+      const tt = Object.fromEntries(["x", "q", "k", "v", "scores", "scaled", "mask", "masked", "weights", "output",
         "concat", "wo", "real"].map((k) => [k, r[p + k]]));
-      t.context = isCross ? d.enc.memory.at(0) : null;
-      step = stepDetail(m, t, idx, req.head, isCross ? "cross" : "causal", isCross ? d.produced : d.inputs,
+      tt.context = isCross ? d.enc.memory.at(0) : null;
+      step = stepDetail(t, tt, idx, req.head, isCross ? "cross" : "causal", isCross ? d.produced : d.inputs,
         isCross ? d.sourceTokens : d.inputs, off);
     }
     const out = {
-      raw: d.layers.map((l) => l.w), limit, text, tokens: d.sourceTokens, truncated: false, layers: d.layers.map(A.layerJson),
-      stats: A.stats(d.layers), probe: A.probe(d.layers, req), step: { layer, ...step },
+      raw: d.layers.map((l) => l.w), limit, text, tokens: d.sourceTokens, truncated: false,
+      layers: d.layers.map(A.layerJson), stats: A.stats(d.layers), probe: A.probe(d.layers, req),
+      step: { layer, ...step },
       translation: { source_tokens: d.sourceTokens, target_tokens: d.produced, decoder_inputs: d.inputs,
-        text: d.text, beam: req.beam, steps: d.hyp.length, beams: d.beams, length_penalty: 1.0, pieces: [],
-        piece: 0, ...A.warnings(m.tokenizer, text) },
+        text: d.text, beam, steps: d.hyp.length, beams: d.beams, length_penalty: 1.0, pieces: [],
+        piece: 0, ...(random ? { warnings: [], note: null } : A.warnings(m.tokenizer, text)) },
     };
-    if (req.beam > 1) {
+    if (beam > 1) {
       out.translation.greedy_text = (await decodeTranslation(m, text, 1, masks)).text;
     }
     if (spec.size) {
-      const base = await decodeTranslation(m, text, req.beam, headMasks(m, new Map()));
+      const base = await decodeTranslation(m, text, beam, headMasks(t, new Map()));
       out.ablation = { heads: [...spec].flatMap(([l, hs]) => hs.map((hd) => [l, hd])),
         baseline: { translation: base.text, probe: A.probe(base.layers, req) } };
     }
@@ -199,55 +285,65 @@
 
   function createEngine(options) {
     const base = (options && options.base) || "models/";
-    const names = (options && options.models) || ["en-fr", "fr-en"];
+    const names = (options && options.models) || ["minilm", "random", "en-fr", "fr-en"];
     const loading = new Map(); // name -> Promise<Model>
+    const loaded = new Set();
     const model = (name) => {
       if (!loading.has(name)) {
         const p = window.qkvRuntime.load(base + name + "/");
-        p.catch(() => loading.delete(name)); // a failed download may be tried again
+        p.then(() => loaded.add(name), () => loading.delete(name)); // a failed download may be tried again
         loading.set(name, p);
       }
       return loading.get(name);
     };
-    const loaded = new Set();
+    const manifests = new Map(); // name -> Promise<manifest.json>
+    const manifest = (name) => {
+      if (!manifests.has(name)) manifests.set(name, fetch(base + name + "/manifest.json").then((r) => r.json()));
+      return manifests.get(name);
+    };
+    const list = `[${names.map((n) => `'${n}'`).join(", ")}]`;
     return {
       get live() { return true; },
       strings() { return Promise.reject(new EngineError("the in-page engine has no strings: the site gives them", 0)); },
       saved() { return Promise.resolve(null); },
-      health() {
-        return Promise.resolve({
-          models: names.map((n) => ({ name: n, label: `translator ${n}`, label_key: "model.translator", translator: true,
-            random: false, loaded: loaded.has(n) })),
+      async health() {
+        let all;
+        try {
+          all = await Promise.all(names.map(manifest));
+        } catch (err) {
+          throw new EngineError(`the models' manifests could not be read: ${err.message || err}`, 0);
+        }
+        return {
+          models: all.map((mf) => ({ name: mf.name, label: mf.label, label_key: mf.label_key, translator: mf.translator,
+            random: mf.random, loaded: loaded.has(mf.name) })),
           limits: { tokens: LIMITS.tokens, translate_tokens: LIMITS.translate_tokens, beam: LIMITS.beam, pieces: LIMITS.pieces },
-        });
+        };
       },
       async attention(body) {
         const t0 = performance.now();
         const req = parse(body);
-        if (!names.includes(req.model)) {
-          throw new EngineError(`model must be one of [${names.map((n) => `'${n}'`).join(", ")}], got '${req.model}'`, 404);
-        }
+        if (!names.includes(req.model)) throw new EngineError(`model must be one of ${list}, got '${req.model}'`, 404);
         let m;
         try {
           m = await model(req.model);
         } catch (err) {
           throw new EngineError(`could not load model ${req.model}: ${err.message || err}`, 0);
         }
-        loaded.add(req.model);
-        if (!req.translate) throw new EngineError("the in-page engine answers translations only (translate: true)", 0);
-        const text = req.text.slice(0, MAX_TEXT_CHARS);
-        const out = await translation(m, req, text);
+        const chars = Array.from(req.text), cutChars = chars.length > MAX_TEXT_CHARS;
+        const text = cutChars ? chars.slice(0, MAX_TEXT_CHARS).join("") : req.text;
+        const out = await (req.translate ? translation : encoderAnswer)(m, req, text);
         this.lastLayers = out.raw; // every weight unrounded, for tests against PyTorch
         delete out.raw;
         out.step_unavailable = null;
         const limit = out.limit;
         delete out.limit;
-        out.truncated = out.truncated || req.text.length > MAX_TEXT_CHARS;
+        out.truncated = Boolean(out.truncated || cutChars);
         out.notice = out.truncated ? `The text was cut to its first ${out.tokens.length} tokens (limit ${limit}).` : null;
-        return { model: req.model, random: false, limit, ...out, elapsed_ms: Math.round(10 * (performance.now() - t0)) / 10 };
+        return { model: req.model, random: m.manifest.random, limit, ...out,
+          elapsed_ms: Math.round(10 * (performance.now() - t0)) / 10 };
       },
       lens() { return Promise.reject(new EngineError("the in-page engine does not compute the lens yet (qkv serve does)", 0)); },
-      // the model's download and session load, for a page that says what is loading
+      // a model's download and sessions (the page may start them before the first request)
       load: model,
     };
   }

@@ -1,6 +1,7 @@
 // qkv in-page engine: the models' ONNX Runtime Web sessions. A model folder (written by
-// qkv.apps.web.export) holds manifest.json, encoder.onnx and decoder.onnx over one
-// weights.bin, and tokenizer.json; load() fetches them once, from the page's own origin.
+// qkv.apps.web.export) holds manifest.json, its graphs over one weights.bin (encoder.onnx:
+// the encoder view; for a translator the source's encoder and decoder.onnx, the cached
+// decoder step) and tokenizer.json; load() fetches them once, from the page's own origin.
 //
 //   qkvRuntime.load(url)        a Model: manifest, tokenizer, encode(), step()
 //   qkvRuntime.Tensor           {data, dims}: what the graphs take and give (row-major)
@@ -78,20 +79,20 @@
   }
 
   class Model {
-    constructor(manifest, tokenizer, encoder, decoder, bytes) {
+    constructor(manifest, tokenizer, sessions, bytes) {
       this.manifest = manifest;
-      this.cfg = manifest.config;
       this.tokenizer = tokenizer;
-      this.encoder = encoder;
-      this.decoder = decoder;
+      this.sessions = sessions; // role ("encoder", "source", "decoder") -> session
       this.bytes = bytes; // downloaded
+      this.cfg = manifest.translation || manifest.encoder; // the decoder's sizes, if any
     }
 
-    // encoder: src ids [S] → {memory, x, q, k, ..., memory_k, memory_v} (Tensors)
-    async encode(src, headMask) {
-      const c = this.cfg;
+    // an encoder graph: ids [S] → {memory, x, q, k, ..., memory_k, memory_v} (Tensors);
+    // role "encoder" (the encoder view) or "source" (a translation's source)
+    async encode(src, headMask, role = "encoder") {
+      const c = role === "source" ? this.manifest.translation : this.manifest.encoder;
       const feeds = { src: ids([src]), head_mask: headMask || ones([c.n_encoder_layers, c.n_heads]) };
-      return this.run(this.encoder, feeds);
+      return this.run(this.sessions[role], feeds);
     }
 
     // decoder: tokens [N][T] over caches → {logits, next_k, next_v, self.*, cross.*};
@@ -103,7 +104,7 @@
         past_k: past.k, past_v: past.v, memory_k: memory.k, memory_v: memory.v,
         head_mask: headMask || ones([2 * c.n_decoder_layers, c.n_heads]),
       };
-      return this.run(this.decoder, feeds, outputs);
+      return this.run(this.sessions.decoder, feeds, outputs);
     }
 
     // empty self-attention caches for N rows
@@ -124,24 +125,34 @@
     }
   }
 
-  // url: the model's folder ("models/en-fr/"); onProgress(bytes) as the files arrive
+  // the model's tokenizer (tokenize.js): its tokenizer.json, or the random model's hashing
+  function tokenizer(manifest, json) {
+    const T = window.qkvTokenize;
+    if (manifest.tokenizer === "hashed") return T.hashed({ vocabSize: manifest.translation.vocab_size });
+    const positions = manifest.encoder.positions;
+    return T.fromJson(json, manifest.tokenizer === "wordpiece" && positions ? { maxLength: positions } : {});
+  }
+
+  // url: the model's folder ("models/en-fr/")
   async function load(url) {
     configure();
     const manifest = await (await fetchOk(url + "manifest.json")).json();
     const bytes = async (f) => new Uint8Array(await (await fetchOk(url + f)).arrayBuffer());
-    const [weights, enc, dec, tok] = await Promise.all([
-      bytes("weights.bin"), bytes("encoder.onnx"), bytes("decoder.onnx"),
-      fetchOk(url + "tokenizer.json").then((r) => r.json()),
+    const files = [...new Set(Object.values(manifest.graphs))];
+    const hasTok = manifest.files.includes("tokenizer.json");
+    const [weights, tok, ...graphs] = await Promise.all([
+      bytes("weights.bin"), hasTok ? fetchOk(url + "tokenizer.json").then((r) => r.json()) : null,
+      ...files.map(bytes),
     ]);
     const options = {
       executionProviders: ["wasm"], graphOptimizationLevel: "basic",
       externalData: [{ path: "weights.bin", data: weights }],
     };
-    const encoder = await ort.InferenceSession.create(enc, options);
-    const decoder = await ort.InferenceSession.create(dec, options);
-    const tokenizer = window.qkvTokenize.fromJson(tok);
-    const size = weights.length + enc.length + dec.length + JSON.stringify(tok).length;
-    return new Model(manifest, tokenizer, encoder, decoder, size);
+    const byFile = {};
+    for (let i = 0; i < files.length; i++) byFile[files[i]] = await ort.InferenceSession.create(graphs[i], options);
+    const sessions = Object.fromEntries(Object.entries(manifest.graphs).map(([role, f]) => [role, byFile[f]]));
+    const size = weights.length + graphs.reduce((a, g) => a + g.length, 0) + (tok ? JSON.stringify(tok).length : 0);
+    return new Model(manifest, tokenizer(manifest, tok), sessions, size);
   }
 
   window.qkvRuntime = { load, Tensor, ids, ones };

@@ -1,0 +1,184 @@
+"""The in-page engine's test tools: a site of exported models served by ``python -m
+http.server`` on 127.0.0.1, a page of the engine alone (engine_harness.html) that aborts and
+records every request leaving that origin, and the comparison of its answers with the Python
+API's (``qkv.apps.serve.compute.attention`` on the same registry)."""
+
+from __future__ import annotations
+
+import math
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from site_helpers import http_server
+
+from serve_helpers import chromium
+
+HERE = Path(__file__).parent
+STATIC = HERE.parents[2] / "src" / "qkv" / "apps" / "serve" / "static"
+TOL = 1e-4  # unrounded weights against PyTorch
+UNIT = 1e-3 + 1e-9  # two 3-decimal roundings of values closer than TOL differ by at most this
+
+
+def build(tmp_path_factory, names: list[str]) -> Path:
+    """A site of the models ``names`` (qkv.apps.web.export) and the harness page."""
+    from qkv.apps.web import export
+
+    try:
+        export.ort_dist()
+    except FileNotFoundError as err:
+        pytest.skip(str(err))
+    out = tmp_path_factory.mktemp("engine-site")
+    export.export_site_models(out, names, progress=lambda line: None)
+    shutil.copyfile(STATIC / "engine.js", out / "engine.js")
+    for f in ("engine_harness.html", "engine_harness.js"):
+        shutil.copyfile(HERE / f, out / f)
+    return out
+
+
+@contextmanager
+def harness(site: Path):
+    """The harness page on ``site``, its engine ready (window.engine); on leaving, no request
+    may have left the origin and no error reached the console."""
+    with http_server(site) as url, chromium() as browser:
+        p = browser.new_page()
+        errors, outside = [], []
+        p.on("pageerror", lambda e: errors.append(str(e)))
+        p.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+
+        def route(r):
+            if r.request.url.startswith(url + "/"):
+                r.continue_()
+            else:
+                outside.append(r.request.url)
+                r.abort()
+
+        p.route("**/*", route)
+        p.goto(url + "/engine_harness.html")
+        p.wait_for_function("window.engine !== undefined")
+        yield p
+        assert not outside, f"requests outside the origin: {outside}"
+        assert not [e for e in errors if "favicon" not in e], errors
+
+
+@contextmanager
+def registry_entry(name: str):
+    from qkv.apps.serve.models import default_registry
+
+    yield default_registry().get(name)
+
+
+def ask(page, body: dict) -> tuple[dict, list]:
+    """The engine's answer to ``body`` and its unrounded weights ``[layer][h][Tq][Tk]``."""
+    return page.evaluate("""async (body) => {
+        const out = await window.engine.attention(body);
+        return [out, window.engine.lastLayers];
+    }""", body)  # fmt: skip
+
+
+def reference(entry, body: dict) -> tuple[dict, list]:
+    """The Python API's answer, and its unrounded maps (the same computation)."""
+    import torch
+
+    from qkv.apps.serve.compute import attention, decode_translation
+    from qkv.apps.serve.limits import parse_request
+    from qkv.capture.maps import merge_steps
+    from qkv.capture.record import capture
+    from qkv.inspect.ablate import heads_off
+
+    req = parse_request(body)
+    out = attention(entry, req)
+    spec: dict[str, list[int]] = {}
+    for layer, head in req.ablate:
+        spec.setdefault(layer, []).append(head)
+    loaded = entry.loaded
+    with torch.no_grad():
+        if req.translate:
+            beam = req.beam if loaded.tokenizer is not None else 1
+            with heads_off(loaded.full_model, spec):
+                maps = merge_steps(decode_translation(entry, out["text"], beam)["steps"])
+        else:
+            tokens, inputs = loaded.encode(out["text"])
+            with heads_off(loaded.model, spec):
+                maps = capture(loaded.model, *inputs, tokens=tokens)
+    return out, [w.tolist() for w in maps.weights]
+
+
+def check(page, entry, body: dict) -> dict:
+    """The engine's answer to ``body`` against the Python API's: every field (:func:`compare`)
+    and every weight unrounded within TOL. Returns the engine's answer."""
+    ours, raw = ask(page, body)
+    theirs, ref = reference(entry, body)
+    compare(ours, theirs)
+    for i, (a, b) in enumerate(zip(raw, ref, strict=True)):
+        close(a, b, TOL, f"layer {i} unrounded")
+    return ours
+
+
+def close(a, b, tol: float, where: str) -> None:
+    """Nested lists of numbers (``None`` for -inf) equal within ``tol``."""
+    if isinstance(a, list):
+        assert isinstance(b, list) and len(a) == len(b), f"{where}: shapes differ"
+        for i, (x, y) in enumerate(zip(a, b)):
+            close(x, y, tol, f"{where}[{i}]")
+        return
+    if a is None or b is None:
+        assert a is None and b is None, f"{where}: {a} != {b}"
+        return
+    assert math.isclose(a, b, rel_tol=0, abs_tol=tol), f"{where}: {a} != {b} (tol {tol})"
+
+
+def compare(ours: dict, theirs: dict) -> None:
+    """Every field of an /api/attention answer: exact where it is text, within one unit of
+    the last decimal where it is a rounded number."""
+    for key in ("model", "random", "limit", "text", "tokens", "truncated", "notice",
+                "step_unavailable", "positions"):
+        assert ours.get(key) == theirs.get(key), key
+    for lo, lt in zip(ours["layers"], theirs["layers"], strict=True):
+        for key in ("name", "kind", "heads", "q_tokens", "k_tokens"):
+            assert lo[key] == lt[key], (lo["name"], key)
+        close(lo["weights"], lt["weights"], UNIT, lo["name"])
+    for so, st in zip(ours["stats"], theirs["stats"], strict=True):
+        assert {k: so[k] for k in ("layer", "head", "kind")} == {k: st[k] for k in ("layer", "head", "kind")}
+        for k in ("entropy", "distance", "prev", "next", "self", "first", "punct"):
+            close(so[k], st[k], UNIT, f"stats {so['layer']} {so['head']} {k}")
+    assert ("translation" in ours) == ("translation" in theirs)
+    to, tt = ours.get("translation"), theirs.get("translation")
+    for key in () if tt is None else ("source_tokens", "target_tokens", "decoder_inputs", "text", "beam", "steps",
+                "length_penalty", "pieces", "piece", "warnings", "note", "greedy_text"):
+        assert to.get(key) == tt.get(key), f"translation.{key}"
+    if tt is not None:
+        assert [(b["text"], b["chosen"]) for b in to["beams"]] == \
+            [(b["text"], b["chosen"]) for b in tt["beams"]]  # fmt: skip
+        close([b["score"] for b in to["beams"]], [b["score"] for b in tt["beams"]], 1e-4 + 1e-9,
+              "beam scores")  # fmt: skip
+    so, st = ours["step"], theirs["step"]
+    for key in ("layer", "kind", "head", "n_heads", "d_k", "d_model", "scale", "head_off"):
+        assert so[key] == st[key], f"step.{key}"
+    assert so["check"] < 1e-4 and st["check"] < 1e-4
+    for mo, mt in zip(so["matrices"], st["matrices"], strict=True):
+        for key in ("key", "shape", "rows", "cols"):
+            assert mo[key] == mt[key], (mo["key"], key)
+        # projections of 384-wide rows: PyTorch's and ONNX Runtime's sums differ in the last
+        # bits, a little more than the weights
+        close(mo["values"], mt["values"], 2e-3, f"step {mo['key']}")
+    if theirs["probe"] is None:
+        assert ours["probe"] is None
+    else:
+        assert [(r["layer"], r["head"], r["best"]) for r in ours["probe"]["rows"]] == \
+            [(r["layer"], r["head"], r["best"]) for r in theirs["probe"]["rows"]]  # fmt: skip
+    assert ("ablation" in ours) == ("ablation" in theirs)
+    if "ablation" in theirs:
+        ao, at = ours["ablation"], theirs["ablation"]
+        assert ao["heads"] == at["heads"]
+        assert ao["baseline"].get("translation") == at["baseline"].get("translation")
+        if "hidden_change" in at:
+            close(ao["hidden_change"], at["hidden_change"], 2e-4, "hidden_change")
+        po, pt = ao["baseline"]["probe"], at["baseline"]["probe"]
+        assert (po is None) == (pt is None)
+        if pt is not None:
+            assert [(r["layer"], r["head"], r["best"]) for r in po["rows"]] == \
+                [(r["layer"], r["head"], r["best"]) for r in pt["rows"]]  # fmt: skip
+
+

@@ -1,0 +1,49 @@
+"""The in-page engine on the other models, against the Python API in Debian's chromium (as
+test_engine_translate.py does for en-fr): the tiny random model (its encoder view and its
+translation, heads off, the probe), all-MiniLM-L6-v2 in fp32 (the
+pronoun probe of the notes' sentence) and fr-en (a greedy translation)."""
+
+from __future__ import annotations
+
+import pytest
+from engine_helpers import build, check, harness, registry_entry
+
+from serve_helpers import playwright_or_skip
+
+playwright_or_skip()
+
+IT = "The animal didn't cross the street because it was too tired."
+
+
+@pytest.fixture(scope="module")
+def page(tmp_path_factory):
+    with harness(build(tmp_path_factory, ["random", "minilm", "fr-en"])) as p:
+        yield p
+
+
+@pytest.mark.parametrize("body", [
+    {"text": "The boy trains the puppy.", "model": "random"},
+    {"text": IT, "model": "random", "layer": "encoder.layers.1.self_attn", "head": 3,
+     "ablate": [["encoder.layers.0.self_attn", 1]],
+     "probe": {"token": "it", "candidates": ["animal", "street"]}},
+    {"text": "The boy trains the puppy.", "model": "random", "translate": True},
+    {"text": IT, "model": "random", "translate": True, "layer": "decoder.layers.1.self_attn",
+     "head": 2, "ablate": [["decoder.layers.0.cross_attn", 0]]},
+], ids=["encoder", "encoder-heads-off-probe", "translation", "translation-heads-off"])  # fmt: skip
+def test_random_model_as_python(page, body):
+    with registry_entry("random") as entry:
+        check(page, entry, body)
+
+
+def test_minilm_as_python(page):
+    with registry_entry("minilm") as entry:
+        ours = check(page, entry, {"text": IT, "model": "minilm", "layer": "encoder.layers.4.self_attn",
+                                   "head": 11, "probe": {"token": "it", "candidates": ["animal", "street"]}})
+    assert ours["probe"]["rows"], "the probe found the pronoun"
+
+
+def test_fr_en_greedy_as_python(page):
+    with registry_entry("fr-en") as entry:
+        ours = check(page, entry, {"text": "Deux chiens jouent dans la neige.", "model": "fr-en",
+                                   "translate": True})
+    assert ours["translation"]["text"]
