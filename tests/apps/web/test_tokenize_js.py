@@ -157,13 +157,24 @@ def random_ids(rng: random.Random, vocab: int, n: int) -> list[list[int]]:
     return out
 
 
+def vocab_lookups(ask, name: str, hf, rng: random.Random) -> None:
+    """idToToken and tokenToId against HF's ``Tokenizer`` (``hf``): every special, 200 ids
+    drawn, ids and tokens it does not have."""
+    n = hf.get_vocab_size()
+    for i in [*range(5), *rng.sample(range(n), 200), n, n + 100, -1]:
+        ask("idToToken", [name, i], hf.id_to_token(i) if i >= 0 else None)
+        token = hf.id_to_token(i) if 0 <= i < n else f"no such token {i}"
+        ask("tokenToId", [name, token], hf.token_to_id(token))
+
+
 @pytest.fixture(scope="module")
 def case():
     """Python's answers and, from one node run, the page's."""
     rng = random.Random(7)
     directory, mtok, max_len, mencode = minilm_encode()
-    want: dict[str, list] = {"encode": [], "decode": [], "labels": []}
-    req: dict = {"tokenizers": {}, "encode": [], "decode": [], "labels": []}
+    kinds = ("encode", "decode", "labels", "idToToken", "tokenToId")
+    want: dict[str, list] = {kind: [] for kind in kinds}
+    req: dict = {"tokenizers": {}, **{kind: [] for kind in kinds}}
 
     def ask(kind: str, call: list, expected) -> None:
         req[kind].append(call)
@@ -183,6 +194,7 @@ def case():
         for ids in random_ids(rng, tok.vocab_size, 150):
             ask("decode", [name, ids], tok.decode(ids))
             ask("labels", [name, ids], piece_labels(tok, ids))
+        vocab_lookups(ask, name, tok.hf, rng)
 
     req["tokenizers"]["minilm"] = {"path": str(directory / "tokenizer.json"),
                                    "options": {"maxLength": max_len}}  # fmt: skip
@@ -200,6 +212,7 @@ def case():
         ask("labels", ["minilm", ids], tokens)
     for ids in random_ids(rng, mtok.vocab_size, 100):
         ask("decode", ["minilm", ids], mtok.decode(ids))
+    vocab_lookups(ask, "minilm", mtok.backend_tokenizer, rng)
 
     from qkv.inspect.tiny import TinyEncoder
 
@@ -244,6 +257,13 @@ def test_encode_gives_pythons_ids_and_tokens(case, model):
 def test_decode_gives_pythons_text(case, model):
     bad = mismatches(case, "decode", model)
     assert not bad, f"{len(bad)} id lists differ, first: {bad[:3]}"
+
+
+@pytest.mark.parametrize("model", [*TRANSLATORS, "minilm"])
+@pytest.mark.parametrize("kind", ["idToToken", "tokenToId"])
+def test_vocabulary_lookups_are_hfs(case, model, kind):
+    bad = mismatches(case, kind, model)
+    assert not bad, f"{len(bad)} lookups differ, first: {bad[:3]}"
 
 
 @pytest.mark.parametrize("model", [*TRANSLATORS, "minilm"])
@@ -398,7 +418,7 @@ def test_a_browser_gives_the_same_answers(case, sample):
     bad = {name: r["fixed"][:10] for name, r in got["unicode"].items() if r["fixed"]}
     assert not bad, f"chromium's Unicode classes differ from the references: {bad}"
     assert got["load"] == {name: None for name in req["tokenizers"]}
-    for kind in ("encode", "decode", "labels"):
+    for kind in ("encode", "decode", "labels", "idToToken", "tokenToId"):
         adjust = lambda call, g: random_model(call, g) if call[0] == "random" else g  # noqa: E731
         bad = [(call, want, adjust(call, g))
                for call, want, g in zip(case.req[kind], case.want[kind], got[kind], strict=True)

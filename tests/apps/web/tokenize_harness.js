@@ -7,9 +7,10 @@
 //   {"tokenizers": {name: {"path": file (node) | "json": object, "options": {...}}
 //                         | {"hashed": {...}}},
 //    "encode": [[name, text, options?]], "decode": [[name, ids, options?]],
-//    "labels": [[name, ids]]}
+//    "labels": [[name, ids]], "idToToken": [[name, id]], "tokenToId": [[name, token]]}
 //       -> {"load": {name: error | null}, "load_ms": {name: ms},
-//           "encode": [{ids, tokens} | {error}], "decode": [string | {error}], "labels": [...]}
+//           "encode": [{ids, tokens} | {error}], "decode": [string | {error}], "labels": [...],
+//           "idToToken": [...], "tokenToId": [...]}
 "use strict";
 (function () {
   function unicode(T, req) {
@@ -57,6 +58,8 @@
     res.encode = (req.encode || []).map(([n, text, o]) => call(n, (t) => t.encode(text, o)));
     res.decode = (req.decode || []).map(([n, ids, o]) => call(n, (t) => t.decode(ids, o)));
     res.labels = (req.labels || []).map(([n, ids]) => call(n, (t) => t.labels(ids)));
+    res.idToToken = (req.idToToken || []).map(([n, id]) => call(n, (t) => t.idToToken(id)));
+    res.tokenToId = (req.tokenToId || []).map(([n, tok]) => call(n, (t) => t.tokenToId(tok)));
     return res;
   }
 
