@@ -708,7 +708,7 @@
         out.push(fromCodePoints(cps, i, j));
         i = j;
       } else {
-        if (!pyReSpace(c)) out.push(String.fromCodePoint(c));
+        if (!py.space(c)) out.push(String.fromCodePoint(c)); // re's \s is str.isspace()
         i += 1;
       }
     }
@@ -722,9 +722,6 @@
     if (!cps.some((c) => map.fixed(c) !== map.base(c))) return s.toLowerCase();
     return cps.map(map.fixed).join("");
   }
-
-  // Python re's \s on str: str.isspace()
-  const pyReSpace = (c) => py.space(c);
 
   function hashed(options) {
     const vocabSize = (options || {}).vocabSize === undefined ? 1000 : options.vocabSize;
