@@ -5,7 +5,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test wheel-test arm-test arm-test-ci lint bench venv clean
+.PHONY: demo test wheel-test arm-test arm-test-ci lint bench site venv clean
 
 # The kernels (src/qkv/csrc) are compiled here, once per CPU level (~4 min for the four x86
 # levels on 2 cores; ninja recompiles only what changed), against the venv's torch: hence
@@ -56,6 +56,17 @@ arm-test-ci: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m pip install -q -e '.[bench]'  # the peers: ONNX Runtime, OpenVINO, CTranslate2
 	$(PY) bench/attention.py
+
+# the docs and, under them, the explorer running in the page (site/live/), as GitHub Pages
+# serves them (.github/workflows/pages.yml): mkdocs first (it empties site/), then qkv web
+# build, whose in-page engine needs the [web] extra and ONNX Runtime Web from web/'s lock file
+SITE ?= site
+site: $(STAMP)
+	$(PY) -m pip install -q --no-build-isolation -e '.[web]'
+	npm ci --prefix web --no-audit --no-fund
+	HF_HUB_OFFLINE=1 $(PY) -m mkdocs build --strict --site-dir $(SITE)
+	HF_HUB_OFFLINE=1 $(VENV)/bin/qkv web build $(SITE)/live
+	@echo "make site: $(SITE)/ (the explorer: $(SITE)/live/); try: $(PY) -m http.server -d $(SITE)"
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info src/*.egg-info src/qkv/_C_*.kernels src/qkv/kernels/_built.json

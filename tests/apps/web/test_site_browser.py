@@ -116,6 +116,15 @@ def test_a_narrow_window_has_no_horizontal_overflow(site_url, browser):
         o.clean()
     finally:
         o.close()
+    # the translation's map takes the window's width (the decoder's self-attention goes below)
+    o = open_site(browser, site_url, "?translate=1&view=trans", width=375, height=740)
+    try:
+        box = o.page.locator("#view-trans canvas").first.bounding_box()
+        assert 200 <= box["width"] and box["x"] + box["width"] <= 375
+        o.page.screenshot(path=str(ARTIFACTS / "site_narrow_translation.png"))
+        o.clean()
+    finally:
+        o.close()
 
 
 def test_a_new_sentence_without_the_engine_is_refused_in_a_sentence(site, site_url, browser):

@@ -439,7 +439,8 @@
     if (S.layer && cross.some((l) => l.name === S.layer)) cl = cross.find((l) => l.name === S.layer);
     // compare (compare.js): A's maps beside B's, each with its output, then this head's A, B, B − A
     if (cmp.on()) cmp.trans(root, cl, transRow);
-    else root.append(transRow(S.data, cl.name, Math.min(600, viewWidth() - 330)));
+    // 330 px beside the map for the decoder's self-attention; a narrow window puts it below
+    else root.append(transRow(S.data, cl.name, Math.min(600, viewWidth() < 640 ? viewWidth() : viewWidth() - 330)));
   }
   // the cross-attention of layer `name` in answer d (rows: the steps; S.step outlined) and its
   // decoder's self-attention at that step beside it (below it where there is no room)
