@@ -188,3 +188,15 @@ def test_it_keeps_working_offline_once_loaded(site, site_url, browser):
         assert "qkv serve" in page.text_content("#notice")
     finally:
         o.close()
+
+
+def test_a_link_to_a_model_of_one_s_own_points_to_qkv_serve(site, site_url, browser):
+    """A link written by qkv serve for a model of the user's own (``--model mine=DIR``)."""
+    said = strings(site)["en"]["site.ownModel"].format(models="random")
+    o = open_site(browser, site_url, "?model=mine&text=A+dog+runs.&view=head")
+    try:
+        assert said in o.page.text_content("#notice") and "qkv serve --model" in said
+        assert said in o.page.text_content("#view-head .err")
+        o.clean()
+    finally:
+        o.close()

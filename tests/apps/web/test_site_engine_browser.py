@@ -154,3 +154,55 @@ def test_a_translator_s_first_view_and_the_menu(tmp_path, browser):
             o.clean()
         finally:
             o.close()
+
+
+@pytest.fixture(scope="module")
+def real_site(tmp_path_factory):
+    """The random model with the real in-page engine (qkv.apps.web.export), when installed
+    with its runtime (``npm ci --prefix web``)."""
+    from qkv.apps.web.build import build_site
+
+    export = pytest.importorskip("qkv.apps.web.export")
+    try:
+        export.ort_dist()
+    except FileNotFoundError as err:
+        pytest.skip(str(err))
+    out = tmp_path_factory.mktemp("real-site") / "live"
+    summary = build_site(out, ["random"], progress=lambda line: None)
+    assert summary["engine"]
+    with http_server(out) as url:
+        yield out, url
+
+
+def test_the_real_engine_answers_in_the_page_and_offline(real_site, browser):
+    """The site's policy lets the engine run (WebAssembly, its files): a new sentence gets the
+    server's tokens and layers, with no request outside the origin and none to /api/; with
+    the network off after that, another sentence still gets its answer."""
+    from qkv.apps.serve.models import default_registry
+    from qkv.apps.web import build
+
+    site, url = real_site
+    o = open_site(browser, url)
+    try:
+        page = o.page
+        size = json.loads((site / "site.json").read_text())["models"][0]["bytes"]
+        assert f"{size / 1e6:.1f} MB download" in page.text_content("#model option")
+        page.fill("#text", NEW)
+        page.press("#text", "Enter")
+        page.wait_for_selector("body[data-ready='1']", timeout=60_000)
+        want = build._answer(default_registry(), {**build.first_requests("random", False)[0],
+                                                  "text": NEW})  # fmt: skip
+        status = page.text_content("#status")
+        assert status.startswith(f"{len(want['tokens'])} tokens"), status
+        page.click(".tab[data-view='head']")
+        assert "snow" in page.locator("#view-head .toks").first.text_content()
+        assert any(p.startswith("/models/random/") for p in o.paths)
+        o.context.set_offline(True)
+        page.fill("#text", "Two dogs play.")
+        page.press("#text", "Enter")
+        page.wait_for_selector("body[data-ready='1']", timeout=60_000)
+        assert "dogs" in page.locator("#view-head .toks").first.text_content()
+        assert "qkv serve" not in page.text_content("#notice")
+        o.clean()
+    finally:
+        o.close()

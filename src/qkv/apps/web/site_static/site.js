@@ -96,6 +96,8 @@
       m.loaded = runtime = true;
       return answer;
     }
+    // a model the site lacks (a link from qkv serve --model NAME=DIR): 404, as the server says
+    const ownModel = (s) => new E.EngineError(words(s, "site.ownModel", { models: s.models.map((m) => m.name).join(", ") }), 404);
     const refuse = (s, request) => new E.EngineError(words(s, "site.savedOnly", { name: request.model }), 0);
 
     return {
@@ -105,6 +107,7 @@
       saved() { return Promise.resolve(null); },
       async attention(request) {
         const s = await site;
+        if (!s.models.some((m) => m.name === request.model)) throw ownModel(s);
         const t0 = performance.now();
         const hit = s.saved.get(key(request));
         if (hit) {
@@ -128,6 +131,7 @@
       },
       async lens(request) {
         const s = await site;
+        if (!s.models.some((m) => m.name === request.model)) throw ownModel(s);
         if (runs(s, request)) return run("lens", request);
         throw refuse(s, request);
       },
