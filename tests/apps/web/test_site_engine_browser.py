@@ -163,6 +163,7 @@ def real_site(tmp_path_factory):
     from qkv.apps.web.build import build_site
 
     export = pytest.importorskip("qkv.apps.web.export")
+    pytest.importorskip("onnx")  # the [web] extra: the export traces the models with it
     try:
         export.ort_dist()
     except FileNotFoundError as err:
