@@ -47,3 +47,19 @@ def test_fr_en_greedy_as_python(page):
         ours = check(page, entry, {"text": "Deux chiens jouent dans la neige.", "model": "fr-en",
                                    "translate": True})
     assert ours["translation"]["text"]
+
+
+def test_health_as_the_server(page):
+    """The models (their manifests) and limits the server's /api/health gives."""
+    from qkv.apps.serve import limits
+    from qkv.apps.serve.models import default_registry
+
+    ours = page.evaluate("window.qkvLocal.createEngine({base: 'models/', "
+                         "models: ['minilm', 'random', 'fr-en']}).health()")
+    assert ours["models"] == [m for m in default_registry().info() if m["name"] != "en-fr"]
+    assert ours["limits"] == {
+        "tokens": limits.TOKEN_LIMIT, "translate_tokens": limits.TRANSLATE_LIMIT,
+        "body_bytes": limits.MAX_BODY_BYTES, "cells": limits.MAX_CELLS, "beam": limits.MAX_BEAM,
+        "long_tokens": limits.LONG_TOKEN_LIMIT, "long_bytes": limits.MAX_LONG_BYTES,
+        "pieces": limits.MAX_PIECES}  # fmt: skip
+    assert limits.target_limit(10**6) == 80  # the engine's TARGET_LIMIT

@@ -20,7 +20,10 @@
     return new E(message, status);
   };
   const A = window.qkvAnswer, D = window.qkvDecode;
-  const LIMITS = { tokens: 128, translate_tokens: 48, beam: 8, pieces: 8, target: 80 };
+  // qkv.apps.serve.limits (GET /api/health's "limits"; the tests compare them)
+  const LIMITS = { tokens: 128, translate_tokens: 48, body_bytes: 262144, cells: 320000, beam: 8, long_tokens: 2048,
+    long_bytes: 67108864, pieces: 8 };
+  const TARGET_LIMIT = 80; // target_limit's cap
   const MAX_TEXT_CHARS = 20000;
 
   const bad = (message) => new EngineError(message, 400);
@@ -99,7 +102,7 @@
       dec: make(section.layers.filter((l) => l.startsWith("decoder."))) };
   }
 
-  const targetLimit = (S) => Math.min(LIMITS.target, Math.floor((S * 3) / 2) + 8);
+  const targetLimit = (S) => Math.min(TARGET_LIMIT, Math.floor((S * 3) / 2) + 8);
   const rstrip = (s) => s.replace(/[\s\u001c-\u001f\u0085]+$/u, "");
 
   // answer.cut_to_limit: the longest prefix of text (whole words, else characters) that
@@ -208,7 +211,7 @@
   async function encoderAnswer(m, req, text) {
     const e = m.manifest.encoder;
     const c = cutToLimit((s) => encoderInput(m, s), text, e.limit);
-    if (e.n_encoder_layers * e.n_heads * c.tokens.length ** 2 > 320000) throw new EngineError(TOO_LONG, 422);
+    if (e.n_encoder_layers * e.n_heads * c.tokens.length ** 2 > LIMITS.cells) throw new EngineError(TOO_LONG, 422);
     const { layer, spec } = selection(e, req);
     const out = await m.encode(c.ids, headMasks(e, spec).enc);
     const heads = range(e.n_heads);
@@ -316,7 +319,7 @@
         return {
           models: all.map((mf) => ({ name: mf.name, label: mf.label, label_key: mf.label_key, translator: mf.translator,
             random: mf.random, loaded: loaded.has(mf.name) })),
-          limits: { tokens: LIMITS.tokens, translate_tokens: LIMITS.translate_tokens, beam: LIMITS.beam, pieces: LIMITS.pieces },
+          limits: { ...LIMITS },
         };
       },
       async attention(body) {

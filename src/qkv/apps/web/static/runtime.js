@@ -68,14 +68,21 @@
     return r;
   }
 
-  let configured = false;
-  function configure() {
-    if (configured) return;
-    configured = true;
+  // A one-node graph (y = Identity(x), opset 17): making a session of it fetches and
+  // compiles ONNX Runtime's WebAssembly, which otherwise starts only once a model's files
+  // have all arrived; load() runs both at once.
+  const WARM = "CAg6OgoQCgF4EgF5IghJZGVudGl0eRIEd2FybVoPCgF4EgoKCAgBEgQKAggBYg8KAXkSCgoICAESBAoCCAFCBAoAEBE=";
+  let ready = null;
+  function runtime() {
+    if (ready) return ready;
     ort.env.wasm.wasmPaths = ROOT + "ort/";
     // threads need SharedArrayBuffer, which only a cross-origin isolated page has
     ort.env.wasm.numThreads = self.crossOriginIsolated ? Math.min(4, navigator.hardwareConcurrency || 1) : 1;
     ort.env.logLevel = "error";
+    const bytes = Uint8Array.from(atob(WARM), (c) => c.charCodeAt(0));
+    ready = ort.InferenceSession.create(bytes, { executionProviders: ["wasm"] }).then((s) => s.release());
+    ready.catch(() => { ready = null; }); // tried again with the next model
+    return ready;
   }
 
   class Model {
@@ -135,13 +142,13 @@
 
   // url: the model's folder ("models/en-fr/")
   async function load(url) {
-    configure();
+    const warm = runtime();
     const manifest = await (await fetchOk(url + "manifest.json")).json();
     const bytes = async (f) => new Uint8Array(await (await fetchOk(url + f)).arrayBuffer());
     const files = [...new Set(Object.values(manifest.graphs))];
     const hasTok = manifest.files.includes("tokenizer.json");
-    const [weights, tok, ...graphs] = await Promise.all([
-      bytes("weights.bin"), hasTok ? fetchOk(url + "tokenizer.json").then((r) => r.json()) : null,
+    const [, weights, tok, ...graphs] = await Promise.all([
+      warm, bytes("weights.bin"), hasTok ? fetchOk(url + "tokenizer.json").then((r) => r.json()) : null,
       ...files.map(bytes),
     ]);
     const options = {
@@ -155,5 +162,5 @@
     return new Model(manifest, tokenizer(manifest, tok), sessions, size);
   }
 
-  window.qkvRuntime = { load, Tensor, ids, ones };
+  window.qkvRuntime = { load, runtime, Tensor, ids, ones };
 })();
