@@ -200,3 +200,16 @@ def test_a_link_to_a_model_of_one_s_own_points_to_qkv_serve(site, site_url, brow
         o.clean()
     finally:
         o.close()
+
+
+def test_opened_as_a_file_it_says_it_needs_a_web_server(site, browser):
+    """index.html double-clicked (file://): the browser lets it read no other file; the page
+    says how to serve it instead of a fetch error."""
+    page = browser.new_page()
+    try:
+        page.goto((site / "index.html").as_uri())
+        page.wait_for_selector("#notice:not([hidden])")
+        notice = page.text_content("#notice")
+        assert "python -m http.server" in notice and "Failed to fetch" not in notice
+    finally:
+        page.close()

@@ -13,6 +13,11 @@
 (() => {
   const STATUS = "status"; // app.js's status line: the model's download is said there
 
+  // index.html opened as a file (a double click on a USB stick): the browser lets it read no
+  // other file, and its words are among those, so this says it in English
+  const FILE_NOTE = "This page needs a web server to read its files: in its folder, run " +
+    "python -m http.server and open http://127.0.0.1:8000/ (or open the published site).";
+
   // JSON of one file of the site (relative: the site may live under any path)
   async function getJSON(path, E) {
     let r;
@@ -22,7 +27,7 @@
       return await r.json();
     } catch (err) {
       if (err instanceof E.EngineError) throw err;
-      throw new E.EngineError(`${path}: ${err}`, 0);
+      throw new E.EngineError(location.protocol === "file:" ? FILE_NOTE : `${path}: ${err}`, 0);
     }
   }
 
