@@ -213,3 +213,15 @@ def test_opened_as_a_file_it_says_it_needs_a_web_server(site, browser):
         assert "python -m http.server" in notice and "Failed to fetch" not in notice
     finally:
         page.close()
+
+
+def test_a_beam_without_translating_opens_the_saved_maps(site_url, browser):
+    """The beam is read when translating only: ?beam=4 on the maps is the saved answer."""
+    o = open_site(browser, site_url, "?beam=4")
+    try:
+        assert o.page.input_value("#beam") == "4"
+        assert o.page.text_content("#status").startswith("8 tokens")
+        assert "qkv serve" not in o.page.text_content("#notice")
+        o.clean()
+    finally:
+        o.close()

@@ -31,9 +31,10 @@
     }
   }
 
-  // a request as the fields the server reads (defaults filled in, in one order): two requests
-  // with equal keys get equal answers. sameText: the same, whatever the layer and head
-  const fields = (r) => [String(r.text), r.model ?? "minilm", !!r.translate, r.beam ?? 1,
+  // a request as the fields the server reads (defaults filled in, in one order; the beam only
+  // when translating, as qkv.apps.serve.compute reads it): two requests with equal keys get
+  // equal answers. sameText: the same, whatever the layer and head
+  const fields = (r) => [String(r.text), r.model ?? "minilm", !!r.translate, r.translate ? r.beam ?? 1 : 1,
     r.ablate ?? [], r.probe ? [r.probe.token, r.probe.candidates] : null, r.piece ?? 0];
   const key = (r) => JSON.stringify([...fields(r), r.layer ?? null, r.head ?? 0]);
   const sameText = (r) => JSON.stringify(fields(r));
