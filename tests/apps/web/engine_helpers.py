@@ -182,3 +182,31 @@ def compare(ours: dict, theirs: dict) -> None:
                 [(r["layer"], r["head"], r["best"]) for r in pt["rows"]]  # fmt: skip
 
 
+
+
+def check_lens(page, entry, body: dict) -> dict:
+    """The engine's ``lens(body)`` against ``qkv.apps.serve.compute_lens.lens_answer``: the
+    same tokens, rows, top tokens and names; the numbers within one unit of their last
+    decimal (the attributions' sum ``check`` small in both)."""
+    from qkv.apps.serve.compute_lens import lens_answer, parse_lens
+
+    ours = page.evaluate("(body) => window.engine.lens(body)", body)
+    theirs = lens_answer(entry, parse_lens(body))
+    for key in ("model", "random", "limit", "text", "tokens", "truncated", "translation",
+                "position", "predicted", "dla_unavailable"):
+        assert ours[key] == theirs[key], key
+    lo, lt = ours["lens"], theirs["lens"]
+    assert (lo["layers"], lo["top_k"], lo["tokens"]) == (lt["layers"], lt["top_k"], lt["tokens"])
+    close(lo["probs"], lt["probs"], UNIT, "lens probs")
+    close(ours["logit"], theirs["logit"], UNIT, "logit")
+    do, dt = ours["dla"], theirs["dla"]
+    assert do["note"] == dt["note"] and do["check"] < 1e-4 and dt["check"] < 1e-4
+    assert [o["name"] for o in do["others"]] == [o["name"] for o in dt["others"]]
+    close([o["target"] for o in do["others"]], [o["target"] for o in dt["others"]], UNIT, "others")
+    for ho, ht in zip(do["heads"], dt["heads"], strict=True):
+        assert (ho["layer"], ho["head"]) == (ht["layer"], ht["head"])
+        close(ho["target"], ht["target"], UNIT, f"{ho['layer']} {ho['head']}")
+        for side in ("up", "down"):
+            assert [n for n, _ in ho[side]] == [n for n, _ in ht[side]], (ho["layer"], side)
+            close([v for _, v in ho[side]], [v for _, v in ht[side]], UNIT, side)
+    return ours

@@ -63,3 +63,20 @@ def test_health_as_the_server(page):
         "long_tokens": limits.LONG_TOKEN_LIMIT, "long_bytes": limits.MAX_LONG_BYTES,
         "pieces": limits.MAX_PIECES}  # fmt: skip
     assert limits.target_limit(10**6) == 80  # the engine's TARGET_LIMIT
+
+
+@pytest.mark.parametrize("name", ["minilm", "random"])
+def test_lens_refused_as_the_server(page, name):
+    """The lens reads a translator's decoder: MiniLM and the random model are refused, with the
+    server's status and message."""
+    from qkv.apps.serve.compute_lens import lens_answer, parse_lens
+    from qkv.apps.serve.limits import BadRequest
+
+    body = {"text": "A dog runs.", "model": name, "translate": name == "random"}
+    with registry_entry(name) as entry, pytest.raises(BadRequest) as err:
+        lens_answer(entry, parse_lens(body))
+    ours = page.evaluate("""async (body) => {
+        try { await window.engine.lens(body); return null; }
+        catch (e) { return [e.status, e.message]; }
+    }""", body)  # fmt: skip
+    assert ours == [400, str(err.value)]

@@ -9,7 +9,7 @@ step-by-step matrices, statistics and probe."""
 from __future__ import annotations
 
 import pytest
-from engine_helpers import build, check, harness, registry_entry
+from engine_helpers import build, check, check_lens, harness, registry_entry
 
 from serve_helpers import playwright_or_skip
 
@@ -63,6 +63,32 @@ def test_encoder_view_as_python(page, entry):
     check(page, entry, {"text": "The boy trains the puppy.", "model": "en-fr", "head": 1,
                         "layer": "encoder.layers.2.self_attn",
                         "ablate": [["encoder.layers.0.self_attn", 0]]})  # fmt: skip
+
+
+@pytest.mark.parametrize("body", [
+    {"text": "The boy trains the puppy.", "model": "en-fr", "translate": True},
+    {"text": "Two dogs play in the snow.", "model": "en-fr", "translate": True, "position": 2,
+     "top_k": 3, "ablate": [["decoder.layers.1.cross_attn", 4]]},
+], ids=["last", "position-heads-off"])  # fmt: skip
+def test_lens_as_python(page, entry, body):
+    ours = check_lens(page, entry, body)
+    assert len(ours["lens"]["tokens"]) == 4  # the embeddings and each of the 3 blocks
+
+
+def test_lens_refusals_as_the_server(page, entry):
+    from qkv.apps.serve.compute_lens import lens_answer, parse_lens
+    from qkv.apps.serve.limits import BadRequest
+
+    for body in ({"text": "A dog.", "model": "en-fr"},
+                 {"text": "A dog.", "model": "en-fr", "translate": True, "position": 40},
+                 {"text": "A dog.", "model": "en-fr", "translate": True, "top_k": 11}):
+        with pytest.raises(BadRequest) as err:
+            lens_answer(entry, parse_lens(body))
+        ours = page.evaluate("""async (body) => {
+            try { await window.engine.lens(body); return null; }
+            catch (e) { return [e.status, e.message]; }
+        }""", body)  # fmt: skip
+        assert ours == [400, str(err.value)]
 
 
 def test_bad_requests_as_the_server(page):

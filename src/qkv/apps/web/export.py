@@ -190,6 +190,16 @@ def export_model(out: Path, name: str) -> dict:
                                   opset_version=OPSET, input_names=inputs,
                                   do_constant_folding=False, output_names=outputs,
                                   dynamic_axes=dynamic)  # fmt: skip
+        if name in ("en-fr", "fr-en"):  # the Lens view reads a translator's decoder
+            from qkv.apps.web.lens_graph import LensGraph, lens_io
+
+            args, inputs, outputs, dynamic = lens_io(loaded.full_model)
+            paths["lens"], files["lens"] = tmp / "lens.fp32.onnx", "lens.onnx"
+            with torch.no_grad():
+                torch.onnx.export(LensGraph(loaded.full_model).eval(), args, str(paths["lens"]),
+                                  dynamo=False, opset_version=OPSET, input_names=inputs,
+                                  do_constant_folding=False, output_names=outputs,
+                                  dynamic_axes=dynamic)  # fmt: skip
         shared_weights({r: p for r, p in paths.items()}, tmp, "weights.bin")
         if tokenizer is not None:
             shutil.copyfile(tokenizer, tmp / "tokenizer.json")
@@ -217,6 +227,11 @@ def export_model(out: Path, name: str) -> dict:
                 "eos_id": cfg.eos_id if cfg else 4,
                 "no_repeat_ngram": NO_REPEAT_NGRAM if cfg else 0,
             }  # fmt: skip
+        if "lens" in files:
+            from qkv.apps.serve.compute_lens import NOTE
+            from qkv.apps.web.lens_graph import TOP_K, lens_names
+
+            manifest["lens"] = {**lens_names(loaded.full_model), "top_k": TOP_K, "note": NOTE}
         manifest["sha256"] = {f: hashlib.sha256((tmp / f).read_bytes()).hexdigest()
                               for f in manifest["files"]}  # fmt: skip
         check_parity(tmp, manifest, specs, loaded)
@@ -316,6 +331,19 @@ def check_parity(folder: Path, manifest: dict, specs: dict, loaded, tol: float =
         close(f"step {j} logits", o["logits"][0], logits[j])
         if int(o["logits"][0].argmax()) != int(logits[j].argmax()):
             raise AssertionError(f"step {j}: the graph's token differs from PyTorch's")
+    if "lens" in session:  # the lens graph against qkv.inspect.lens.lens on the same run
+        from qkv.inspect.lens import lens
+
+        n_all = t["n_encoder_layers"] + 2 * L
+        for p in (0, len(tgt) - 1):
+            o = run("lens", {"src": src.numpy(), "tgt": np.array([tgt]), "position": np.array(p),
+                             "head_mask": np.ones((n_all, h), np.float32)})  # fmt: skip
+            ref = lens(s2s.model, src, torch.tensor([tgt]), position=p, top_k=manifest["lens"]["top_k"])
+            if not (o["lens_ids"] == ref.top_ids.numpy()).all() or int(o["target"]) != ref.target:
+                raise AssertionError(f"lens at position {p}: the graph's top tokens differ")
+            close(f"lens probabilities at {p}", o["lens_probs"], ref.top_probs)
+            close(f"head attributions at {p}", o["head_target"], [x.target for x in ref.heads])
+            close(f"other attributions at {p}", o["others"], [v for _, v in ref.others])
     T = len(steps)
     for i in range(L):
         self_w = np.zeros((h, T, T), np.float32)

@@ -79,14 +79,20 @@
       throw bad(`layer must be one of ${list}, got '${layer}'`);
     }
     if (req.head < 0 || req.head >= h) throw bad(`head must be in [0, ${h - 1}], got ${req.head}`);
+    return { layer, spec: ablationSpec(section, req) };
+  }
+
+  // answer.ablation_spec: the heads the request switches off, {layer: [heads]}, checked
+  function ablationSpec(section, req) {
+    const names = section.layers, h = section.n_heads;
     const spec = new Map();
     for (const [l, head] of req.ablate) {
-      if (!names.includes(l)) throw bad(`ablate: no layer named '${l}'; have ${list}`);
+      if (!names.includes(l)) throw bad(`ablate: no layer named '${l}'; have [${names.map((n) => `'${n}'`).join(", ")}]`);
       if (head < 0 || head >= h) throw bad(`ablate: head ${head} out of range for '${l}' (${h} heads)`);
       if (!spec.has(l)) spec.set(l, []);
       spec.get(l).push(head);
     }
-    return { layer, spec };
+    return spec;
   }
 
   // the graphs' head_mask inputs ((L_enc, h) and the decoder's (2·L_dec, h), layers in
@@ -286,6 +292,70 @@
     return out;
   }
 
+  // ---------- the Lens (qkv.apps.serve.compute_lens) ----------
+  const pyRepr = (v) => (typeof v === "boolean" ? (v ? "True" : "False") : typeof v === "string"
+    ? `'${v}'` : v === null ? "None" : Array.isArray(v) || typeof v === "object" ? JSON.stringify(v) : String(v));
+
+  // parse_lens: the attention request, position (default: the last), top_k
+  function parseLens(body) {
+    const req = parse(body);
+    const small = (key, dflt, lo, hi) => {
+      const v = key in body ? body[key] : dflt;
+      if (v === null || v === undefined) return null;
+      if (typeof v !== "number" || !Number.isInteger(v) || v < lo || v > hi) {
+        throw bad(`${key} must be an integer in [${lo}, ${hi}], got ${pyRepr(v)}`.slice(0, 120));
+      }
+      return v;
+    };
+    return { req, position: small("position", null, 0, 10000), topK: small("top_k", 5, 1, 10) };
+  }
+
+  // compute_lens.lens_answer for a translator: the decoder teacher-forced on the translation
+  async function lensAnswer(m, lr) {
+    const req = lr.req, mf = m.manifest, t = mf.translation;
+    if (!mf.lens) {
+      const what = mf.random ? "a random-weight post-LN toy" : "an encoder";
+      throw bad("model: the lens reads a decoder (qkv's translators, qkv causal LMs, transformers " +
+        `decoder-only models); '${mf.name}' is ${what}`);
+    }
+    if (!req.translate) throw bad(`translate must be true: the lens reads '${mf.name}''s decoder, which needs the translation`);
+    const chars = Array.from(req.text), cutChars = chars.length > MAX_TEXT_CHARS;
+    const c = cutToLimit((s) => encoderInput(m, s), cutChars ? chars.slice(0, MAX_TEXT_CHARS).join("") : req.text, t.limit);
+    const spec = ablationSpec(t, req), masks = headMasks(t, spec);
+    const d = await decodeTranslation(m, c.text, req.beam, masks);
+    const T = d.inputs.length, position = lr.position === null ? T - 1 : lr.position;
+    if (position >= T) throw bad(`position must be in [0, ${T - 1}] for this text, got ${position}`);
+    const all = new window.qkvRuntime.Tensor(Float32Array.from([...masks.enc.data, ...masks.dec.data]),
+      [masks.enc.dims[0] + masks.dec.dims[0], t.n_heads]);
+    const o = await m.lens(d.src, [t.bos_id, ...d.hyp.slice(0, -1)], position, all);
+    const k = lr.topK, K = mf.lens.top_k, num = (x) => Number(x);
+    const target = num(o.target.data[0]);
+    const lensIds = o.lens_ids.dims[0], rowIds = (a, j) => Array.from(o.lens_ids.data.subarray((a * T + j) * K, (a * T + j) * K + k), num);
+    const rowProbs = (a, j) => Array.from(o.lens_probs.data.subarray((a * T + j) * K, (a * T + j) * K + k));
+    const topOf = (name, j) => Array.from(o[name].data.subarray(j * K, j * K + k));
+    const heads = mf.lens.heads;
+    // every id the answer names, labelled one at a time (compute_lens._json)
+    const used = new Set([target]);
+    for (let a = 0; a < lensIds; a++) for (let j = 0; j < T; j++) rowIds(a, j).forEach((i) => used.add(i));
+    heads.forEach((_, j) => { topOf("up_ids", j).forEach((i) => used.add(num(i))); topOf("down_ids", j).forEach((i) => used.add(num(i))); });
+    const names = new Map([...used].map((i) => [i, m.tokenizer.labels([i])[0]]));
+    const range_ = (n) => Array.from({ length: n }, (_, i) => i);
+    const pair = (ids, vals) => ids.map((i, j) => [names.get(num(i)), A.number(vals[j])]);
+    return {
+      model: mf.name, random: mf.random, limit: t.limit, text: c.text, tokens: d.inputs, truncated: Boolean(c.cut || cutChars),
+      translation: { text: d.text, target_tokens: d.produced },
+      lens: { layers: mf.lens.layers, top_k: k,
+        tokens: range_(lensIds).map((a) => range_(T).map((j) => rowIds(a, j).map((i) => names.get(i)))),
+        probs: range_(lensIds).map((a) => range_(T).map((j) => rowProbs(a, j).map((p) => A.number(p)))) },
+      position, predicted: names.get(target), logit: A.number(o.logit.data[0]),
+      dla: { heads: heads.map(([layer, head], j) => ({ layer, head, target: A.number(o.head_target.data[j]),
+        up: pair(topOf("up_ids", j), topOf("up", j)), down: pair(topOf("down_ids", j), topOf("down", j)) })),
+        others: mf.lens.others.map((name, j) => ({ name, target: A.number(o.others.data[j]) })),
+        check: A.number(o.check.data[0], 6), note: mf.lens.note },
+      dla_unavailable: null,
+    };
+  }
+
   function createEngine(options) {
     const base = (options && options.base) || "models/";
     const names = (options && options.models) || ["minilm", "random", "en-fr", "fr-en"];
@@ -345,7 +415,19 @@
         return { model: req.model, random: m.manifest.random, limit, ...out,
           elapsed_ms: Math.round(10 * (performance.now() - t0)) / 10 };
       },
-      lens() { return Promise.reject(new EngineError("the in-page engine does not compute the lens yet (qkv serve does)", 0)); },
+      async lens(body) {
+        const t0 = performance.now();
+        const lr = parseLens(body);
+        if (!names.includes(lr.req.model)) throw new EngineError(`model must be one of ${list}, got '${lr.req.model}'`, 404);
+        let m;
+        try {
+          m = await model(lr.req.model);
+        } catch (err) {
+          throw new EngineError(`could not load model ${lr.req.model}: ${err.message || err}`, 0);
+        }
+        const out = await lensAnswer(m, lr);
+        return { ...out, elapsed_ms: Math.round(10 * (performance.now() - t0)) / 10 };
+      },
       // a model's download and sessions (the page may start them before the first request)
       load: model,
     };

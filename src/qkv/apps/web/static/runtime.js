@@ -89,7 +89,7 @@
     constructor(manifest, tokenizer, sessions, bytes) {
       this.manifest = manifest;
       this.tokenizer = tokenizer;
-      this.sessions = sessions; // role ("encoder", "source", "decoder") -> session
+      this.sessions = sessions; // role ("encoder", "source", "decoder") -> session; lens: () => Promise
       this.bytes = bytes; // downloaded
       this.cfg = manifest.translation || manifest.encoder; // the decoder's sizes, if any
     }
@@ -112,6 +112,14 @@
         head_mask: headMask || ones([2 * c.n_decoder_layers, c.n_heads]),
       };
       return this.run(this.sessions.decoder, feeds, outputs);
+    }
+
+    // a translator's lens graph (lens_graph.py): src [S], tgt [T], position, the mask of every
+    // attention module (L_all, h)
+    async lens(src, tgt, position, headMask) {
+      const feeds = { src: ids([src]), tgt: ids([tgt]),
+        position: new Tensor(BigInt64Array.from([BigInt(position)]), []), head_mask: headMask };
+      return this.run(await this.sessions.lens(), feeds);
     }
 
     // empty self-attention caches for N rows
@@ -155,9 +163,17 @@
       executionProviders: ["wasm"], graphOptimizationLevel: "basic",
       externalData: [{ path: "weights.bin", data: weights }],
     };
-    const byFile = {};
-    for (let i = 0; i < files.length; i++) byFile[files[i]] = await ort.InferenceSession.create(graphs[i], options);
-    const sessions = Object.fromEntries(Object.entries(manifest.graphs).map(([role, f]) => [role, byFile[f]]));
+    // a session per file, made when first needed: the lens's only when the Lens view asks
+    const made = {};
+    const session = (f) => {
+      if (!made[f]) made[f] = ort.InferenceSession.create(graphs[files.indexOf(f)], options);
+      return made[f];
+    };
+    const sessions = {};
+    for (const [role, f] of Object.entries(manifest.graphs)) {
+      if (role !== "lens") sessions[role] = await session(f);
+    }
+    if (manifest.graphs.lens) sessions.lens = () => session(manifest.graphs.lens);
     const size = weights.length + graphs.reduce((a, g) => a + g.length, 0) + (tok ? JSON.stringify(tok).length : 0);
     return new Model(manifest, tokenizer(manifest, tok), sessions, size);
   }
