@@ -56,7 +56,7 @@ def harness(site: Path):
 
         p.route("**/*", route)
         p.goto(url + "/engine_harness.html")
-        p.wait_for_function("window.engine !== undefined")
+        p.wait_for_selector("body[data-engine='1']", state="attached")
         yield p
         assert not outside, f"requests outside the origin: {outside}"
         assert not [e for e in errors if "favicon" not in e], errors

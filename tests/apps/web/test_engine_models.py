@@ -35,6 +35,33 @@ def test_random_model_as_python(page, body):
         check(page, entry, body)
 
 
+LONG = ("A man in a blue shirt is riding a red bike down the long street with his small brown "
+        "dog next to the old market. Two women sit on a bench in the park and talk while "
+        "children play football on the grass behind them near the river. " * 3)
+
+
+@pytest.mark.parametrize("piece", [0, 4])
+def test_long_translation_in_pieces_as_python(page, piece):
+    """A text past the maps' limit is split as the server splits it, every piece translated,
+    the maps those of the piece asked for."""
+    with registry_entry("random") as entry:
+        ours = check(page, entry, {"text": LONG, "model": "random", "translate": True,
+                                   "piece": piece})  # fmt: skip
+    assert len(ours["translation"]["pieces"]) > 4 and ours["translation"]["piece"] == piece
+
+
+def test_harness_loads_the_engine_scripts():
+    """engine_harness.html loads qkv.apps.web.export.ENGINE_SCRIPTS, in their order."""
+    import re
+    from pathlib import Path
+
+    from qkv.apps.web.export import ENGINE_SCRIPTS
+
+    html = (Path(__file__).parent / "engine_harness.html").read_text()
+    scripts = re.findall(r'<script src="([^"]+)"></script>', html)
+    assert [s for s in scripts if s not in ("engine.js", "engine_harness.js")] == ENGINE_SCRIPTS
+
+
 def test_minilm_as_python(page):
     with registry_entry("minilm") as entry:
         ours = check(page, entry, {"text": IT, "model": "minilm", "layer": "encoder.layers.4.self_attn",

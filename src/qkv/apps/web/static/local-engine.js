@@ -19,7 +19,7 @@
     const E = (window.qkvEngine && window.qkvEngine.EngineError) || LocalError;
     return new E(message, status);
   };
-  const A = window.qkvAnswer, D = window.qkvDecode;
+  const A = window.qkvAnswer, D = window.qkvDecode, X = window.qkvText;
   // qkv.apps.serve.limits (GET /api/health's "limits"; the tests compare them)
   const LIMITS = { tokens: 128, translate_tokens: 48, body_bytes: 262144, cells: 320000, beam: 8, long_tokens: 2048,
     long_bytes: 67108864, pieces: 8 };
@@ -109,28 +109,6 @@
   }
 
   const targetLimit = (S) => Math.min(TARGET_LIMIT, Math.floor((S * 3) / 2) + 8);
-  const rstrip = (s) => s.replace(/[\s\u001c-\u001f\u0085]+$/u, "");
-
-  // answer.cut_to_limit: the longest prefix of text (whole words, else characters) that
-  // encode()s to at most limit tokens
-  function cutToLimit(encode, text, limit) {
-    const first = encode(text);
-    if (first.tokens.length <= limit) return { text, ...first, cut: false };
-    let units = text.match(/\S+\s*/gu) || [];
-    if (units.length < 2) units = Array.from(text);
-    let lo = 1, hi = units.length - 1;
-    while (lo < hi) {
-      const mid = Math.floor((lo + hi + 1) / 2);
-      if (encode(units.slice(0, mid).join("")).tokens.length <= limit) lo = mid; else hi = mid - 1;
-    }
-    if (units.length > 1 && /^\S+\s*$/u.test(units[0]) && encode(units[0]).tokens.length > limit) {
-      const chars = Array.from(units[0]);
-      return cutToLimit(encode, chars.slice(0, Math.max(1, Math.floor(chars.length / 2))).join(""), limit);
-    }
-    const short = rstrip(units.slice(0, lo).join(""));
-    return { text: short, ...encode(short), cut: true };
-  }
-
   // the encoder view's tokens and ids (the server's Loaded.encode of each model)
   function encoderInput(m, text) {
     const tok = m.tokenizer, kind = m.manifest.tokenizer;
@@ -216,7 +194,7 @@
   // compute._encoder: the maps of one forward pass of the encoder (or encoder-only model)
   async function encoderAnswer(m, req, text) {
     const e = m.manifest.encoder;
-    const c = cutToLimit((s) => encoderInput(m, s), text, e.limit);
+    const c = X.cutToLimit((s) => encoderInput(m, s), text, e.limit);
     if (e.n_encoder_layers * e.n_heads * c.tokens.length ** 2 > LIMITS.cells) throw new EngineError(TOO_LONG, 422);
     const { layer, spec } = selection(e, req);
     const out = await m.encode(c.ids, headMasks(e, spec).enc);
@@ -244,20 +222,27 @@
   }
 
   // compute._translation
-  async function translation(m, req, text) {
+  async function translation(m, req, full) {
     const t = m.manifest.translation;
     if (!t) throw bad(`model '${m.manifest.name}' does not translate; pick a translator`);
-    const limit = t.limit;
-    const count = sourceInput(m, text).ids.length;
-    if (count > limit) {
-      throw new EngineError(`the text has ${count} source tokens; the page translates up to ${limit} ` +
-        "(qkv serve translates a longer text in pieces)", 422);
-    }
-    const random = m.manifest.tokenizer === "hashed";
+    const limit = t.limit, random = m.manifest.tokenizer === "hashed";
+    // a text longer than the maps' limit: translated piece by piece, as qkv translate does
+    const encode = (s) => (random ? sourceInput : encoderInput)(m, s);
+    const { pieces, cut } = X.splitSource(encode, full, limit);
+    const shown = Math.min(req.piece, pieces.length - 1);
+    const c = X.cutToLimit(encode, pieces[shown], limit);
+    const text = pieces[shown] = c.text;
     const beam = random ? 1 : req.beam;
     const { layer, spec } = selection(t, req);
     const masks = headMasks(t, spec);
     const d = await decodeTranslation(m, text, beam, masks);
+    // every piece's translation (the shown one's is d's)
+    const joined = async (shownText, b, hm) => {
+      const outs = [];
+      for (let i = 0; i < pieces.length; i++) outs.push(i === shown ? shownText : (await decodeTranslation(m, pieces[i], b, hm)).text);
+      return outs;
+    };
+    const outputs = await joined(d.text, beam, masks);
     // the step view: the layer's call replayed (teacher-forced), as compute.step_detail
     const idx = Number(layer.split(".")[2]);
     const off = (spec.get(layer) || []).includes(req.head);
@@ -274,20 +259,24 @@
         isCross ? d.sourceTokens : d.inputs, off);
     }
     const out = {
-      raw: d.layers.map((l) => l.w), limit, text, tokens: d.sourceTokens, truncated: false,
+      raw: d.layers.map((l) => l.w), limit, text, tokens: d.sourceTokens, truncated: cut || c.cut,
       layers: d.layers.map(A.layerJson), stats: A.stats(d.layers), probe: A.probe(d.layers, req),
       step: { layer, ...step },
       translation: { source_tokens: d.sourceTokens, target_tokens: d.produced, decoder_inputs: d.inputs,
-        text: d.text, beam, steps: d.hyp.length, beams: d.beams, length_penalty: 1.0, pieces: [],
-        piece: 0, ...(random ? { warnings: [], note: null } : A.warnings(m.tokenizer, text)) },
+        text: outputs.join(" "), beam, steps: d.hyp.length, beams: d.beams, length_penalty: 1.0,
+        ...(pieces.length < 2 ? { pieces: [], piece: 0 }
+          : { pieces: pieces.map((p, i) => ({ source: p, text: outputs[i] })), piece: shown }),
+        ...(random ? { warnings: [], note: null } : A.warnings(m.tokenizer, pieces.join(" "))) },
     };
     if (beam > 1) {
-      out.translation.greedy_text = (await decodeTranslation(m, text, 1, masks)).text;
+      const greedy = (await decodeTranslation(m, text, 1, masks)).text;
+      out.translation.greedy_text = (await joined(greedy, 1, masks)).join(" ");
     }
     if (spec.size) {
-      const base = await decodeTranslation(m, text, beam, headMasks(t, new Map()));
+      const none = headMasks(t, new Map());
+      const base = await decodeTranslation(m, text, beam, none);
       out.ablation = { heads: [...spec].flatMap(([l, hs]) => hs.map((hd) => [l, hd])),
-        baseline: { translation: base.text, probe: A.probe(base.layers, req) } };
+        baseline: { translation: (await joined(base.text, beam, none)).join(" "), probe: A.probe(base.layers, req) } };
     }
     return out;
   }
@@ -320,7 +309,7 @@
     }
     if (!req.translate) throw bad(`translate must be true: the lens reads '${mf.name}''s decoder, which needs the translation`);
     const chars = Array.from(req.text), cutChars = chars.length > MAX_TEXT_CHARS;
-    const c = cutToLimit((s) => encoderInput(m, s), cutChars ? chars.slice(0, MAX_TEXT_CHARS).join("") : req.text, t.limit);
+    const c = X.cutToLimit((s) => encoderInput(m, s), cutChars ? chars.slice(0, MAX_TEXT_CHARS).join("") : req.text, t.limit);
     const spec = ablationSpec(t, req), masks = headMasks(t, spec);
     const d = await decodeTranslation(m, c.text, req.beam, masks);
     const T = d.inputs.length, position = lr.position === null ? T - 1 : lr.position;
@@ -412,6 +401,7 @@
         delete out.limit;
         out.truncated = Boolean(out.truncated || cutChars);
         out.notice = out.truncated ? `The text was cut to its first ${out.tokens.length} tokens (limit ${limit}).` : null;
+        if (out.translation && out.translation.pieces.length) out.notice = X.splitNotice(out.translation, limit, out.truncated);
         return { model: req.model, random: m.manifest.random, limit, ...out,
           elapsed_ms: Math.round(10 * (performance.now() - t0)) / 10 };
       },
