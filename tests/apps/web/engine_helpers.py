@@ -25,6 +25,8 @@ def build(tmp_path_factory, names: list[str]) -> Path:
     """A site of the models ``names`` (qkv.apps.web.export) and the harness page."""
     from qkv.apps.web import export
 
+    for module in ("onnx", "onnxruntime"):  # the export's: pip install -e '.[web]'
+        pytest.importorskip(module, reason=f"{module} is not installed (the [web] extra)")
     try:
         export.ort_dist()
     except FileNotFoundError as err:
