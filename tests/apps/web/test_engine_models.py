@@ -107,3 +107,21 @@ def test_lens_refused_as_the_server(page, name):
         catch (e) { return [e.status, e.message]; }
     }""", body)  # fmt: skip
     assert ours == [400, str(err.value)]
+
+
+def test_requests_at_once_as_one_by_one(page):
+    """The page asks for A and B at once when comparing: answers as if asked one by one
+    (ONNX Runtime's WebAssembly runs one call at a time; interleaved, it failed)."""
+    from qkv.apps.serve.compute import attention
+    from qkv.apps.serve.limits import parse_request
+
+    bodies = [{"text": t, "model": m, "translate": m != "minilm"}
+              for t, m in (("The boy trains the puppy.", "random"), ("A dog runs.", "random"),
+                           ("Un chien court.", "fr-en"), ("A dog.", "minilm"))]  # fmt: skip
+    ours = page.evaluate("(bodies) => Promise.all(bodies.map((b) => window.engine.attention(b)))",
+                         bodies)  # fmt: skip
+    for body, got in zip(bodies, ours, strict=True):
+        with registry_entry(body["model"]) as entry:
+            want = attention(entry, parse_request(body))
+        assert got["tokens"] == want["tokens"]
+        assert (got.get("translation") or {}).get("text") == (want.get("translation") or {}).get("text")

@@ -68,6 +68,16 @@
     return r;
   }
 
+  // ONNX Runtime's WebAssembly runs one call at a time: two runs interleaved at their awaits
+  // (the page asks for A and B at once when comparing) corrupt its memory. Every session
+  // call goes through this chain.
+  let chain = Promise.resolve();
+  function exclusive(fn) {
+    const p = chain.then(fn, fn);
+    chain = p.catch(() => {});
+    return p;
+  }
+
   // A one-node graph (y = Identity(x), opset 17): making a session of it fetches and
   // compiles ONNX Runtime's WebAssembly, which otherwise starts only once a model's files
   // have all arrived; load() runs both at once.
@@ -80,7 +90,8 @@
     ort.env.wasm.numThreads = self.crossOriginIsolated ? Math.min(4, navigator.hardwareConcurrency || 1) : 1;
     ort.env.logLevel = "error";
     const bytes = Uint8Array.from(atob(WARM), (c) => c.charCodeAt(0));
-    ready = ort.InferenceSession.create(bytes, { executionProviders: ["wasm"] }).then((s) => s.release());
+    ready = exclusive(() => ort.InferenceSession.create(bytes, { executionProviders: ["wasm"] }))
+      .then((s) => exclusive(() => s.release()));
     ready.catch(() => { ready = null; }); // tried again with the next model
     return ready;
   }
@@ -131,7 +142,7 @@
     async run(session, feeds, outputs) {
       const given = {};
       for (const name of session.inputNames) given[name] = ortTensor(feeds[name]);
-      const out = await session.run(given, outputs);
+      const out = await exclusive(() => session.run(given, outputs));
       const res = {};
       for (const [name, t] of Object.entries(out)) {
         res[name] = new Tensor(t.data, t.dims.map(Number));
@@ -166,7 +177,7 @@
     // a session per file, made when first needed: the lens's only when the Lens view asks
     const made = {};
     const session = (f) => {
-      if (!made[f]) made[f] = ort.InferenceSession.create(graphs[files.indexOf(f)], options);
+      if (!made[f]) made[f] = exclusive(() => ort.InferenceSession.create(graphs[files.indexOf(f)], options));
       return made[f];
     };
     const sessions = {};
