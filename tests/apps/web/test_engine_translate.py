@@ -34,10 +34,11 @@ CASES = [
      "layer": "encoder.layers.1.self_attn", "head": 2},
     {"text": "A man in a blue shirt is riding a bike down the street.", "model": "en-fr",
      "translate": True, "layer": "decoder.layers.0.self_attn", "head": 5},
+    {"text": "A dog 🐕 runs past the café in Zürich.", "model": "en-fr", "translate": True},
 ]
 
 
-@pytest.mark.parametrize("body", CASES, ids=["notes", "encoder-step", "decoder-step"])
+@pytest.mark.parametrize("body", CASES, ids=["notes", "encoder-step", "decoder-step", "unicode"])
 def test_greedy_translation_as_python(page, entry, body):
     check(page, entry, body)
 
