@@ -3,6 +3,7 @@ runtime and the engine's scripts, written into a static site.
 
 :func:`export_site_models` writes, under ``out``:
 
+* ``models/index.json``: ``{"models": [names]}``, the models the site holds;
 * ``models/<name>/``: ``encoder.onnx`` and ``decoder.onnx`` (:mod:`qkv.apps.web.onnx_graphs`,
   traced from the PyTorch modules), ``weights.bin`` (their weights once, in the precision the
   package ships them: fp16 for the translators, widened to fp32 inside the graphs as
@@ -38,7 +39,7 @@ __all__ = ["ENGINE_SCRIPTS", "MODELS", "ORT_FILES", "check_parity", "export_mode
            "export_site_models", "ort_dist"]  # fmt: skip
 
 # the models the page can run: name -> the argument of qkv.translate.load
-MODELS = ("en-fr", "fr-en", "minilm", "random")
+MODELS = ("minilm", "random", "en-fr", "fr-en")  # the order of qkv serve's registry
 
 # ONNX Runtime Web's WebAssembly build, single-threaded SIMD (the threaded build needs
 # cross-origin isolation, which GitHub Pages cannot give); the .mjs is its loader
@@ -106,6 +107,11 @@ def export_site_models(out: Path, names: list[str],
         size = sum((out / f).stat().st_size for f in files)
         progress(f"  {name}: {size / 1e6:.1f} MB")
         result.append({"name": name, "bytes": size, "files": files, "label": manifest["label"]})
+    # the models this site holds, in the registry's order: what the engine offers
+    held = [n for n in MODELS if (out / "models" / n / "manifest.json").is_file()]
+    tmp = out / "models" / "index.json.part"
+    tmp.write_text(json.dumps({"models": held}), "utf-8")
+    tmp.replace(out / "models" / "index.json")
     return result
 
 

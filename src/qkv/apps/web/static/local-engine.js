@@ -5,7 +5,8 @@
 // (qkvDecode), maps, statistics, probe and step matrices (qkvAnswer), heads switched off
 // through the graphs' head_mask input.
 //
-//   qkvLocal.createEngine({base: "models/", models: ["minilm", ...]})  an engine: live,
+//   qkvLocal.createEngine({base: "models/"[, models: [...]]})  an engine over the site's models
+//       (models/index.json) or those named: live,
 //       health(), attention(request), lens(request), saved() → null; strings() rejects
 //       (the site's wrapper gives the page its words)
 "use strict";
@@ -347,7 +348,17 @@
 
   function createEngine(options) {
     const base = (options && options.base) || "models/";
-    const names = (options && options.models) || ["minilm", "random", "en-fr", "fr-en"];
+    // the models: options.models, else those the site holds (models/index.json, written by
+    // qkv.apps.web.export)
+    let index = null;
+    const listed = () => {
+      if (options && options.models) return Promise.resolve(options.models);
+      if (!index) {
+        index = fetch(base + "index.json").then((r) => (r.ok ? r.json() : { models: [] })).then((j) => j.models);
+        index.catch(() => { index = null; });
+      }
+      return index;
+    };
     const loading = new Map(); // name -> Promise<Model>
     const loaded = new Set();
     const model = (name) => {
@@ -358,23 +369,31 @@
       }
       return loading.get(name);
     };
-    const manifests = new Map(); // name -> Promise<manifest.json>
+    const manifests = new Map(); // name -> Promise<manifest.json, or null when the site lacks it>
     const manifest = (name) => {
-      if (!manifests.has(name)) manifests.set(name, fetch(base + name + "/manifest.json").then((r) => r.json()));
+      if (!manifests.has(name)) {
+        manifests.set(name, fetch(base + name + "/manifest.json").then((r) => (r.ok ? r.json() : null), () => {
+          manifests.delete(name); // the network failed: asked again next time
+          return null;
+        }));
+      }
       return manifests.get(name);
     };
-    const list = `[${names.map((n) => `'${n}'`).join(", ")}]`;
+    // the listed models whose manifests the site holds
+    const present = async () => (await Promise.all((await listed()).map(manifest))).filter(Boolean);
+    // the server's 404 for a model it does not offer
+    const known = async (name) => {
+      const have = (await present()).map((mf) => mf.name);
+      if (!have.includes(name)) {
+        throw new EngineError(`model must be one of [${have.map((n) => `'${n}'`).join(", ")}], got '${name}'`, 404);
+      }
+    };
     return {
       get live() { return true; },
       strings() { return Promise.reject(new EngineError("the in-page engine has no strings: the site gives them", 0)); },
       saved() { return Promise.resolve(null); },
       async health() {
-        let all;
-        try {
-          all = await Promise.all(names.map(manifest));
-        } catch (err) {
-          throw new EngineError(`the models' manifests could not be read: ${err.message || err}`, 0);
-        }
+        const all = await present();
         return {
           models: all.map((mf) => ({ name: mf.name, label: mf.label, label_key: mf.label_key, translator: mf.translator,
             random: mf.random, loaded: loaded.has(mf.name) })),
@@ -384,7 +403,7 @@
       async attention(body) {
         const t0 = performance.now();
         const req = parse(body);
-        if (!names.includes(req.model)) throw new EngineError(`model must be one of ${list}, got '${req.model}'`, 404);
+        await known(req.model);
         let m;
         try {
           m = await model(req.model);
@@ -408,7 +427,7 @@
       async lens(body) {
         const t0 = performance.now();
         const lr = parseLens(body);
-        if (!names.includes(lr.req.model)) throw new EngineError(`model must be one of ${list}, got '${lr.req.model}'`, 404);
+        await known(lr.req.model);
         let m;
         try {
           m = await model(lr.req.model);
