@@ -16,9 +16,32 @@ IT = "The animal didn't cross the street because it was too tired."
 
 
 @pytest.fixture(scope="module")
-def page(tmp_path_factory):
-    with harness(build(tmp_path_factory, ["random", "minilm", "fr-en"])) as p:
+def site(tmp_path_factory):
+    return build(tmp_path_factory, ["random", "minilm", "fr-en"])
+
+
+@pytest.fixture(scope="module")
+def page(site):
+    with harness(site) as p:
         yield p
+
+
+def test_files_small_and_in_the_precision_python_uses(site):
+    """No file over 95 MB; MiniLM's weights in fp32, fr-en's in fp16 as shipped (4 and 2
+    bytes a parameter, give or take the small tensors kept inside the graphs)."""
+    import torch
+
+    from qkv.apps.web.export import MAX_FILE_BYTES
+    from qkv.inspect.loaders import load
+    from qkv.translate import load as load_translator
+
+    assert max(f.stat().st_size for f in site.rglob("*") if f.is_file()) <= MAX_FILE_BYTES
+    params = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    minilm = (site / "models" / "minilm" / "weights.bin").stat().st_size
+    assert 0.98 < minilm / (4 * params(load("minilm").model)) <= 1.0
+    fr_en = load_translator("fr-en").model
+    assert all(p.dtype == torch.float32 for p in fr_en.parameters())  # widened from fp16
+    assert 0.98 < (site / "models" / "fr-en" / "weights.bin").stat().st_size / (2 * params(fr_en)) <= 1.01
 
 
 @pytest.mark.parametrize("body", [

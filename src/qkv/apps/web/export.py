@@ -51,6 +51,9 @@ ENGINE_SCRIPTS = ["ort/ort.wasm.min.js", "engine/tokenize.js", "engine/runtime.j
                   "engine/local-engine.js"]  # fmt: skip
 
 STATIC = Path(__file__).parent / "static"
+# the largest file a site may hold (GitHub refuses files over 100 MiB; Pages serves a site
+# from the repository's artifact): MiniLM's fp32 weights are 90.1 MB
+MAX_FILE_BYTES = 95_000_000
 OPSET = 17
 # a sentence every export is checked on (the notes' sentence and a longer one)
 PARITY_TEXTS = {"en": "Two dogs play in the snow near a big red house.",
@@ -104,6 +107,10 @@ def export_site_models(out: Path, names: list[str],
             raise RuntimeError(f"exporting {name} failed:\n{proc.stderr.strip()[-3000:]}")
         manifest = json.loads((out / "models" / name / "manifest.json").read_text("utf-8"))
         files = [f"models/{name}/{f}" for f in manifest["files"]]
+        big = [f for f in files if (out / f).stat().st_size > MAX_FILE_BYTES]
+        if big:
+            raise RuntimeError(f"exporting {name}: {', '.join(big)} larger than "
+                               f"{MAX_FILE_BYTES / 1e6:.0f} MB")  # fmt: skip
         size = sum((out / f).stat().st_size for f in files)
         progress(f"  {name}: {size / 1e6:.1f} MB")
         result.append({"name": name, "bytes": size, "files": files, "label": manifest["label"]})
