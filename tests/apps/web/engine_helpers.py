@@ -138,9 +138,12 @@ def compare(ours: dict, theirs: dict) -> None:
                 "step_unavailable", "positions"):
         assert ours.get(key) == theirs.get(key), key
     for lo, lt in zip(ours["layers"], theirs["layers"], strict=True):
-        for key in ("name", "kind", "heads", "q_tokens", "k_tokens"):
-            assert lo[key] == lt[key], (lo["name"], key)
+        for key in ("name", "kind", "heads", "q_tokens", "k_tokens", "pooled"):
+            assert lo.get(key) == lt.get(key), (lo["name"], key)
         close(lo["weights"], lt["weights"], UNIT, lo["name"])
+    assert ("exact" in ours) == ("exact" in theirs)
+    if "exact" in theirs:  # a long answer (qkv.apps.serve.long)
+        compare_long(ours, theirs)
     for so, st in zip(ours["stats"], theirs["stats"], strict=True):
         assert {k: so[k] for k in ("layer", "head", "kind")} == {k: st[k] for k in ("layer", "head", "kind")}
         for k in ("entropy", "distance", "prev", "next", "self", "first", "punct"):
@@ -160,11 +163,15 @@ def compare(ours: dict, theirs: dict) -> None:
         assert so[key] == st[key], f"step.{key}"
     assert so["check"] < 1e-4 and st["check"] < 1e-4
     for mo, mt in zip(so["matrices"], st["matrices"], strict=True):
-        for key in ("key", "shape", "rows", "cols"):
-            assert mo[key] == mt[key], (mo["key"], key)
+        for key in ("key", "shape", "rows", "cols", "enc", "of", "by"):
+            assert mo.get(key) == mt.get(key), (mo["key"], key)
         # projections of 384-wide rows: PyTorch's and ONNX Runtime's sums differ in the last
         # bits, a little more than the weights
-        close(mo["values"], mt["values"], 2e-3, f"step {mo['key']}")
+        if mt.get("enc") in ("u16", "bits"):
+            close(unpacked(mo), unpacked(mt), 2e-3 + mo.get("step", 0) + mt.get("step", 0),
+                  f"step {mo['key']} (packed)")  # fmt: skip
+        elif "values" in mt:
+            close(mo["values"], mt["values"], 2e-3, f"step {mo['key']}")
     if theirs["probe"] is None:
         assert ours["probe"] is None
     else:
@@ -212,3 +219,28 @@ def check_lens(page, entry, body: dict) -> dict:
             assert [n for n, _ in ho[side]] == [n for n, _ in ht[side]], (ho["layer"], side)
             close([v for _, v in ho[side]], [v for _, v in ht[side]], UNIT, side)
     return ours
+
+
+def unpacked(p: dict) -> list:
+    """A packed matrix of a long answer as nested lists (-inf as None)."""
+    from qkv.apps.serve.long import unpack
+
+    rows = len(p["rows"]) if "rows" in p else p["shape"][0]
+    cols = len(p["cols"]) if "cols" in p else p["shape"][1]
+    t = unpack(p, (rows, cols))
+    return [[None if v == float("-inf") else v for v in r] for r in t.tolist()]
+
+
+def compare_long(ours: dict, theirs: dict) -> None:
+    """A long answer's ``exact`` (packed: within its steps) and ``top`` (the same largest
+    weights, their order where they are not near ties)."""
+    eo, et = ours["exact"], theirs["exact"]
+    assert (eo["layer"], eo["head"], eo["shape"], eo["enc"]) == (et["layer"], et["head"], et["shape"], et["enc"])
+    close(unpacked(eo), unpacked(et), TOL + eo["step"] + et["step"], "exact")
+    to, tt = ours["top"], theirs["top"]
+    assert (to["layer"], to["k"]) == (tt["layer"], tt["k"])
+    close(to["weights"], tt["weights"], UNIT, "top weights")
+    same = sum(a == b for h1, h2 in zip(to["index"], tt["index"]) for r1, r2 in zip(h1, h2)
+               for a, b in zip(r1, r2))  # fmt: skip
+    total = sum(len(r) for h in tt["index"] for r in h)
+    assert same >= 0.99 * total, f"top indices: {same} of {total} the same"

@@ -52,7 +52,10 @@ def test_files_small_and_in_the_precision_python_uses(site):
     {"text": "The boy trains the puppy.", "model": "random", "translate": True},
     {"text": IT, "model": "random", "translate": True, "layer": "decoder.layers.1.self_attn",
      "head": 2, "ablate": [["decoder.layers.0.cross_attn", 0]]},
-], ids=["encoder", "encoder-heads-off-probe", "translation", "translation-heads-off"])  # fmt: skip
+    {"text": " ".join(["The dog runs after a red ball in the park."] * 22), "model": "random",
+     "layer": "encoder.layers.1.self_attn", "head": 2},
+], ids=["encoder", "encoder-heads-off-probe", "translation", "translation-heads-off",
+        "long"])  # fmt: skip
 def test_random_model_as_python(page, body):
     with registry_entry("random") as entry:
         check(page, entry, body)
@@ -90,6 +93,13 @@ def test_minilm_as_python(page):
         ours = check(page, entry, {"text": IT, "model": "minilm", "layer": "encoder.layers.4.self_attn",
                                    "head": 11, "probe": {"token": "it", "candidates": ["animal", "street"]}})
     assert ours["probe"]["rows"], "the probe found the pronoun"
+
+
+def test_minilm_long_as_python(page):
+    """MiniLM past 66 tokens: a long answer (pooled maps, the selected head packed)."""
+    with registry_entry("minilm") as entry:
+        ours = check(page, entry, {"text": " ".join([IT] * 6), "model": "minilm"})
+    assert ours["layers"][0]["pooled"]["k"] > 1 and ours["exact"]["enc"] == "u16"
 
 
 def test_fr_en_greedy_as_python(page):

@@ -135,7 +135,8 @@
     ["v", "k", false], ["scores", "q", true], ["scaled", "q", true], ["mask", "q", true],
     ["masked", "q", true], ["weights", "q", true], ["output", "q", false], ["concat", "q", false],
     ["wo", "q", false]];
-  function stepMatrices(t, qTokens, kTokens) {
+  function stepMatrices(t, qTokens, kTokens, scale) {
+    if (qTokens.length > 128) return window.qkvLong.packedSteps(t, STEPS, qTokens, kTokens, scale); // TOKEN_LIMIT
     const tokens = { q: qTokens, k: kTokens };
     return STEPS.filter(([key]) => t[key]).map(([key, rows, square]) => {
       const m = t[key], shape = [m.length, m.length ? m[0].length : 0];

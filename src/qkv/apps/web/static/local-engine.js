@@ -187,16 +187,21 @@
       v: two("v"), scores: two("scores"), scaled: two("scaled"), mask: two("mask"), masked: two("masked"),
       weights: two("weights"), output: two("output"), concat: t.concat.at(i, 0).rows(), wo: t.wo.at(i, 0).rows() };
     return { kind, head, n_heads: section.n_heads, d_k: section.d_k, d_model: section.d_model,
-      scale: A.number(1 / Math.sqrt(section.d_k), 6), matrices: A.stepMatrices(mats, qTok, kTok), check, head_off: off };
+      scale: A.number(1 / Math.sqrt(section.d_k), 6), matrices: A.stepMatrices(mats, qTok, kTok, 1 / Math.sqrt(section.d_k)),
+      check, head_off: off };
   }
 
-  const TOO_LONG = "the page shows the maps of up to 320,000 attention weights; qkv serve answers longer texts";
+  // a long answer's every map passes through the page's memory: 6 tensors (weights, scores,
+  // scaled, mask, masked and the step's) of layers × heads × T² numbers each, at most this
+  const MAX_PAGE_CELLS = 40e6;
+  const TOO_LONG = "this text is too long for the page's memory; qkv serve answers it";
 
   // compute._encoder: the maps of one forward pass of the encoder (or encoder-only model)
   async function encoderAnswer(m, req, text) {
     const e = m.manifest.encoder;
     const c = X.cutToLimit((s) => encoderInput(m, s), text, e.limit);
-    if (e.n_encoder_layers * e.n_heads * c.tokens.length ** 2 > LIMITS.cells) throw new EngineError(TOO_LONG, 422);
+    const cells = e.n_encoder_layers * e.n_heads * c.tokens.length ** 2;
+    if (6 * cells > MAX_PAGE_CELLS) throw new EngineError(TOO_LONG, 422);
     const { layer, spec } = selection(e, req);
     const out = await m.encode(c.ids, headMasks(e, spec).enc);
     const heads = range(e.n_heads);
@@ -207,8 +212,8 @@
       "concat", "wo", "real"].map((k) => [k, out[k]]));
     const step = stepDetail(e, steps, i, req.head, "self", c.tokens, c.tokens, (spec.get(layer) || []).includes(req.head));
     const answer = { raw: layers.map((l) => l.w), limit: e.limit, positions: e.positions, text: c.text, tokens: c.tokens,
-      truncated: c.cut, layers: layers.map(A.layerJson), stats: A.stats(layers), probe: A.probe(layers, req),
-      step: { layer, ...step } };
+      truncated: c.cut, ...(cells > LIMITS.cells ? window.qkvLong.fields(layers, layer, req.head) : { layers: layers.map(A.layerJson) }),
+      stats: A.stats(layers), probe: A.probe(layers, req), step: { layer, ...step } };
     if (spec.size) {
       const base = await m.encode(c.ids, null);
       let diff = 0, norm = 0;
