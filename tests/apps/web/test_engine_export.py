@@ -35,3 +35,21 @@ def test_parity_check_fails_on_wrong_weights(tmp_path_factory):
     (folder / "weights.bin").write_bytes(bytes(data))
     with pytest.raises(AssertionError, match="differs from PyTorch"):
         check_parity(folder, manifest, specs, loaded)
+
+
+def test_engine_globals_clash_with_no_page_global():
+    """The engine's scripts run in the explorer's page: none may set a window object of the
+    page's own scripts (long.js's qkvLong was once overwritten so)."""
+    import re
+    from pathlib import Path
+
+    from qkv.apps.web.export import ENGINE_SCRIPTS, STATIC
+
+    src = Path(__file__).parents[3] / "src" / "qkv" / "apps"
+    sets = re.compile(r"(?:window|root)\.(qkv\w+)\s*=")
+    page = {g for f in (src / "serve" / "static").glob("*.js") for g in sets.findall(f.read_text())}
+    for d in ("site_static",):
+        page |= {g for f in (src / "web" / d).glob("*.js") for g in sets.findall(f.read_text())}
+    ours = {g for s in ENGINE_SCRIPTS[1:] for g in sets.findall((STATIC / Path(s).name).read_text())}
+    assert {"qkvLocal", "qkvRuntime", "qkvTokenize"} <= ours
+    assert "qkvLong" in page and not ours & page, ours & page

@@ -47,7 +47,7 @@ ORT_FILES = ("ort.wasm.min.js", "ort-wasm-simd-threaded.mjs", "ort-wasm-simd-thr
 
 # paths relative to the site root, in load order: the runtime, the tokenizers, the engine
 ENGINE_SCRIPTS = ["ort/ort.wasm.min.js", "engine/tokenize.js", "engine/runtime.js",
-                  "engine/decode.js", "engine/answer.js", "engine/long.js", "engine/text.js",
+                  "engine/decode.js", "engine/answer.js", "engine/long-answer.js", "engine/text.js",
                   "engine/local-engine.js"]  # fmt: skip
 
 STATIC = Path(__file__).parent / "static"

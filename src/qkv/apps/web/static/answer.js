@@ -136,7 +136,7 @@
     ["masked", "q", true], ["weights", "q", true], ["output", "q", false], ["concat", "q", false],
     ["wo", "q", false]];
   function stepMatrices(t, qTokens, kTokens, scale) {
-    if (qTokens.length > 128) return window.qkvLong.packedSteps(t, STEPS, qTokens, kTokens, scale); // TOKEN_LIMIT
+    if (qTokens.length > 128) return window.qkvLongAnswer.packedSteps(t, STEPS, qTokens, kTokens, scale); // TOKEN_LIMIT
     const tokens = { q: qTokens, k: kTokens };
     return STEPS.filter(([key]) => t[key]).map(([key, rows, square]) => {
       const m = t[key], shape = [m.length, m.length ? m[0].length : 0];

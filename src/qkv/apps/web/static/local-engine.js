@@ -212,7 +212,7 @@
       "concat", "wo", "real"].map((k) => [k, out[k]]));
     const step = stepDetail(e, steps, i, req.head, "self", c.tokens, c.tokens, (spec.get(layer) || []).includes(req.head));
     const answer = { raw: layers.map((l) => l.w), limit: e.limit, positions: e.positions, text: c.text, tokens: c.tokens,
-      truncated: c.cut, ...(cells > LIMITS.cells ? window.qkvLong.fields(layers, layer, req.head) : { layers: layers.map(A.layerJson) }),
+      truncated: c.cut, ...(cells > LIMITS.cells ? window.qkvLongAnswer.fields(layers, layer, req.head) : { layers: layers.map(A.layerJson) }),
       stats: A.stats(layers), probe: A.probe(layers, req), step: { layer, ...step } };
     if (spec.size) {
       const base = await m.encode(c.ids, null);

@@ -2,9 +2,9 @@
 // 320,000 weights: every head max-pooled, the selected head's map packed (`exact`), each
 // query's largest weights (`top`), and step matrices of more than 128 rows packed.
 //
-//   qkvLong.fields(layers, layer, head)   {layers (pooled), exact, top}
-//   qkvLong.packedSteps(t, qTok, kTok, scale)  the step view's `matrices`, packed
-//   qkvLong.pack(rows, bits)              {enc: "u16", lo, step, data} or {enc: "bits", data}
+//   qkvLongAnswer.fields(layers, layer, head)   {layers (pooled), exact, top}
+//   qkvLongAnswer.packedSteps(t, qTok, kTok, scale)  the step view's `matrices`, packed
+//   qkvLongAnswer.pack(rows, bits)              {enc: "u16", lo, step, data} or {enc: "bits", data}
 //
 // layers: as qkvAnswer's ({name, kind, heads, q_tokens, k_tokens, w: [h][Tq][Tk]}).
 "use strict";
@@ -94,5 +94,5 @@
     return out;
   }
 
-  window.qkvLong = { fields, packedSteps, pack, encoderLimit, TOKEN_LIMIT };
+  window.qkvLongAnswer = { fields, packedSteps, pack, encoderLimit, TOKEN_LIMIT };
 })();
