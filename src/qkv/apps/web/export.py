@@ -89,14 +89,16 @@ def export_site_models(out: Path, names: list[str],
     ``files`` (paths relative to ``out``) and the manifest's ``label``."""
     _check_names(names)
     dist = ort_dist()  # before anything is written
+    scripts = [STATIC / Path(s).name for s in ENGINE_SCRIPTS[1:]]
+    missing = [str(f) for f in scripts if not f.is_file()]
+    if missing:  # an install without the package data: say so, write nothing
+        raise FileNotFoundError(f"the engine's scripts are missing: {', '.join(missing)}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    for sub, files in (("ort", [dist / f for f in ORT_FILES]),
-                       ("engine", [STATIC / Path(s).name for s in ENGINE_SCRIPTS[1:]])):  # fmt: skip
+    for sub, files in (("ort", [dist / f for f in ORT_FILES]), ("engine", scripts)):
         (out / sub).mkdir(exist_ok=True)
         for f in files:
-            if f.is_file():  # tokenize.js: another module's, absent until it lands
-                _copy(f, out / sub / f.name)
+            _copy(f, out / sub / f.name)
     result = []
     for name in names:
         progress(f"exporting {name} (traced from PyTorch, checked against it)")
