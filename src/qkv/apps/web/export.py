@@ -4,11 +4,13 @@ runtime and the engine's scripts, written into a static site.
 :func:`export_site_models` writes, under ``out``:
 
 * ``models/index.json``: ``{"models": [names]}``, the models the site holds;
-* ``models/<name>/``: ``encoder.onnx`` and ``decoder.onnx`` (:mod:`qkv.apps.web.onnx_graphs`,
-  traced from the PyTorch modules), ``weights.bin`` (their weights once, in the precision the
-  package ships them: fp16 for the translators, widened to fp32 inside the graphs as
-  ``qkv.translate.load`` widens them), ``tokenizer.json`` and ``manifest.json`` (the
-  model's sizes, layer names, limits and files);
+* ``models/<name>/``: the graphs traced from the PyTorch modules
+  (:mod:`qkv.apps.web.onnx_graphs`; ``manifest.json``'s ``graphs`` names them by role:
+  ``encoder`` the maps of one forward pass, ``source`` and ``decoder`` a translation's, and
+  for a translator ``lens``, :mod:`qkv.apps.web.lens_graph`), ``weights.bin`` (their weights
+  once, in the precision the Python API uses: fp16 as the translators ship, widened to fp32
+  inside the graphs as ``qkv.translate.load`` widens them; MiniLM in fp32),
+  ``tokenizer.json`` and ``manifest.json`` (the model's sizes, layer names, limits, files);
 * ``ort/``: ONNX Runtime Web's WebAssembly-only bundle (``ort.wasm.min.js`` and its SIMD
   ``.wasm``; not the default bundle, which also fetches the 28 MB WebGPU build);
 * ``engine/``: the engine's scripts (``static/`` beside this file), :data:`ENGINE_SCRIPTS`
@@ -38,8 +40,8 @@ from pathlib import Path
 __all__ = ["ENGINE_SCRIPTS", "MODELS", "ORT_FILES", "check_parity", "export_model",
            "export_site_models", "ort_dist"]  # fmt: skip
 
-# the models the page can run: name -> the argument of qkv.translate.load
-MODELS = ("minilm", "random", "en-fr", "fr-en")  # the order of qkv serve's registry
+# the models the page can run, named and ordered as in qkv serve's registry
+MODELS = ("minilm", "random", "en-fr", "fr-en")
 
 # ONNX Runtime Web's WebAssembly build, single-threaded SIMD (the threaded build needs
 # cross-origin isolation, which GitHub Pages cannot give); the .mjs is its loader
@@ -55,7 +57,7 @@ STATIC = Path(__file__).parent / "static"
 # from the repository's artifact): MiniLM's fp32 weights are 90.1 MB
 MAX_FILE_BYTES = 95_000_000
 OPSET = 17
-# a sentence every export is checked on (the notes' sentence and a longer one)
+# the sentence every export is checked on, in the model's source language
 PARITY_TEXTS = {"en": "Two dogs play in the snow near a big red house.",
                 "fr": "Deux chiens jouent dans la neige près d'une grande maison rouge."}  # fmt: skip
 
