@@ -1,11 +1,14 @@
 """The page's model graphs, traced from qkv's own modules: no second copy of the math.
 
-A shipped translator (:class:`~qkv.models.Seq2SeqTransformer`) becomes two ONNX graphs that
-ONNX Runtime Web runs in the page:
+A model becomes ONNX graphs that ONNX Runtime Web runs in the page, made from a
+:class:`Spec` (the model's attention modules by role and its own methods:
+:func:`seq2seq_spec` for the shipped translators, :func:`tiny_seq2seq_spec` for the random
+tiny seq2seq, :func:`encoder_spec` for MiniLM and the random tiny encoder):
 
-* ``encoder``: ``src (1, S)`` → the memory, every encoder layer's weights and the
-  intermediates of the step-by-step view, and every decoder layer's cross-attention keys
-  and values (``cross_attn.project_kv(memory)``, as the cross cache holds them);
+* ``encoder``: ``src (1, S)`` → the memory (an encoder's hidden states), every encoder
+  layer's weights and the intermediates of the step-by-step view, and for a translator every
+  decoder layer's cross-attention keys and values (``cross_attn.project_kv(memory)``, as the
+  cross cache holds them);
 * ``decoder``: ``tgt (N, T)`` new tokens over self-attention caches of ``P`` positions →
   the logits of the last position, the grown caches, every layer's weights and
   intermediates. ``T = 1`` is one decoding step (greedy, beam: ``N`` hypotheses); ``P = 0``
