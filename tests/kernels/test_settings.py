@@ -116,8 +116,8 @@ def test_a_bad_bf16_matmul_setting_stops_bf16_flash_calls_only(monkeypatch):
     monkeypatch.setenv("QKV_BF16_MATMUL", "fast")
     q = torch.randn(1, 2, 16, 8)
     assert torch.isfinite(flash_attention(q, q, q)).all()  # fp32: not read
-    with pytest.raises(SettingError, match="QKV_BF16_MATMUL must be auto, amx, dot, widen or "
-                                           "brgemm; got 'fast'"):  # fmt: skip
+    with pytest.raises(SettingError, match="QKV_BF16_MATMUL must be auto, amx, onednn, dot, "
+                                           "widen or brgemm; got 'fast'"):  # fmt: skip
         flash_attention(q.bfloat16(), q.bfloat16(), q.bfloat16())
     assert "bf16 path: QKV_BF16_MATMUL must be" in _native.native_status()
 
