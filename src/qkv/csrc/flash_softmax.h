@@ -234,7 +234,7 @@ static inline float exp_row(const float* s, T* p, int64_t c0, int64_t c1, int64_
 }
 
 // whether x[c] is NaN for some allowed c in [c0, c1) (all c without a mask m)
-static bool any_nan(const float* x, const uint8_t* m, int64_t c0, int64_t c1) {
+static inline bool any_nan(const float* x, const uint8_t* m, int64_t c0, int64_t c1) {
   for (int64_t c = c0; c < c1; ++c)
     if ((!m || m[c]) && std::isnan(x[c])) return true;
   return false;
