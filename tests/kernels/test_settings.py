@@ -43,7 +43,7 @@ def test_the_table_takes_what_the_kernels_take():
     assert sorted(found) == ["QKV_DECODE_BF16", "QKV_DECODE_FP32", "QKV_DECODE_INT8"]
     for name, values in found.items():
         assert tuple(re.findall(r'"(\w+)"', values)) == _settings.SETTINGS[name], name
-    flash = (csrc / "flash_cpu.cpp").read_text()
+    flash = (csrc / "flash_bf16.h").read_text()  # bf16_path
     said = re.search(r'"QKV_BF16_MATMUL must be ([^;]*); got', flash).group(1)
     assert tuple(re.split(r", | or ", said)) == _settings.SETTINGS["QKV_BF16_MATMUL"]
 
