@@ -309,11 +309,11 @@ def _cpu_flags() -> set[str]:
 
 
 def _bf16_paths() -> list[str]:
-    """QKV_BF16_MATMUL values whose path this machine has (amx only on the amx level, where
-    oneDNN sees AMX)."""
+    """QKV_BF16_MATMUL values whose path this machine has (amx and onednn only on the amx
+    level, where oneDNN sees AMX)."""
     paths = ["dot", "widen", "brgemm"]
     if native_level() == "amx" and os.environ.get("ONEDNN_MAX_CPU_ISA") is None:
-        paths.append("amx")
+        paths += ["amx", "onednn"]
     return paths
 
 
@@ -330,11 +330,17 @@ def test_bf16_matmul_switch_picks_the_path_and_rejects_unknown_values(monkeypatc
     assert native_ops().bf16_path().startswith("brgemm")
     assert native_status().endswith("bf16 path: " + native_ops().bf16_path())
     if native_level() != "amx":  # asking for AMX where the CPU or level has none: an error
+        for name in ("amx", "onednn"):
+            monkeypatch.setenv("QKV_BF16_MATMUL", name)
+            with pytest.raises(RuntimeError, match=f"QKV_BF16_MATMUL={name}: no AMX here"):
+                native_ops().bf16_path()
+    else:  # qkv's tile kernel, or every call through oneDNN's brgemm on tiles
         monkeypatch.setenv("QKV_BF16_MATMUL", "amx")
-        with pytest.raises(RuntimeError, match="QKV_BF16_MATMUL=amx: no AMX here"):
-            native_ops().bf16_path()
+        assert native_ops().bf16_path().startswith("amx (qkv tile kernel")
+        monkeypatch.setenv("QKV_BF16_MATMUL", "onednn")
+        assert native_ops().bf16_path() == "amx (oneDNN brgemm, AMX tiles)"
     monkeypatch.setenv("QKV_BF16_MATMUL", "sse2")
-    with pytest.raises(RuntimeError, match="QKV_BF16_MATMUL must be auto, amx, dot, widen or brgemm"):
+    with pytest.raises(RuntimeError, match="QKV_BF16_MATMUL must be auto, amx, onednn, dot, widen or brgemm"):
         native_ops().bf16_path()
     q = torch.randn(1, 1, 4, 8).bfloat16()
     with pytest.raises(ValueError, match="QKV_BF16_MATMUL must be"):  # checked before the call

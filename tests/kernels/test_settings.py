@@ -43,7 +43,7 @@ def test_the_table_takes_what_the_kernels_take():
     assert sorted(found) == ["QKV_DECODE_BF16", "QKV_DECODE_FP32", "QKV_DECODE_INT8"]
     for name, values in found.items():
         assert tuple(re.findall(r'"(\w+)"', values)) == _settings.SETTINGS[name], name
-    flash = (csrc / "flash_cpu.cpp").read_text()
+    flash = (csrc / "flash_bf16.h").read_text()  # bf16_path
     said = re.search(r'"QKV_BF16_MATMUL must be ([^;]*); got', flash).group(1)
     assert tuple(re.split(r", | or ", said)) == _settings.SETTINGS["QKV_BF16_MATMUL"]
 
@@ -116,8 +116,8 @@ def test_a_bad_bf16_matmul_setting_stops_bf16_flash_calls_only(monkeypatch):
     monkeypatch.setenv("QKV_BF16_MATMUL", "fast")
     q = torch.randn(1, 2, 16, 8)
     assert torch.isfinite(flash_attention(q, q, q)).all()  # fp32: not read
-    with pytest.raises(SettingError, match="QKV_BF16_MATMUL must be auto, amx, dot, widen or "
-                                           "brgemm; got 'fast'"):  # fmt: skip
+    with pytest.raises(SettingError, match="QKV_BF16_MATMUL must be auto, amx, onednn, dot, "
+                                           "widen or brgemm; got 'fast'"):  # fmt: skip
         flash_attention(q.bfloat16(), q.bfloat16(), q.bfloat16())
     assert "bf16 path: QKV_BF16_MATMUL must be" in _native.native_status()
 

@@ -30,7 +30,7 @@ COMMON_FLAGS = ("-O3", "-g0", "-fopenmp", "-fno-math-errno", "-fno-trapping-math
 # even where a compiler adds -static-libstdc++ (a private copy can crash the process;
 # _linkage.py checks the result).
 LINK_FLAGS = ("-fopenmp", "-lstdc++")
-SOURCES = ("flash_cpu.cpp", "decode_cpu.cpp", "search_cpu.cpp", "packed_cpu.cpp", "int8_cpu.cpp",
+SOURCES = ("flash_cpu.cpp", "flash_bwd.cpp", "flash_amx.cpp", "finite_cpu.cpp", "decode_cpu.cpp", "search_cpu.cpp", "packed_cpu.cpp", "int8_cpu.cpp",
            "step_cpu.cpp", "module.cpp")
 
 

@@ -10,8 +10,8 @@ variable                      values (unset or empty: the first)        read by
 ============================  ========================================  ====================
 ``QKV_NATIVE``                ``1``, ``0``, ``prebuilt``, ``compile``    the first kernel call
 ``QKV_ISA``                   ``auto`` or a level (``_levels``)          the first kernel call
-``QKV_BF16_MATMUL``           ``auto``, ``amx``, ``dot``, ``widen``,     every bf16 flash call
-                              ``brgemm``
+``QKV_BF16_MATMUL``           ``auto``, ``amx``, ``onednn``, ``dot``,    every bf16 flash call
+                              ``widen``, ``brgemm``
 ``QKV_DECODE_FP32``           ``auto``, ``avx2``, ``avx512``             fp32 K/V decode calls
 ``QKV_DECODE_BF16``           ``auto``, ``amx``, ``dot``, ``widen``      bf16 K/V decode calls
 ``QKV_DECODE_INT8``           ``auto``, ``int16``, ``widen``             int8 K/V decode calls
@@ -36,7 +36,7 @@ __all__ = ["SETTINGS", "SettingError", "check_bf16_matmul", "check_decode", "val
 # variable -> the values it takes (the first is the default, for unset or empty too)
 SETTINGS: dict[str, tuple[str, ...]] = {
     "QKV_NATIVE": ("1", "0", "prebuilt", "compile"),
-    "QKV_BF16_MATMUL": ("auto", "amx", "dot", "widen", "brgemm"),
+    "QKV_BF16_MATMUL": ("auto", "amx", "onednn", "dot", "widen", "brgemm"),
     "QKV_DECODE_FP32": ("auto", "avx2", "avx512"),
     "QKV_DECODE_BF16": ("auto", "amx", "dot", "widen"),
     "QKV_DECODE_INT8": ("auto", "int16", "widen"),

@@ -1,0 +1,437 @@
+// The bf16 flash forward on AMX tiles, written for the tiles rather than through oneDNN's
+// brgemm, so that the tile multiplies overlap the softmax.
+//
+// Per item (a kv head n, a query head g, a block of kBQ = 32 query rows), over key blocks of
+// kBK keys:
+//   S = Q Kᵀ    Q (the A operand) read in place, two row tiles of 16; Kᵀ packed once per call
+//               and kv head in VNNI pairs of dims (the B operand), 16 keys per tile
+//   P = softmax rows of S (online, with the lazy rescaling of flash_cpu.cpp's forward), bf16
+//   O += P V    P read in place as the A operand, V packed once in VNNI pairs of keys
+// Each multiply is cut into units of 2 x 2 output tiles (tiles 0-3 accumulate, 4-5 hold A, 6-7
+// B) that each run their whole reduction. AMX executes beside the vector units, but the
+// out-of-order window (a few hundred instructions) only overlaps what lies close together in
+// program order: so while the softmax walks block j's rows, the units of S for block j + 1
+// and of P V for block j - 1 are issued between its rows, one unit every few rows. O is
+// scaled where block j raised a row's max, after P V of block j - 1 and before that of j.
+//
+// Rows follow the NaN/inf rule of flash_cpu.cpp's forward (its row code serves every row that
+// is not a plain one: the first block a row sees, a partial range, a max that moved).
+#include "flash_amx.h"
+
+#ifdef QKV_FLASH_AMX
+
+#include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
+
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <memory>
+#include <new>
+#include <vector>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+namespace {
+
+constexpr int64_t kBQ = 32;   // query rows per item: two row tiles
+constexpr int64_t kBK = 256;  // keys per block
+// Sub-blocks per item: a key block's packed K and V (128 KiB at d = 128) are read from L2 by
+// kSub sub-blocks in turn rather than streamed from L3 for each (T = 4096, d = 128: the tile
+// work alone at 1.2 TFLOP/s with 8, 0.8 with 1)
+constexpr int64_t kSub = 8;
+// Points per step where the pending tile work is issued: at rows 0 and kBQ / 2. Issuing it
+// row by row overlapped no better than in one or two bursts (measured side by side, T = 4096)
+constexpr int64_t kIssues = 2;
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Linux hands out the AMX tile state only on request, once per process (oneDNN asks too).
+bool amx_permitted() {
+  static const bool ok = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+  }();
+  return ok;
+}
+
+// A 64-byte aligned buffer of bytes, kept per thread between calls.
+char* thread_buffer(size_t bytes) {
+  struct Buf {
+    char* p = nullptr;
+    size_t n = 0;
+    ~Buf() { std::free(p); }
+  };
+  static thread_local Buf b;
+  if (bytes > b.n) {
+    std::free(b.p);
+    b.p = static_cast<char*>(std::aligned_alloc(64, (bytes + 63) / 64 * 64));
+    if (!b.p) throw std::bad_alloc();
+    b.n = bytes;
+  }
+  return b.p;
+}
+
+// K and V of every kv head in the tiles' B layout, keys padded with zeros to whole blocks:
+//   kp[n][key tile t][dim chunk c][pair p][key j] = (K[16t + j][32c + 2p], K[..][32c + 2p + 1])
+//   vp[n][key chunk u][col tile x][pair p][col j] = (V[32u + 2p][16x + j], V[32u + 2p + 1][..])
+// (uint32 pairs of bf16: one tile row is 16 pairs, 64 bytes; one tile 1 KiB, contiguous)
+struct Packed {
+  at::Tensor kbuf, vbuf;
+  const uint32_t *kp, *vp;
+  int64_t Tkp, nc, nx;  // padded keys, dim chunks of 32, value column tiles of 16
+  const uint32_t* ktile(int64_t n, int64_t t, int64_t c) const {
+    return kp + ((n * (Tkp / 16) + t) * nc + c) * 256;
+  }
+  const uint32_t* vtile(int64_t n, int64_t u, int64_t x) const {
+    return vp + ((n * (Tkp / 32) + u) * nx + x) * 256;
+  }
+};
+
+Packed pack(const at::Tensor& k, const at::Tensor& v) {
+  const int64_t N = k.size(0), Tk = k.size(1), d = k.size(2), dv = v.size(2);
+  Packed P;
+  P.Tkp = (Tk + kBK - 1) / kBK * kBK, P.nc = d / 32, P.nx = dv / 16;
+  P.kbuf = at::empty({N * P.Tkp * d / 2}, k.options().dtype(at::kInt));
+  P.vbuf = at::empty({N * P.Tkp * dv / 2}, k.options().dtype(at::kInt));
+  uint32_t* kp = reinterpret_cast<uint32_t*>(P.kbuf.data_ptr<int32_t>());
+  uint32_t* vp = reinterpret_cast<uint32_t*>(P.vbuf.data_ptr<int32_t>());
+  P.kp = kp, P.vp = vp;
+  const uint32_t* K = reinterpret_cast<const uint32_t*>(k.const_data_ptr<BFloat16>());
+  const uint16_t* V = reinterpret_cast<const uint16_t*>(v.const_data_ptr<BFloat16>());
+  const int64_t d2 = d / 2, nt = P.Tkp / 16, nu = P.Tkp / 32;
+  at::parallel_for(0, N, 1, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      for (int64_t t = 0; t < nt; ++t)
+        for (int64_t c = 0; c < P.nc; ++c) {
+          uint32_t* dst = kp + ((n * nt + t) * P.nc + c) * 256;
+          for (int64_t p = 0; p < 16; ++p)
+            for (int64_t j = 0; j < 16; ++j) {
+              const int64_t key = 16 * t + j;
+              dst[p * 16 + j] = key < Tk ? K[(n * Tk + key) * d2 + 16 * c + p] : 0u;
+            }
+        }
+      for (int64_t u = 0; u < nu; ++u)
+        for (int64_t x = 0; x < P.nx; ++x) {
+          uint32_t* dst = vp + ((n * nu + u) * P.nx + x) * 256;
+          for (int64_t p = 0; p < 16; ++p) {
+            const int64_t k0 = 32 * u + 2 * p;
+            const uint16_t* r0 = k0 < Tk ? V + (n * Tk + k0) * dv + 16 * x : nullptr;
+            const uint16_t* r1 = k0 + 1 < Tk ? V + (n * Tk + k0 + 1) * dv + 16 * x : nullptr;
+            for (int64_t j = 0; j < 16; ++j)
+              dst[p * 16 + j] = uint32_t(r0 ? r0[j] : 0) | (uint32_t(r1 ? r1[j] : 0) << 16);
+          }
+        }
+    }
+  });
+  return P;
+}
+
+// The two kinds of unit, in phases so that a unit's work can be spread between softmax rows
+// (its accumulator tiles stay live across them): phase 0 starts it (zeroes or loads the
+// accumulators), phases 1..rounds each multiply one 32-wide slice of the reduction, the last
+// stores the accumulators.
+//
+// S (kBQ x kBK fp32) = the 2 x 2 tiles of unit u (key tiles 2u, 2u + 1 of the block at key
+// tile t0): Q (kBQ x d bf16, row stride d) times Kᵀ; rounds = d / 32
+inline void s_phase(const Packed& P, int64_t n, int64_t t0, int64_t u, const BFloat16* Q,
+                    int64_t d, float* S, int64_t ph) {
+  if (ph == 0) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+  } else if (ph <= P.nc) {
+    const int64_t c = ph - 1, qs = d * 2;
+    _tile_loadd(4, Q + 32 * c, qs);
+    _tile_loadd(6, P.ktile(n, t0 + 2 * u, c), 64);
+    _tile_loadd(5, Q + 16 * d + 32 * c, qs);
+    _tile_loadd(7, P.ktile(n, t0 + 2 * u + 1, c), 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  } else {
+    constexpr int64_t ss = kBK * 4;
+    _tile_stored(0, S + 32 * u, ss);
+    _tile_stored(1, S + 32 * u + 16, ss);
+    _tile_stored(2, S + 16 * kBK + 32 * u, ss);
+    _tile_stored(3, S + 16 * kBK + 32 * u + 16, ss);
+  }
+}
+
+// O (kBQ x dv fp32, row stride dv) += P (kBQ x kBK bf16) V for unit u (column tiles 2u,
+// 2u + 1) of the block at key chunk u0; rounds = kBK / 32
+inline void pv_phase(const Packed& P, int64_t n, int64_t u0, int64_t u, const BFloat16* Pb,
+                     float* O, int64_t dv, int64_t ph) {
+  const int64_t os = dv * 4;
+  if (ph == 0) {
+    _tile_loadd(0, O + 32 * u, os);
+    _tile_loadd(1, O + 32 * u + 16, os);
+    _tile_loadd(2, O + 16 * dv + 32 * u, os);
+    _tile_loadd(3, O + 16 * dv + 32 * u + 16, os);
+  } else if (ph <= kBK / 32) {
+    const int64_t c = ph - 1;
+    constexpr int64_t ps = kBK * 2;
+    _tile_loadd(4, Pb + 32 * c, ps);
+    _tile_loadd(6, P.vtile(n, u0 + c, 2 * u), 64);
+    _tile_loadd(5, Pb + 16 * kBK + 32 * c, ps);
+    _tile_loadd(7, P.vtile(n, u0 + c, 2 * u + 1), 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  } else {
+    _tile_stored(0, O + 32 * u, os);
+    _tile_stored(1, O + 32 * u + 16, os);
+    _tile_stored(2, O + 16 * dv + 32 * u, os);
+    _tile_stored(3, O + 16 * dv + 32 * u + 16, os);
+  }
+}
+
+inline void s_unit(const Packed& P, int64_t n, int64_t t0, int64_t u, const BFloat16* Q,
+                   int64_t d, float* S) {
+  for (int64_t ph = 0; ph < P.nc + 2; ++ph) s_phase(P, n, t0, u, Q, d, S, ph);
+}
+
+inline void pv_unit(const Packed& P, int64_t n, int64_t u0, int64_t u, const BFloat16* Pb,
+                    float* O, int64_t dv) {
+  for (int64_t ph = 0; ph < kBK / 32 + 2; ++ph) pv_phase(P, n, u0, u, Pb, O, dv, ph);
+}
+
+// 2^t for the plain rows' p (t <= kLazyLog2 but for the rows sent to the row code): t =
+// floor(t) + f with f in [0, 1) in one instruction (vreduceps), 2^f by a degree-3 minimax
+// polynomial (relative error 7.5e-5: p is rounded to bf16, 2^-9, before P V), times
+// 2^floor(t) by vscalefps (0 below fp32's range).
+inline __m512 exp2_p(__m512 t) {
+  const __m512 f = _mm512_reduce_ps(t, 0x09);  // round down, no precision exception
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(0.078024514f), f, _mm512_set1_ps(0.22606717f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.69583356f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.9999252f));
+  return _mm512_scalef_ps(p, t);
+}
+
+// One query row's state: m the running max (raw score units), lsum the sum of p in 16 lanes
+// (added up once at the end), alpha the factor of O for this block (1: unchanged).
+struct RowState {
+  float m, alpha;
+};
+
+// the row code of flash_cpu.cpp's forward (kept out of line: rare rows)
+__attribute__((noinline)) void row_code(const float* s, BFloat16* p, int64_t c0, int64_t c1,
+                                        float c2, RowState& rs, float* lsum) {
+  const float m = rs.m;
+  float bmax = c1 <= c0 || m != kNegInf ? kNegInf : row_max(s + c0, c1 - c0);
+  if (bmax == kNegInf && c1 > c0 && m == kNegInf && any_nan(s, nullptr, c0, c1))
+    bmax = std::numeric_limits<float>::quiet_NaN();
+  if (c1 <= c0 || (m == kNegInf && bmax == kNegInf)) {
+    std::memset(static_cast<void*>(p), 0, kBK * sizeof(BFloat16));
+    return;
+  }
+  float m_new, a, sum;
+  if (m != kNegInf) {
+    float mx;
+    sum = exp_row<BFloat16>(s, p, c0, c1, kBK, c2, m, &mx);
+    if (!(mx - m > kLazyLog2 / c2)) {
+      m_new = m, a = 1.f;
+    } else {
+      m_new = mx, a = exp2_neg((m - m_new) * c2);
+      sum = exp_row<BFloat16>(s, p, c0, c1, kBK, c2, m_new);
+    }
+  } else {
+    m_new = bmax, a = 0.f;
+    sum = exp_row<BFloat16>(s, p, c0, c1, kBK, c2, m_new);
+  }
+  __m512 l = _mm512_mul_ps(_mm512_loadu_ps(lsum), _mm512_set1_ps(a));
+  l = _mm512_mask_add_ps(l, 1, l, _mm512_set1_ps(sum));
+  _mm512_storeu_ps(lsum, l);
+  rs.m = m_new, rs.alpha = a;
+}
+
+// p = softmax row of s over [c0, c1) of the block (0 elsewhere), as flash_cpu.cpp's forward
+// does it; the plain case (the whole block visible, a finite max that stays within kLazyLog2)
+// inline, every other through exp_row.
+inline void softmax_row(const float* s, BFloat16* p, int64_t c0, int64_t c1, float c2,
+                        RowState& rs, float* lsum) {
+  const float m = rs.m;
+  rs.alpha = 1.f;
+  if (c0 == 0 && c1 == kBK && m != kNegInf && std::fabs(m * c2) < kExactShift) {
+    const __m512 vc2 = _mm512_set1_ps(c2), vsh = _mm512_set1_ps(m * c2);
+    __m512 e[kBK / 16], sa = _mm512_setzero_ps(), sb = sa;
+    for (int i = 0; i < kBK / 16; i += 2) {
+      e[i] = exp2_p(_mm512_fmsub_ps(_mm512_loadu_ps(s + 16 * i), vc2, vsh));
+      e[i + 1] = exp2_p(_mm512_fmsub_ps(_mm512_loadu_ps(s + 16 * i + 16), vc2, vsh));
+      sa = _mm512_add_ps(sa, e[i]);
+      sb = _mm512_add_ps(sb, e[i + 1]);
+    }
+    sa = _mm512_add_ps(sa, sb);
+    // No max is taken: a score more than kLazyLog2 above m has p > 2^kLazyLog2, and so has
+    // its lane's sum (as has +inf); such rows (and rare ones whose lane sums pass it without
+    // one) take the row code below, which takes the max and rescales. A NaN score makes p
+    // and the sum NaN, the row's answer too, as in the row code.
+    if (!_mm512_cmp_ps_mask(sa, _mm512_set1_ps(1 << int(kLazyLog2)), _CMP_GT_OQ)) {
+      for (int i = 0; i < kBK / 16; i += 2)
+        _mm512_storeu_si512(p + 16 * i, (__m512i)_mm512_cvtne2ps_pbh(e[i + 1], e[i]));
+      _mm512_storeu_ps(lsum, _mm512_add_ps(_mm512_loadu_ps(lsum), sa));
+      return;
+    }
+  }
+  row_code(s, p, c0, c1, c2, rs, lsum);
+}
+
+}  // namespace
+
+namespace qkv_flash_amx {
+
+void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
+             at::Tensor& lse, double scale_d, bool causal, int64_t window, int64_t shift) {
+  TORCH_CHECK(amx_permitted(), "qkv flash: the OS refused the AMX tile state");
+  const int64_t N = q.size(0), G = q.size(1), Tq = q.size(2), d = q.size(3);
+  const int64_t Tk = k.size(1), dv = v.size(2);
+  const Structure st{Tq, Tk, causal, window, shift};
+  const float scale = static_cast<float>(scale_d), c2 = scale * kLog2e;
+  const Packed P = pack(k, v);
+  const BFloat16* qd = q.const_data_ptr<BFloat16>();
+  BFloat16* od = out.data_ptr<BFloat16>();
+  float* ld = lse.data_ptr<float>();
+  const int64_t R = kSub, SB = R * kBQ;  // query rows per item
+  const int64_t nqb = (Tq + SB - 1) / SB, items = N * G * nqb;
+  const int64_t nS = kBK / 32, nPV = dv / 32;  // units per step
+  const int nthreads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
+
+  auto work = [&](int64_t first, int64_t step) {
+    // S, P (double buffers), O and the rows' sums of each sub-block, a zero-padded Q block
+    const size_t sb = kBQ * kBK * 4, pb = kBQ * kBK * 2, ob = kBQ * dv * 4, qb = kBQ * d * 2;
+    const size_t lb = kBQ * 64;
+    char* buf = thread_buffer(2 * sb + 2 * pb + R * (ob + lb) + qb);
+    float* Sb[2] = {reinterpret_cast<float*>(buf), reinterpret_cast<float*>(buf + sb)};
+    BFloat16* Pb[2] = {reinterpret_cast<BFloat16*>(buf + 2 * sb),
+                       reinterpret_cast<BFloat16*>(buf + 2 * sb + pb)};
+    float* O0 = reinterpret_cast<float*>(buf + 2 * sb + 2 * pb);
+    float* L0 = reinterpret_cast<float*>(buf + 2 * sb + 2 * pb + R * ob);
+    BFloat16* Qpad = reinterpret_cast<BFloat16*>(buf + 2 * sb + 2 * pb + R * (ob + lb));
+    std::vector<RowState> rs_v(SB);
+    std::vector<std::pair<int64_t, int64_t>> steps;  // (sub-block, key block)
+    TileConfig cfg;
+    for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+    _tile_loadconfig(&cfg);
+    for (int64_t idx = first; idx < items; idx += step) {
+      const int64_t n = idx / (G * nqb), g = (idx / nqb) % G, qi = idx % nqb;
+      const int64_t qs0 = qi * SB, all = std::min(SB, Tq - qs0), nsub = (all + kBQ - 1) / kBQ;
+      const BFloat16* Qh = qd + ((n * G + g) * Tq + qs0) * d;
+      auto rows_of = [&](int64_t i) { return std::min(kBQ, all - i * kBQ); };
+      auto q_of = [&](int64_t i) { return rows_of(i) < kBQ ? Qpad : Qh + i * kBQ * d; };
+      if (rows_of(nsub - 1) < kBQ) {  // a last, partial block: its rows copied, the rest zero
+        std::memset(static_cast<void*>(Qpad), 0, qb);
+        std::memcpy(static_cast<void*>(Qpad), Qh + (nsub - 1) * kBQ * d, rows_of(nsub - 1) * d * 2);
+      }
+      std::memset(O0, 0, nsub * ob);
+      std::memset(L0, 0, nsub * lb);
+      for (int64_t r = 0; r < SB; ++r) rs_v[r] = {kNegInf, 1.f};
+      // the steps: each sub-block with each key block it sees a key of, key blocks outermost
+      // (a key block's packed K and V stay in the caches while every sub-block uses them)
+      steps.clear();
+      const int64_t j0 = st.lo(qs0) / kBK, hi_all = st.hi(qs0 + all - 1);
+      for (int64_t j = j0; j * kBK < hi_all; ++j)
+        for (int64_t i = 0; i < nsub; ++i) {
+          const int64_t a = qs0 + i * kBQ, lo = st.lo(a), hi = st.hi(a + rows_of(i) - 1);
+          if (hi > lo && lo < (j + 1) * kBK && hi > j * kBK) steps.emplace_back(i, j);
+        }
+      const int64_t ns = static_cast<int64_t>(steps.size());
+      auto s_all = [&](int64_t t, float* S, int64_t u) {
+        s_unit(P, n, steps[t].second * kBK / 16, u, q_of(steps[t].first), d, S);
+      };
+      if (ns > 0)
+        for (int64_t u = 0; u < nS; ++u) s_all(0, Sb[0], u);
+      for (int64_t t = 0; t < ns; ++t) {
+        const int cur = t & 1;
+        const auto [i, j] = steps[t];
+        const bool next = t + 1 < ns, prev = t > 0;
+        // the step's phases: nS units of S then nPV of P V, spread evenly over the rows
+        const int64_t sph = next ? nS * (P.nc + 2) : 0, pph = prev ? nPV * (kBK / 32 + 2) : 0;
+        const int64_t U = sph + pph;
+        int64_t issued = 0;
+        auto issue = [&](int64_t x) {
+          if (x < sph) {
+            const auto [in, jn] = steps[t + 1];
+            s_phase(P, n, jn * kBK / 16, x / (P.nc + 2), q_of(in), d, Sb[cur ^ 1],
+                    x % (P.nc + 2));
+          } else {
+            const auto [ip, jp] = steps[t - 1];
+            const int64_t y = x - sph;
+            pv_phase(P, n, jp * kBK / 32, y / (kBK / 32 + 2), Pb[cur ^ 1],
+                     O0 + ip * kBQ * dv, dv, y % (kBK / 32 + 2));
+          }
+        };
+        const int64_t ks = j * kBK, a = qs0 + i * kBQ, rows = rows_of(i);
+        RowState* rs = rs_v.data() + i * kBQ;
+        float* lsum = L0 + i * kBQ * 16;
+        for (int64_t r = 0; r < kBQ; ++r) {
+          // issue points: rows 0, kBQ / pts, ...; at each, the phases up to its share
+          if (r % (kBQ / kIssues) == 0)
+            while (issued < U && issued * kIssues < (r / (kBQ / kIssues) + 1) * U) issue(issued++);
+          int64_t c0 = 0, c1 = 0;
+          if (r < rows) {
+            c0 = std::clamp<int64_t>(st.lo(a + r) - ks, 0, kBK);
+            c1 = std::clamp<int64_t>(st.hi(a + r) - ks, 0, kBK);
+          }
+          softmax_row(Sb[cur] + r * kBK, Pb[cur] + r * kBK, c0, c1, c2, rs[r], lsum + 16 * r);
+        }
+        while (issued < U) issue(issued++);
+        // every earlier block's P V is in O (this sub-block's last one, at the latest during
+        // the rows above): scale the rows whose max this block raised
+        float* O = O0 + i * kBQ * dv;
+        for (int64_t r = 0; r < kBQ; ++r) {
+          if (rs[r].alpha == 1.f) continue;
+          const __m512 al = _mm512_set1_ps(rs[r].alpha);
+          float* o = O + r * dv;
+          for (int64_t c = 0; c < dv; c += 16)
+            _mm512_storeu_ps(o + c, _mm512_mul_ps(_mm512_loadu_ps(o + c), al));
+        }
+      }
+      if (ns > 0) {
+        const auto [il, jl] = steps[ns - 1];
+        for (int64_t u = 0; u < nPV; ++u)
+          pv_unit(P, n, jl * kBK / 32, u, Pb[(ns - 1) & 1], O0 + il * kBQ * dv, dv);
+      }
+      for (int64_t i = 0; i < nsub; ++i) {
+        const float* O = O0 + i * kBQ * dv;
+        const float* lsum = L0 + i * kBQ * 16;
+        const RowState* rs = rs_v.data() + i * kBQ;
+        BFloat16* Out = od + ((n * G + g) * Tq + qs0 + i * kBQ) * dv;
+        float* L = ld + (n * G + g) * Tq + qs0 + i * kBQ;
+        for (int64_t r = 0; r < rows_of(i); ++r) {
+          const float l = _mm512_reduce_add_ps(_mm512_loadu_ps(lsum + 16 * r));
+          const bool empty = l == 0.f;  // no visible key: zeros, lse = -inf
+          const __m512 inv = _mm512_set1_ps(empty ? 0.f : 1.f / l);
+          for (int64_t c = 0; c < dv; c += 16) {
+            __m512 x = _mm512_mul_ps(_mm512_loadu_ps(O + r * dv + c), inv);
+            if (empty) x = _mm512_setzero_ps();  // (O may hold 0 · NaN)
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(Out + r * dv + c),
+                                (__m256i)_mm512_cvtneps_pbh(x));
+          }
+          L[r] = empty ? kNegInf : rs[r].m * scale + std::log(l);
+        }
+      }
+    }
+    // leave the tiles as oneDNN expects to find them (it keeps its own configuration)
+    at::native::cpublas::brgemm_release(true);
+  };
+#ifdef _OPENMP
+#pragma omp parallel num_threads(nthreads)
+  work(omp_get_thread_num(), nthreads);
+#else
+  work(0, 1);
+#endif
+}
+
+}  // namespace qkv_flash_amx
+
+#endif  // QKV_FLASH_AMX
