@@ -38,7 +38,7 @@ def test_the_table_takes_what_the_kernels_take():
     csrc = _native.CSRC
     if not csrc.is_dir():
         pytest.skip("no kernel sources beside this install")
-    decode = (csrc / "decode_cpu.cpp").read_text()
+    decode = "".join(p.read_text() for p in sorted(csrc.glob("decode_*")))  # .cpp and its .h
     found = dict(re.findall(r'path_setting\("(QKV_DECODE_\w+)", \{([^}]*)\}\)', decode))
     assert sorted(found) == ["QKV_DECODE_BF16", "QKV_DECODE_FP32", "QKV_DECODE_INT8"]
     for name, values in found.items():
