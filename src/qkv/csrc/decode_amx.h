@@ -10,10 +10,8 @@
 
 #include "decode_pv_avx512.h"  // unpermute_pairs
 #include "decode_qk_avx512.h"  // transpose16, store_score_rows
+#include "amx_tiles.h"
 #include "decode_softmax.h"
-
-#include <sys/syscall.h>
-#include <unistd.h>
 
 namespace {
 
@@ -32,21 +30,6 @@ namespace {
 // Needs d and dv multiples of 32. Tiles: 0 Sᵀ, 1 K / V, 2 Qᵀ, 3 and 6 acc, 4 V, 5 and 7 P.
 #if defined(QKV_AVX512) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define QKV_AMX 1
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Linux hands out the AMX tile state only on request, once per process (oneDNN asks too).
-static bool amx_permitted() {
-  static const bool ok = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
-  }();
-  return ok;
-}
 
 // Rows of the AMX path: groups of Mt query rows, padded to Rpad.
 struct AmxRows {

@@ -23,8 +23,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
 
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx_tiles.h"
 
 #include <cstdlib>
 #include <memory>
@@ -46,21 +45,6 @@ constexpr int64_t kSub = 8;
 // Points per step where the pending tile work is issued: at rows 0 and kBQ / 2. Issuing it
 // row by row overlapped no better than in one or two bursts (measured side by side, T = 4096)
 constexpr int64_t kIssues = 2;
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Linux hands out the AMX tile state only on request, once per process (oneDNN asks too).
-bool amx_permitted() {
-  static const bool ok = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
-  }();
-  return ok;
-}
 
 // A 64-byte aligned buffer of bytes, kept per thread between calls.
 char* thread_buffer(size_t bytes) {
