@@ -15,6 +15,7 @@ STAMP  := $(VENV)/.installed
 # wheel's build looks); the editable install then finds the objects built and only links
 # them again.
 $(STAMP): pyproject.toml setup.py Makefile scripts/setup-system.sh scripts/install-torch.sh \
+         web/package-lock.json \
          $(wildcard src/qkv/csrc/*)
 	bash scripts/setup-system.sh
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,7 +23,9 @@ $(STAMP): pyproject.toml setup.py Makefile scripts/setup-system.sh scripts/insta
 	@mkdir -p build
 	$(PY) setup.py -q build_ext --inplace --build-lib build/venv-lib > build/kernels.log \
 	    || { tail -n 60 build/kernels.log; exit 1; }
-	$(PY) -m pip install -q --no-build-isolation -e '.[dev]'
+	$(PY) -m pip install -q --no-build-isolation -e '.[dev,web]'
+	@# ONNX Runtime Web, pinned by web/package-lock.json: the static site's engine and its tests
+	npm ci --prefix web --no-audit --no-fund --silent
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -62,8 +65,6 @@ bench: $(STAMP)
 # build, whose in-page engine needs the [web] extra and ONNX Runtime Web from web/'s lock file
 SITE ?= site
 site: $(STAMP)
-	$(PY) -m pip install -q --no-build-isolation -e '.[web]'
-	npm ci --prefix web --no-audit --no-fund
 	HF_HUB_OFFLINE=1 $(PY) -m mkdocs build --strict --site-dir $(SITE)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/qkv web build $(SITE)/live
 	@echo "make site: $(SITE)/ (the explorer: $(SITE)/live/); try: $(PY) -m http.server -d $(SITE)"
