@@ -179,3 +179,35 @@ def peak_reader() -> Callable[[torch.Tensor], float] | str:
     except Exception as e:  # no compiler: the benchmark goes on without this column
         return f"not built: {type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}"
     return module.read_sum
+
+
+def with_bf16_matmul(fn, path: str | None):
+    """``fn`` run with ``QKV_BF16_MATMUL=path`` (read by the kernel on each call); None: as
+    set."""
+    if path is None:
+        return fn
+
+    def run():
+        old = os.environ.get("QKV_BF16_MATMUL")
+        os.environ["QKV_BF16_MATMUL"] = path
+        try:
+            return fn()
+        finally:
+            if old is None:
+                os.environ.pop("QKV_BF16_MATMUL", None)
+            else:
+                os.environ["QKV_BF16_MATMUL"] = old
+
+    return run
+
+
+def fwd_bwd(run, inputs):
+    """``run()``'s output backpropagated (ones as the gradient), the inputs' grads cleared."""
+
+    def fn():
+        out = run()
+        out.backward(torch.ones_like(out))
+        for t in inputs:
+            t.grad = None
+
+    return fn

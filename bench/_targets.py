@@ -7,7 +7,7 @@ import torch.nn.functional as TF
 from torch import nn
 
 import qkv
-from _measure import peak_memory_mib, time_call
+from _measure import fwd_bwd, peak_memory_mib, time_call
 from qkv import masks
 from qkv.functional import scaled_dot_product_attention
 from qkv.varlen import packed_mask, varlen_attention
@@ -19,16 +19,6 @@ def timed(fn, reps: int, warm: int) -> tuple[float, float]:
     """(seconds, peak MiB) of ``fn``."""
     seconds = time_call(fn, reps, warm)
     return seconds, peak_memory_mib(fn)
-
-
-def _fwd_bwd(run, inputs):
-    def fn():
-        out = run()
-        out.backward(torch.ones_like(out))
-        for t in inputs:
-            t.grad = None
-
-    return fn
 
 
 def _pair(name: str, ours, theirs, reps: int, warm: int, goal: str) -> list[str]:
@@ -56,8 +46,8 @@ def window_target(quick: bool) -> list[str]:
         t.requires_grad_()
     lines += _pair(
         f"window w={w}, T={T}, fp32 fwd+bwd",
-        _fwd_bwd(lambda: scaled_dot_product_attention(q, k, v, causal=True, window=w), (q, k, v)),
-        _fwd_bwd(lambda: TF.scaled_dot_product_attention(q, k, v, attn_mask=allowed), (q, k, v)),
+        fwd_bwd(lambda: scaled_dot_product_attention(q, k, v, causal=True, window=w), (q, k, v)),
+        fwd_bwd(lambda: TF.scaled_dot_product_attention(q, k, v, attn_mask=allowed), (q, k, v)),
         1, 0, "≥10× faster, ≥10× less memory",
     )  # fmt: skip
     return lines
@@ -81,8 +71,8 @@ def packed_target(quick: bool) -> list[str]:
     qg, kg, vg = (t.transpose(0, 1).unsqueeze(0).detach().requires_grad_() for t in (q, k, v))
     lines += _pair(
         f"packed {n}×{L}, fp32 fwd+bwd",
-        _fwd_bwd(lambda: varlen_attention(ql, kl, vl, cu), (ql, kl, vl)),
-        _fwd_bwd(lambda: TF.scaled_dot_product_attention(qg, kg, vg, attn_mask=allowed), (qg, kg, vg)),
+        fwd_bwd(lambda: varlen_attention(ql, kl, vl, cu), (ql, kl, vl)),
+        fwd_bwd(lambda: TF.scaled_dot_product_attention(qg, kg, vg, attn_mask=allowed), (qg, kg, vg)),
         1, 0, "≥3× faster",
     )  # fmt: skip
     return lines

@@ -23,7 +23,6 @@ SDPA's, both in bf16.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -34,7 +33,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as TF  # noqa: E402
 
-from _measure import attention_flops, machine_header  # noqa: E402
+from _measure import attention_flops, fwd_bwd, machine_header, with_bf16_matmul  # noqa: E402
 from qkv.kernels._native import native_ops  # noqa: E402
 from qkv.kernels.flash import flash_attention  # noqa: E402
 
@@ -91,31 +90,6 @@ def openvino_sdpa(q, k, v, causal: bool, threads: int):
     return lambda: req.infer(tensors)
 
 
-def with_path(fn, path: str):
-    def run():
-        old = os.environ.get("QKV_BF16_MATMUL")
-        os.environ["QKV_BF16_MATMUL"] = path
-        try:
-            return fn()
-        finally:
-            if old is None:
-                os.environ.pop("QKV_BF16_MATMUL", None)
-            else:
-                os.environ["QKV_BF16_MATMUL"] = old
-
-    return run
-
-
-def backward_of(fn, inputs):
-    def run():
-        out = fn()
-        out.backward(torch.ones_like(out))
-        for t in inputs:
-            t.grad = None
-
-    return run
-
-
 def measure(calls: dict, rounds: int, clock) -> dict[str, float]:
     """Best time of each callable over interleaved rounds (one warm-up call each first)."""
     best = {}
@@ -139,12 +113,12 @@ def row(T: int, d: int, causal: bool, backward: bool, threads: int, rounds: int,
     sdpa_call = lambda: TF.scaled_dot_product_attention(q, k, v, is_causal=causal)  # noqa: E731
     calls = {"gemm": lambda: a @ b}
     if backward:
-        calls |= {"qkv": backward_of(with_path(qkv_call, "amx"), (q, k, v)),
-                  "sdpa": backward_of(sdpa_call, (q, k, v))}  # fmt: skip
+        calls |= {"qkv": fwd_bwd(with_bf16_matmul(qkv_call, "amx"), (q, k, v)),
+                  "sdpa": fwd_bwd(sdpa_call, (q, k, v))}  # fmt: skip
         peers = {}
     else:
         with torch.no_grad():
-            calls |= {"qkv": with_path(qkv_call, "amx"), "qkv onednn": with_path(qkv_call, "onednn"),
+            calls |= {"qkv": with_bf16_matmul(qkv_call, "amx"), "qkv onednn": with_bf16_matmul(qkv_call, "onednn"),
                       "sdpa": sdpa_call}  # fmt: skip
         ov = openvino_sdpa(q.detach(), k.detach(), v.detach(), causal, threads)
         peers = {"openvino": ov}

@@ -20,7 +20,6 @@ those of ``bench/_measure.attention_flops``).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -30,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import torch  # noqa: E402
 import torch.nn.functional as TF  # noqa: E402
 
-from _measure import attention_flops, machine_header, matmul_peak_gflops, step  # noqa: E402
+from _measure import attention_flops, machine_header, matmul_peak_gflops, step, with_bf16_matmul  # noqa: E402
 from qkv.kernels._native import native_ops, native_status  # noqa: E402
 from qkv.kernels.flash import flash_attention  # noqa: E402
 
@@ -45,25 +44,6 @@ def isa_path() -> str:
     if ops is None:
         return f"no fused kernel ({native_status()})"
     return ops.bf16_path() if hasattr(ops, "bf16_path") else "unknown (old kernel build)"
-
-
-def with_isa(fn, isa: str | None):
-    """``fn`` run with ``QKV_BF16_MATMUL=isa`` (read by the kernel on each call); None: as set."""
-    if isa is None:
-        return fn
-
-    def run():
-        old = os.environ.get("QKV_BF16_MATMUL")
-        os.environ["QKV_BF16_MATMUL"] = isa
-        try:
-            return fn()
-        finally:
-            if old is None:
-                del os.environ["QKV_BF16_MATMUL"]
-            else:
-                os.environ["QKV_BF16_MATMUL"] = old
-
-    return run
 
 
 def calls(T: int, dtype: torch.dtype, causal: bool, backward: bool):
@@ -132,7 +112,7 @@ def bf16_table(args) -> None:
                 causal, bwd = st == "causal", mode != "fwd"
                 f16, s16 = calls(T, torch.bfloat16, causal, bwd)
                 f32, s32 = calls(T, torch.float32, causal, bwd)
-                fns = [f16, with_isa(f16, "brgemm"), s16, f32, s32]
+                fns = [f16, with_bf16_matmul(f16, "brgemm"), s16, f32, s32]
                 tf, tb, ts, tf32, ts32 = best_of(fns, reps)
                 pairs = T * T / (2 if causal else 1)
                 flops = attention_flops(pairs, B, H, D, bwd)
