@@ -244,3 +244,12 @@ def compare_long(ours: dict, theirs: dict) -> None:
                for a, b in zip(r1, r2))  # fmt: skip
     total = sum(len(r) for h in tt["index"] for r in h)
     assert same >= 0.99 * total, f"top indices: {same} of {total} the same"
+
+
+def lens_refusal(page, body: dict) -> list | None:
+    """``[status, message]`` of the page's engine refusing ``lens(body)``, or None if it
+    answered."""
+    return page.evaluate("""async (body) => {
+        try { await window.engine.lens(body); return null; }
+        catch (e) { return [e.status, e.message]; }
+    }""", body)  # fmt: skip

@@ -6,7 +6,7 @@ pronoun probe of the notes' sentence) and fr-en (a greedy translation)."""
 from __future__ import annotations
 
 import pytest
-from engine_helpers import build, check, harness, registry_entry
+from engine_helpers import build, check, harness, lens_refusal, registry_entry
 
 from serve_helpers import playwright_or_skip
 
@@ -136,10 +136,7 @@ def test_lens_refused_as_the_server(page, name):
     body = {"text": "A dog runs.", "model": name, "translate": name == "random"}
     with registry_entry(name) as entry, pytest.raises(BadRequest) as err:
         lens_answer(entry, parse_lens(body))
-    ours = page.evaluate("""async (body) => {
-        try { await window.engine.lens(body); return null; }
-        catch (e) { return [e.status, e.message]; }
-    }""", body)  # fmt: skip
+    ours = lens_refusal(page, body)
     assert ours == [400, str(err.value)]
 
 

@@ -9,7 +9,7 @@ step-by-step matrices, statistics and probe."""
 from __future__ import annotations
 
 import pytest
-from engine_helpers import build, check, check_lens, harness, registry_entry
+from engine_helpers import build, check, check_lens, harness, lens_refusal, registry_entry
 
 from serve_helpers import playwright_or_skip
 
@@ -85,10 +85,7 @@ def test_lens_refusals_as_the_server(page, entry):
                  {"text": "A dog.", "model": "en-fr", "translate": True, "top_k": 11}):
         with pytest.raises(BadRequest) as err:
             lens_answer(entry, parse_lens(body))
-        ours = page.evaluate("""async (body) => {
-            try { await window.engine.lens(body); return null; }
-            catch (e) { return [e.status, e.message]; }
-        }""", body)  # fmt: skip
+        ours = lens_refusal(page, body)
         assert ours == [400, str(err.value)]
 
 
