@@ -38,9 +38,14 @@ CASES = {
     "decode-bf16": "decode, bf16 cache, same shapes",
     "decode-int8": "decode, int8 cache, same shapes",
     "decode-fp32-tq8": "decode, fp32 cache, q (1, 32, 8, 128) over (1, 8, 4096, 128), causal",
+    # the same at a short and a long cache (keys: the suffix)
+    **{f"decode-{dt}-{n}": f"decode, {dt} cache, q (1, 32, 1, 128) over (1, 8, {keys}, 128)"
+       for n, keys in (("4k", 4096), ("64k", 65536)) for dt in ("fp32", "bf16", "int8")},
     "int8-linear-32": "int8 linear, (32, 1024) x (4096, 1024)ᵀ",
     "greedy-32": "shipped fr-en, greedy, 32 sentences of 14 tokens, 16 new tokens",
 }
+
+_KEYS = {"4k": 4096, "64k": 65536}  # decode cases: the cache's keys by the name's suffix
 
 
 def best_ms(fn, budget: float = 1.0, least: int = 3) -> float:
@@ -85,7 +90,7 @@ def worker(case: str) -> dict:
         from qkv.cache import KVCache
         from qkv.kernels.decode import decode_attention
 
-        Tq, Tk = (8, 4096) if case.endswith("tq8") else (1, 16384)
+        Tq, Tk = (8, 4096) if case.endswith("tq8") else (1, _KEYS.get(case.split("-")[-1], 16384))
         kf, vf = torch.randn(1, 8, Tk, 128), torch.randn(1, 8, Tk, 128)
         cache = KVCache(capacity=Tk, dtype=dtype)
         k, v = cache.update(kf if dtype == torch.int8 else kf.to(dtype),
