@@ -95,6 +95,20 @@ def test_minilm_as_python(page):
     assert ours["probe"]["rows"], "the probe found the pronoun"
 
 
+# the notes' sentence in the five scripts the notes are written in
+FIVE_SCRIPTS = ["The boy trains the puppy.", "ကောင်လေးက ခွေးကလေးကို လေ့ကျင့်ပေးတယ်။",
+                "Cậu bé huấn luyện chú chó con.", "ছেলেটি কুকুরছানাকে প্রশিক্ষণ দেয়।", "男孩训练小狗。"]  # fmt: skip
+
+
+@pytest.mark.parametrize("text", FIVE_SCRIPTS)
+def test_minilm_in_five_scripts_as_python(page, text):
+    """MiniLM's tokens and every weight of every layer and head on the notes' sentence in
+    English, Burmese, Vietnamese, Bengali and Chinese."""
+    with registry_entry("minilm") as entry:
+        ours = check(page, entry, {"text": text, "model": "minilm"})
+    assert len(ours["tokens"]) > 3
+
+
 def test_minilm_long_as_python(page):
     """MiniLM past 66 tokens: a long answer (pooled maps, the selected head packed)."""
     with registry_entry("minilm") as entry:
