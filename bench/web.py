@@ -18,7 +18,8 @@ download). Measured:
    is ready), the size the page states before the download (the model menu, the status
    line), then a second new sentence; the same two requests (recorded from the page's engine)
    posted to ``qkv serve``'s ``/api/attention`` once the page is closed, timed from sending to
-   the parsed JSON; the ratio page/server;
+   the parsed JSON, then the second again 3 times (the server's best: its first answers of
+   a model come slower); the ratios page/server;
 3. the site's total size and its largest file.
 
 Verdicts are those of the median over the rounds, with the number of rounds that met the
@@ -62,6 +63,7 @@ MB = 1e6
 STEP_S = 120  # any one page step or request (MiniLM's 91 MB download on a busy machine)
 START_S = 120  # a server to start
 BUILD_S = 1800  # the site's build (four models exported and checked)
+WARM = 3  # the server asked the second sentence again, this many times (its best kept)
 
 # targets (the issue "qkv in the browser")
 FIRST_VIEW_S, FIRST_VIEW_MB = 1.0, 40.0
@@ -372,11 +374,14 @@ def model_round(browser, url: str, port: int, model: str) -> dict:
             raise BenchError(f"the page's request is not greedy, translate={translate}: {x['request']}")
     pairs = [(x, *post_attention(port, x["request"])) for x in asked]
     (a, s1, _), (b, s2, _) = pairs
+    # the server's first answers of a model come slower than its later ones (~1 s against
+    # 0.1 s for MiniLM here): the second sentence again, the best of WARM repeats
+    warm = min(post_attention(port, b["request"])[0] for _ in range(WARM))
     same = all(x["tokens"] == r["tokens"]
                and x["translation"] == (r["translation"]["text"] if r.get("translation") else None)
                for x, _, r in pairs)  # fmt: skip
     return {"label": label, "first": a, "second": b, "server_first": s1, "server_second": s2,
-            "same": same, "outside": outside}  # fmt: skip
+            "server_warm": warm, "same": same, "outside": outside}  # fmt: skip
 
 
 # --- the report ----------------------------------------------------------------------------------
@@ -474,6 +479,9 @@ def report(args, rounds: list[dict], site: Path, built_s: float | None, header: 
                      f"| {nxt.verdict() if toks <= NEXT_TOKENS else '**not met** (over 20 tokens)'} |")
         ratio = Row([x["second"]["seconds"] / x["server_second"] for x in ok], NEXT_RATIO)
         lines.append(f"| {m}: that sentence, page / `qkv serve` | {ratio.cell('{:.2f}×')} | ≤ {NEXT_RATIO:g}× | {ratio.verdict()} |")
+        warm = Row([x["second"]["seconds"] / x["server_warm"] for x in ok], NEXT_RATIO)
+        lines.append(f"| {m}: that sentence, page / `qkv serve` warmed (best of {WARM} more) | "
+                     f"{warm.cell('{:.2f}×')} | ≤ {NEXT_RATIO:g}× | {warm.verdict()} |")
     lines.append(f"| the whole site (MB) | {total / MB:.1f} | ≤ {SITE_MB:g} MB | {'met' if total <= SITE_MB * MB else '**not met**'} |")
     lines.append(f"| its largest file (MB) | {largest / MB:.1f} (`{largest_name}`) | ≤ {FILE_MB:g} MB "
                  f"| {'met' if largest <= FILE_MB * MB else '**not met**'} |")
@@ -483,14 +491,14 @@ def report(args, rounds: list[dict], site: Path, built_s: float | None, header: 
         "",
         "| model | menu says | downloaded with the first answer | first answer: page | `qkv serve` (its load included) "
         "| page / server | next sentence: tokens | page | of which the engine | `qkv serve` | page / server "
-        "| engine / server | same tokens and translation as the server |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        f"| engine / server | `qkv serve` warmed (best of {WARM} more) | same tokens and translation as the server |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     med = statistics.median
     for m in args.models:
         ok = [r["models"][m] for r in rounds if "error" not in r["models"].get(m, {"error": 1})]
         if not ok:
-            lines.append(f"| {m} | failed in every round |" + " |" * 11)
+            lines.append(f"| {m} | failed in every round |" + " |" * 12)
             continue
         got = med([sum(b for _, b in x["first"]["got"]) for x in ok]) / MB
         lines.append(
@@ -502,6 +510,7 @@ def report(args, rounds: list[dict], site: Path, built_s: float | None, header: 
             f"| {med([x['server_second'] for x in ok]):.3f} s "
             f"| {med([x['second']['seconds'] / x['server_second'] for x in ok]):.2f}× "
             f"| {med([x['second']['engine_s'] / x['server_second'] for x in ok]):.2f}× "
+            f"| {med([x['server_warm'] for x in ok]):.3f} s "
             f"| {sum(x['same'] for x in ok)}/{len(ok)} rounds |"
         )
     lines += ["", "Sentences: " + "; ".join(f"{k}: “{a}”, “{b}”" for k, (a, b) in SENTENCES.items())
@@ -515,7 +524,8 @@ def report(args, rounds: list[dict], site: Path, built_s: float | None, header: 
             x = r["models"].get(m, {"error": "not run"})
             cells.append(f"error: {x['error'][:100]}" if "error" in x else
                          f"first {x['first']['seconds']:.2f} s / serve {x['server_first']:.2f} s; "
-                         f"next {x['second']['seconds']:.3f} s / serve {x['server_second']:.3f} s")  # fmt: skip
+                         f"next {x['second']['seconds']:.3f} s / serve {x['server_second']:.3f} s "
+                         f"(warmed {x['server_warm']:.3f} s)")  # fmt: skip
         lines.append(f"| {i} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -595,7 +605,8 @@ def main(argv: list[str] | None = None) -> int:
                         x = r["models"][m]
                         print(f"round {i + 1} {m}: " + (x["error"] if "error" in x else
                               f"first {x['first']['seconds']:.2f} s (serve {x['server_first']:.2f} s), "
-                              f"next {x['second']['seconds']:.3f} s (serve {x['server_second']:.3f} s)"),
+                              f"next {x['second']['seconds']:.3f} s (serve {x['server_second']:.3f} s, "
+                              f"warmed {x['server_warm']:.3f} s)"),
                               flush=True)  # fmt: skip
                 rounds.append(r)
         text = report(args, rounds, site, built_s, header, version, started_at, (load0, os.getloadavg()[0]))
