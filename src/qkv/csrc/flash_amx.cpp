@@ -24,15 +24,9 @@
 #include <ATen/native/CPUBlas.h>
 
 #include "amx_tiles.h"
+#include "flash_memory.h"  // parallel_strided, Scratch
 
-#include <cstdlib>
-#include <memory>
-#include <new>
 #include <vector>
-
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 namespace {
 
@@ -45,23 +39,6 @@ constexpr int64_t kSub = 8;
 // Points per step where the pending tile work is issued: at rows 0 and kBQ / 2. Issuing it
 // row by row overlapped no better than in one or two bursts (measured side by side, T = 4096)
 constexpr int64_t kIssues = 2;
-
-// A 64-byte aligned buffer of bytes, kept per thread between calls.
-char* thread_buffer(size_t bytes) {
-  struct Buf {
-    char* p = nullptr;
-    size_t n = 0;
-    ~Buf() { std::free(p); }
-  };
-  static thread_local Buf b;
-  if (bytes > b.n) {
-    std::free(b.p);
-    b.p = static_cast<char*>(std::aligned_alloc(64, (bytes + 63) / 64 * 64));
-    if (!b.p) throw std::bad_alloc();
-    b.n = bytes;
-  }
-  return b.p;
-}
 
 // K and V of every kv head in the tiles' B layout, keys padded with zeros to whole blocks:
 //   kp[n][key tile t][dim chunk c][pair p][key j] = (K[16t + j][32c + 2p], K[..][32c + 2p + 1])
@@ -288,25 +265,24 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::
   const int64_t R = kSub, SB = R * kBQ;  // query rows per item
   const int64_t nqb = (Tq + SB - 1) / SB, items = N * G * nqb;
   const int64_t nS = kBK / 32, nPV = dv / 32;  // units per step
-  const int nthreads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
 
-  auto work = [&](int64_t first, int64_t step) {
+  parallel_strided(items, [&](int64_t first, int64_t items_end, int64_t step) {
     // S, P (double buffers), O and the rows' sums of each sub-block, a zero-padded Q block
     const size_t sb = kBQ * kBK * 4, pb = kBQ * kBK * 2, ob = kBQ * dv * 4, qb = kBQ * d * 2;
     const size_t lb = kBQ * 64;
-    char* buf = thread_buffer(2 * sb + 2 * pb + R * (ob + lb) + qb);
-    float* Sb[2] = {reinterpret_cast<float*>(buf), reinterpret_cast<float*>(buf + sb)};
-    BFloat16* Pb[2] = {reinterpret_cast<BFloat16*>(buf + 2 * sb),
-                       reinterpret_cast<BFloat16*>(buf + 2 * sb + pb)};
-    float* O0 = reinterpret_cast<float*>(buf + 2 * sb + 2 * pb);
-    float* L0 = reinterpret_cast<float*>(buf + 2 * sb + 2 * pb + R * ob);
-    BFloat16* Qpad = reinterpret_cast<BFloat16*>(buf + 2 * sb + 2 * pb + R * (ob + lb));
+    Scratch sc(2 * Scratch::pages(sb) + 2 * Scratch::pages(pb) + Scratch::pages(R * ob) +
+               Scratch::pages(R * lb) + Scratch::pages(qb));
+    float* Sb[2] = {sc.take<float>(sb / 4), sc.take<float>(sb / 4)};
+    BFloat16* Pb[2] = {sc.take<BFloat16>(pb / 2), sc.take<BFloat16>(pb / 2)};
+    float* O0 = sc.take<float>(R * ob / 4);
+    float* L0 = sc.take<float>(R * lb / 4);
+    BFloat16* Qpad = sc.take<BFloat16>(qb / 2);
     std::vector<RowState> rs_v(SB);
     std::vector<std::pair<int64_t, int64_t>> steps;  // (sub-block, key block)
     TileConfig cfg;
     for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
     _tile_loadconfig(&cfg);
-    for (int64_t idx = first; idx < items; idx += step) {
+    for (int64_t idx = first; idx < items_end; idx += step) {
       const int64_t n = idx / (G * nqb), g = (idx / nqb) % G, qi = idx % nqb;
       const int64_t qs0 = qi * SB, all = std::min(SB, Tq - qs0), nsub = (all + kBQ - 1) / kBQ;
       const BFloat16* Qh = qd + ((n * G + g) * Tq + qs0) * d;
@@ -407,13 +383,7 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::
     }
     // leave the tiles as oneDNN expects to find them (it keeps its own configuration)
     at::native::cpublas::brgemm_release(true);
-  };
-#ifdef _OPENMP
-#pragma omp parallel num_threads(nthreads)
-  work(omp_get_thread_num(), nthreads);
-#else
-  work(0, 1);
-#endif
+  });
 }
 
 }  // namespace qkv_flash_amx
