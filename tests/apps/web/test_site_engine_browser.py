@@ -142,7 +142,10 @@ def test_a_translator_s_first_view_and_the_menu(tmp_path, browser):
         try:
             page = o.page
             assert page.eval_on_selector_all("#model option", "os => os.map(o => o.value)") == [
-                "random", "en-fr"]  # fmt: skip
+                "en-fr", "random"]  # fmt: skip
+            page.select_option("#model", "random")
+            page.wait_for_selector("body[data-ready='1']")
+            assert not page.is_checked("#translate")  # random weights: not ticked
             page.select_option("#model", "en-fr")
             page.wait_for_selector("body[data-ready='1']")
             assert page.is_checked("#translate")

@@ -7,7 +7,8 @@ The site, written into a temporary sibling of ``DIR`` and renamed into place at 
                           the in-page engine's scripts and static/site.js before app.js
     static/               the explorer's files, i18n/strings.json with the site's words added,
                           site.js (the engine the page talks to: site_static/site.js)
-    site.json             the models (with their download sizes), the limits, the saved answers
+    site.json             the models in the menu's order (en-fr first, the page opens on it),
+                          their download sizes, the limits, the saved answers
     saved/*.json          each model's first view of the notes' sentence, computed here
     models/, engine files the in-page engine's (qkv.apps.web.export), when it is installed
     .nojekyll             GitHub Pages serves the files as they are
@@ -47,7 +48,10 @@ __all__ = [
     "first_requests",
 ]
 
-# the models the page can run: the shipped ones (a user's own model needs qkv serve)
+# the models the page can run: the shipped ones (a user's own model needs qkv serve), in the
+# site's menu order. The page opens on the first: en-fr, the notes' translator (33 MB), rather
+# than qkv serve's first, MiniLM (91 MB), so that a reader's first sentence of their own
+# downloads the least a translation needs
 SITE_MODELS = ("en-fr", "fr-en", "minilm", "random")
 GENERATOR = "qkv web build"  # site.json's mark: a directory a new build may replace
 # GitHub's limits with a margin: no file over 100 MB in a repository or an artifact, Pages
@@ -279,18 +283,22 @@ def _write(root: Path, names: list[str], say: Callable[[str], None], engine: boo
     if absent:  # a shipped translator this install lacks
         raise ValueError(f"--models: this install has no {', '.join(absent)} "
                          f"(it has {', '.join(registry.names())})")  # fmt: skip
-    ordered = [n for n in registry.names() if n in names]  # the menu's order, as qkv serve's
+    ordered = [n for n in SITE_MODELS if n in names]  # the site's menu order (opens on the first)
     _copy_static(root)
     scripts, sizes = _export(root, ordered, say, engine)
     saved = _save_answers(root, registry, ordered, say)
     # loaded: whether the page has the model (none has, at first); bytes: its download
-    models = [{**m, "loaded": False, "bytes": sizes.get(m["name"])}
-              for m in registry.info() if m["name"] in names]  # fmt: skip
+    info = {m["name"]: m for m in registry.info()}
+    models = [{**info[n], "loaded": False, "bytes": sizes.get(n)} for n in ordered]
+    first = models[0]
     manifest = {
         "generator": GENERATOR,
         "engine": bool(scripts),
         "runtime_bytes": _runtime_bytes(root, scripts) if scripts else 0,
         "models": models,
+        # what the page opens on without ?model=: the menu's first model, a trained translator
+        # translating (as picking it in the menu does)
+        "opens": {"model": first["name"], "translate": first["translator"] and not first["random"]},
         # qkv serve's /api/health limits (qkv.apps.serve.app), which the in-page engine keeps
         "limits": {"tokens": limits.TOKEN_LIMIT, "translate_tokens": limits.TRANSLATE_LIMIT,
                    "body_bytes": limits.MAX_BODY_BYTES, "cells": limits.MAX_CELLS,

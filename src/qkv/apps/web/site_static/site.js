@@ -2,7 +2,8 @@
 // the in-page engine's scripts (when the site has them) and before app.js; it sets
 // window.QKV_ENGINE (engine.js, docs/web.md) to an engine that
 //   - reads the site's words (static/i18n/strings.json) and its models (site.json: their
-//     download sizes, said in the model menu before anything downloads);
+//     download sizes, said in the model menu before anything downloads; the menu's order,
+//     en-fr first, and what the page opens on);
 //   - answers a request the page makes when it opens (each model's first view of the notes'
 //     sentence) from the answer saved at build time: no model loads for the first view;
 //   - hands any other request to the in-page engine (window.qkvLocal.createEngine, made on
@@ -102,6 +103,14 @@
       m.loaded = runtime = true;
       return answer;
     }
+    // the page opens on the menu's first model (site.json's models are in the site's order,
+    // en-fr first); without ?model= it translates when site.json says so, as picking a
+    // translator in the menu does. app.js reads the address after health(): a link's own
+    // model and translate still win, and a link always names its model (compare.js writeURL)
+    function opening(s) {
+      const box = document.getElementById("translate");
+      if (box && s.meta.opens && s.meta.opens.translate && !new URLSearchParams(location.search).has("model")) box.checked = true;
+    }
     // a model the site lacks (a link from qkv serve --model NAME=DIR): 404, as the server says
     const ownModel = (s) => new E.EngineError(words(s, "site.ownModel", { models: s.models.map((m) => m.name).join(", ") }), 404);
     const refuse = (s, request) => new E.EngineError(words(s, "site.savedOnly", { name: request.model }), 0);
@@ -109,7 +118,7 @@
     return {
       get live() { return true; },
       strings() { return site.then((s) => s.strings); },
-      health() { return site.then((s) => ({ models: s.models, limits: s.meta.limits })); },
+      health() { return site.then((s) => { opening(s); return { models: s.models, limits: s.meta.limits }; }); },
       saved() { return Promise.resolve(null); },
       async attention(request) {
         const s = await site;
