@@ -41,13 +41,15 @@ import torch
 from torch import nn
 
 from qkv.data import Tokenizer
+from qkv.generate import RepeatGuard, beam_search
 from qkv.generate import translate as _decode
+from qkv.generate._common import _evaluating
 from qkv.limits import split_sentences, split_to_fit
 from qkv.loading import read_json
 from qkv.models import load_pretrained
 from qkv.models.io import resolve_dir
 from qkv.models.shipped import DEFAULT, shipped, shipped_dir
-from qkv.translate_notes import note_text, source_notes
+from qkv.translate_notes import find_names, note_text, source_notes
 
 __all__ = [
     "NO_REPEAT_NGRAM",
@@ -55,15 +57,17 @@ __all__ = [
     "in_capitals",
     "load",
     "load_translator",
+    "protect",
     "protect_numbers",
     "restore_numbers",
     "sentence_case",
+    "unglue_digits",
     "source_warnings",
     "warning_text",
 ]
 
 # {"src", "tgt", "beam", "length_penalty", optional "no_repeat_ngram", "repeat_guard",
-# "number_placeholders"}: decoding defaults
+# "number_placeholders", "name_placeholders"}: decoding defaults
 GENERATION_FILE = "generation.json"
 
 # Tokens, not words (a word is 1-3 tokens). 4: BLEU of the shipped models within -0.11..+0.49
@@ -124,36 +128,64 @@ def warning_text(w: dict) -> str:
 # any) but copy a single digit. Beam 5, on Multi30k val's sentences with digits and 24
 # hand-written ones: numbers right 23 -> 23 of 26 (en-fr), 5 -> 9 of 16 (fr-en); on 150 train
 # sentences with digits, BLEU 71.67 -> 71.83 (en-fr), 39.93 -> 40.68 (fr-en). Placeholders for
-# single digits too cost BLEU (en-fr 67.92: "4 personnes" where captions say "Quatre").
+# single digits too cost BLEU (en-fr 67.92: "4 personnes" where captions say "Quatre"), but not
+# for "7" and "0": the vocabulary has no " 7" token, so the model must write a bare space and
+# then "7", and it drops the space ("un camion7"); they go through placeholders too.
 NUMBER = re.compile(r"(?<![^\W\d_])\d+(?:[.,:]\d+)*")
 PLACEHOLDERS = ("5", "3", "4", "6", "9", "8", "2")  # one token each; "1" would be singular
+# By the target language, best first: how often the shipped model wrote the digit back, put
+# in place of one name in 28 (en-fr) / 31 (fr-en) sentences (hand-written ones and Multi30k
+# val's from sentence 300 on with a name, greedy): into French 5: 19, 9: 17, 8: 10, 2, 3, 4:
+# 1-2, 6: 0 ("trois", "deux"); into English 2: 18, 5: 15, 3: 13, 4: 10, 6: 3, 8, 9: 0.
+PLACEHOLDERS_INTO = {"fr": ("5", "9", "8", "2", "4", "3", "6"),
+                     "en": ("2", "5", "3", "4", "6", "9", "8")}  # fmt: skip
+AND = {"en": "and", "fr": "et", "de": "und"}  # "John and Maria" is one placeholder
+# A line whose placeholders did not come back one for one is searched again this wide, and
+# the best hypothesis that has each of them once is kept (greedy too: greedy comes first).
+RETRY_BEAM = 5
+
+
+def protect(
+    text: str, *, names: list[tuple[int, int]] = (), digits: str = "", numbers: bool = True,
+    placeholders: tuple[str, ...] = PLACEHOLDERS,
+) -> tuple[str, dict[str, str]]:  # fmt: skip
+    """``text`` with each number of two digits or more (``numbers``), each single digit of
+    ``digits``, and each span of ``names`` (``(start, end)``, from
+    :func:`qkv.translate_notes.find_names`) replaced by a one-digit placeholder (the first of
+    ``placeholders`` that is not a number of ``text`` already), and ``{placeholder: what it stands for}`` (empty: nothing
+    replaced; what comes after the 7 placeholders stays as it is). The same number or name
+    twice gets the same placeholder.
+
+    >>> protect("John gives 3 of his 12 boxes to Maria at 7.", names=[(0, 4), (32, 37)],
+    ...         digits="07")
+    ('5 gives 3 of his 4 boxes to 6 at 9.', {'5': 'John', '4': '12', '6': 'Maria', '9': '7'})
+    """
+    spans = sorted(list(names) + [m.span() for m in NUMBER.finditer(text) if numbers and (
+        sum(c.isdigit() for c in m[0]) >= 2 or m[0] in digits)])  # fmt: skip
+    free = [p for p in placeholders if p not in {m[0] for m in NUMBER.finditer(text)}]
+    given: dict[str, str] = {}  # number or name -> placeholder
+    out, at = [], 0
+    for a, b in spans:
+        item = text[a:b]
+        if item not in given and len(given) < len(free):
+            given[item] = free[len(given)]
+        out += [text[at:a], given.get(item, item)]
+        at = b
+    return "".join(out) + text[at:], {p: n for n, p in given.items()}
 
 
 def protect_numbers(text: str) -> tuple[str, dict[str, str]]:
-    """``text`` with each number of two digits or more replaced by a one-digit placeholder
-    that is not a number of ``text`` already, and ``{placeholder: number}`` (empty: nothing
-    replaced; numbers beyond the 7 placeholders stay as they are).
+    """:func:`protect` for the numbers of two digits or more alone.
 
     >>> protect_numbers("A runner with number 42 passes 3 people.")
     ('A runner with number 5 passes 3 people.', {'5': '42'})
     """
-    numbers = {m[0] for m in NUMBER.finditer(text)}
-    free = [p for p in PLACEHOLDERS if p not in numbers]
-    given: dict[str, str] = {}  # number -> placeholder
-
-    def replace(m: re.Match) -> str:
-        if sum(c.isdigit() for c in m[0]) < 2:
-            return m[0]
-        if m[0] not in given and len(given) < len(free):
-            given[m[0]] = free[len(given)]
-        return given.get(m[0], m[0])
-
-    return NUMBER.sub(replace, text), {p: n for n, p in given.items()}
+    return protect(text)
 
 
 def restore_numbers(text: str, back: dict[str, str]) -> str | None:
-    """``text`` with each placeholder of :func:`protect_numbers` put back, or ``None`` when
-    the placeholders are not all there exactly once (the translation lost or doubled one).
+    """``text`` with each placeholder of :func:`protect` put back, or ``None`` when the
+    placeholders are not all there exactly once (the translation lost or doubled one).
 
     >>> restore_numbers("Un coureur portant le numéro 5 dépasse 3 personnes.", {"5": "42"})
     'Un coureur portant le numéro 42 dépasse 3 personnes.'
@@ -162,6 +194,42 @@ def restore_numbers(text: str, back: dict[str, str]) -> str | None:
     if sorted(found) != sorted(back):
         return None
     return NUMBER.sub(lambda m: back.get(m[0], m[0]), text)
+
+
+def unglue_digits(text: str, source: str) -> str:
+    """``text`` with a space put back between a word and a number glued to it ("camion7"),
+    where ``source`` has that number standing alone and no word glued to digits ("MP3"): with
+    no " 7" token the model must write a bare space before "7", and sometimes does not.
+
+    >>> unglue_digits("un camion7 rouge", "a red truck at 7")
+    'un camion 7 rouge'
+    """
+    alone = {m[0] for m in NUMBER.finditer(source)}
+    if not alone or re.search(r"[^\W\d_]\d", source):
+        return text
+    return re.sub(r"(?<=[^\W\d_])(\d+(?:[.,:]\d+)*)",
+                  lambda m: " " + m[1] if m[1] in alone else m[1], text)  # fmt: skip
+
+
+def _is_name(item: str) -> bool:
+    return NUMBER.fullmatch(item) is None
+
+
+def _without_count_words(hyp: str, back: dict[str, str]) -> list[str]:
+    """``hyp``, then ``hyp`` without the one or two words after a name's placeholder: the
+    models read a digit in a name's place as a count and add a noun ("5 personnes promènent
+    leur chien" for "John and Maria walk their dog"); :meth:`Translator._scores` chooses.
+
+    >>> _without_count_words("5 personnes promènent leur chien.", {"5": "Ana"})
+    ['5 personnes promènent leur chien.', '5 promènent leur chien.', '5 leur chien.']
+    """
+    out = [hyp]
+    for p in (p for p, item in back.items() if _is_name(item)):
+        for k in (1, 2):
+            v = re.sub(rf"(?<!\w){p}(?: [^\W\d_]+){{{k}}}(?= )", p, hyp, count=1)
+            if v != hyp:
+                out.append(v)
+    return out
 
 
 def in_capitals(text: str) -> bool:
@@ -229,7 +297,8 @@ class Translator:
     cache_dtype: torch.dtype | None = None  # the decoder's self-attention caches (qkv.cache)
     no_repeat_ngram: int = NO_REPEAT_NGRAM  # 0: off (qkv.generate)
     repeat_guard: bool = True  # no pattern 3 times in a row (qkv.generate.RepeatGuard)
-    number_placeholders: bool = True  # numbers of 2+ digits through placeholders (below)
+    number_placeholders: bool = True  # numbers of 2+ digits, "7", "0" through placeholders
+    name_placeholders: bool = True  # names too (qkv.translate_notes.find_names; en, fr)
 
     @property
     def max_source_tokens(self) -> int:
@@ -311,10 +380,26 @@ class Translator:
             result[i] = result[i].upper()
         return result[0] if single else result
 
+    def protect(self, piece: str) -> tuple[str, dict[str, str]]:
+        """``piece`` as it is translated, with placeholders (:func:`protect`: numbers with
+        :attr:`number_placeholders`, names with :attr:`name_placeholders`), and what each
+        placeholder stands for."""
+        names = (find_names(self.tokenizer, piece, self.src, join=True)
+                 if self.name_placeholders else [])  # fmt: skip
+        # single digits that need two tokens after a space (" 7" is a bare space, then "7")
+        digits = "".join(d for d in "0123456789" if len(self.tokenizer.encode(d)) > 1)
+        text, back = protect(piece, names=names, digits=digits,
+                             numbers=self.number_placeholders,
+                             placeholders=PLACEHOLDERS_INTO.get(self.tgt or "", PLACEHOLDERS))  # fmt: skip
+        if self.tgt in AND:  # "John and Maria" -> "John et Maria"
+            back = {p: re.sub(r"(?<=\s)(?:and|et|und|&)(?=\s)", AND[self.tgt], v, flags=re.I)
+                    for p, v in back.items()}  # fmt: skip
+        return text, back
+
     def _translate(self, pieces: list[str], beam: int, lenpen: float, progress: bool) -> list[str]:
-        """The pieces' translations; with :attr:`number_placeholders`, a piece with numbers of
-        two digits or more is translated with placeholders, and again as it is where they do
-        not all come back."""
+        """The pieces' translations; a piece with placeholders (:meth:`protect`) whose
+        translation lost or doubled one is searched again (:data:`RETRY_BEAM` wide; the best
+        hypothesis that has each placeholder once), and translated as it is if none has."""
 
         def run(texts: list[str]) -> list[str]:
             return _decode(self.model, self.tokenizer, texts, beam_size=beam,
@@ -322,20 +407,72 @@ class Translator:
                            cache_dtype=self.cache_dtype, no_repeat_ngram=self.no_repeat_ngram,
                            repeat_guard=self.repeat_guard) if texts else []  # fmt: skip
 
-        if not self.number_placeholders:
+        if not (self.number_placeholders or self.name_placeholders):
             return run(pieces)
-        protected = [protect_numbers(p) for p in pieces]
+        protected = [self.protect(p) for p in pieces]
         out = run([p for p, _ in protected])
-        again = []  # pieces whose placeholders did not come back one for one
+        again = []  # searched again: placeholders lost, or names (beam search: any placeholder)
         for j, (hyp, (_, back)) in enumerate(zip(out, protected)):
             if back:
                 restored = restore_numbers(hyp, back)
-                if restored is None:
+                if restored is None or beam > 1 or any(map(_is_name, back.values())):
                     again.append(j)
                 else:
                     out[j] = restored
-        for j, hyp in zip(again, run([pieces[j] for j in again])):
+        wide = self._n_best([protected[j][0] for j in again], max(beam, RETRY_BEAM), lenpen)
+        plain = []  # no hypothesis has them all
+        for j, hyps in zip(again, wide):
+            back = protected[j][1]
+            hyps = [out[j]] * (beam == 1) + hyps  # greedy's own hypothesis first
+            restored = [r for h in hyps for v in _without_count_words(h, back)
+                        if (r := restore_numbers(v, back))]  # fmt: skip
+            restored = list(dict.fromkeys(restored))
+            if not restored:
+                plain.append(j)
+            else:  # the one the model likes best as a translation of the line as it is
+                scores = self._scores(pieces[j], restored, lenpen) if len(restored) > 1 else [0]
+                out[j] = restored[max(range(len(restored)), key=scores.__getitem__)]
+        for j, hyp in zip(plain, run([pieces[j] for j in plain])):
             out[j] = hyp
+        if self.number_placeholders:
+            out = [unglue_digits(hyp, p) for hyp, p in zip(out, pieces)]
+        return out
+
+    @torch.inference_mode()
+    def _scores(self, source: str, hyps: list[str], lenpen: float) -> list[float]:
+        """``log p(hyp | source) / len ** lenpen`` of each hypothesis (teacher forcing): with
+        the placeholders put back, "John et Maria promènent leur chien" scores above "John et
+        Maria personnes promènent leur chien" (a digit read as a count)."""
+        tok, dev = self.tokenizer, next(self.model.parameters()).device
+        ids = [[tok.bos_id] + tok.encode(h) + [tok.eos_id] for h in hyps]
+        T = max(map(len, ids))
+        tgt = torch.full((len(ids), T), self.model.cfg.pad_id, dtype=torch.long, device=dev)
+        for i, row in enumerate(ids):
+            tgt[i, : len(row)] = torch.tensor(row)
+        src = torch.tensor([tok.encode(source) + [tok.eos_id]], device=dev).expand(len(ids), -1)
+        with _evaluating(self.model):
+            logp = self.model(src, tgt[:, :-1]).float().log_softmax(-1)  # (N, T-1, V)
+        picked = logp.gather(-1, tgt[:, 1:, None])[..., 0]  # (N, T-1)
+        real = tgt[:, 1:] != self.model.cfg.pad_id
+        sums = (picked * real).sum(1)
+        return (sums / real.sum(1).float() ** lenpen).tolist()
+
+    @torch.inference_mode()
+    def _n_best(self, texts: list[str], beam: int, lenpen: float) -> list[list[str]]:
+        """Each text's ``beam`` best translations (beam search), best first; one text at a
+        time (only lines with names or numbers whose placeholders got lost come here)."""
+        tok, dev = self.tokenizer, next(self.model.parameters()).device
+        guard = RepeatGuard.for_tokenizer(tok) if texts and self.repeat_guard else None
+        out = []
+        with _evaluating(self.model):
+            for text in texts:
+                src = torch.tensor([tok.encode(text) + [tok.eos_id]], device=dev)  # (1, S)
+                res = beam_search(self.model, src, beam_size=beam, n_best=beam,
+                                  length_penalty=lenpen, cache_dtype=self.cache_dtype,
+                                  no_repeat_ngram=self.no_repeat_ngram,
+                                  repeat_guard=guard)  # fmt: skip
+                ids = res[0][0] if isinstance(res, tuple) else res  # (beam, T)
+                out.append([tok.decode(row.tolist()) for row in ids])
         return out
 
     @staticmethod
@@ -376,4 +513,5 @@ def load(spec: str | Path = DEFAULT, *, int8: bool = False) -> Translator:
                       length_penalty=float(gen.get("length_penalty", 1.0)),
                       no_repeat_ngram=int(gen.get("no_repeat_ngram", NO_REPEAT_NGRAM)),
                       repeat_guard=bool(gen.get("repeat_guard", True)),
-                      number_placeholders=bool(gen.get("number_placeholders", True)))  # fmt: skip
+                      number_placeholders=bool(gen.get("number_placeholders", True)),
+                      name_placeholders=bool(gen.get("name_placeholders", True)))  # fmt: skip

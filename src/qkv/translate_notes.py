@@ -31,7 +31,10 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["NOTES", "guess_language", "note_text", "source_notes", "unseen_words"]
+__all__ = [
+    "NOTES", "TRANSLATED_CAPITALS", "find_names", "guess_language", "note_text", "source_notes",
+    "unseen_words",
+]
 
 NOTES = {
     "unseen": "The model has not seen several of these words ({words}): they may come out "
@@ -101,6 +104,42 @@ UNSEEN_PIECES = 4
 UNSEEN_WORDS = 2
 MANY_PIECES_WORDS = 4
 
+# Capitalised words that Multi30k train's captions translate rather than copy ("Asian" ->
+# "asiatique", "Noël" -> "Christmas"): on the source side at least twice, and the same word in
+# fewer than half of their reference translations; at a sentence's start only words whose
+# lower case the tokenizer splits (the others are plain words anyway). Every other capitalised
+# word inside a sentence is taken for a name (:func:`find_names`).
+TRANSLATED_CAPITALS = {
+    "en": (
+        "Africa African America American Americans Amish Arab Arabic Army Asia Asian Asians "
+        "Attractive Autumn Blurry Brazil Bridesmaids British Buddhist Cafe Canadian Caucasian "
+        "China Chinese Christmas City Claus Commuters Crowds Dad Dane Darth Diners Dozens "
+        "East Easter Eastern Elder Elderly Elementary Eleven Employees European Farmers "
+        "Father Fire Firetrucks Fishermen Flag Food Free French Frisbee German Great "
+        "Greyhound Happy Hawaiian Hispanic Hockey India Indian Indians Islamic Italian Italy "
+        "Japan Japanese Jesus Jewish Jockeys Joggers Kayaker Korean Latin Latino Law "
+        "Lifeguards London Maintenance Man McDonalds Mexican Mexico Middle Mohawk Mr Mrs "
+        "Muslim Muzzled Native Nine Numerous Nurses Ocean Olympians Olympic Olympics Oriental "
+        "Painters Parade People Photographers Police Profile Protesters Renaissance Rican "
+        "Rollerblader Rollerblades Russian Santa School Scottish Shepherd Shoppers Shorts "
+        "Skiers Skiiers Somebody Southeast Spain Spanish Spider SpongeBob SquarePants St Star "
+        "States Station Styrofoam Sunday Sveral Team These Thursday Tree Twelve Tye United "
+        "University Veteran Vietnamese Walkers Waterskier Welcome Western White Women Workman "
+        "Workmen Year Young"
+    ),
+    "fr": (
+        "Africain Africains Afrique Afro Américain Américains Amérindiens Amérique An "
+        "Angleterre Asiatique Asiatiques Asie Barbie Batman Bienvenue Blanche Bob Breakdance "
+        "Brésil Café Cela Ces Cet Chinatown Chine Chinois Converse Danois Dark Deux Dieu "
+        "Douze Environ Espagne Est Grande Gym Inde Indien Indiens Internet Italie Japon "
+        "Japonaises Jeux Jungle Jésus Lego Les Light Londres Mac Martini McDo Mexique "
+        "Monopoly Moyen Mère Neuf Nous Nouveau Nouvel Noël Olympiques Onze Orient PowerPoint "
+        "Pâques Père Quarte Regardez Saint Scrabble Sept Sud Superman Un Une Unis Vador Voici "
+        "Ça États"
+    ),
+}
+_CAPITALS = {lang: frozenset(words.split()) for lang, words in TRANSLATED_CAPITALS.items()}
+
 _WORD = re.compile(r"[^\W\d_]+")
 _NUMBER = re.compile(r"(?<![^\W\d_])\d")  # a digit not glued to a letter ("MP3", "dog0")
 _AND = re.compile(r"\s+(?:and|et|und|&)\s+", re.IGNORECASE)
@@ -158,6 +197,56 @@ def unseen_words(tokenizer, text: str) -> list[str]:
         return unseen
     split = list(dict.fromkeys(split))
     return split if len(split) >= MANY_PIECES_WORDS else []
+
+
+def find_names(
+    tokenizer, text: str, src: str | None, *, join: bool = False
+) -> list[tuple[int, int]]:
+    """The ``(start, end)`` spans of ``text`` that look like names, for a model reading ``src``
+    (``"en"``, ``"fr"``; any other language, German's capitalised nouns among them: ``[]``).
+
+    A name is a capitalised word (not in capitals, two letters or more) that the training
+    captions do not translate (:data:`TRANSLATED_CAPITALS`): inside a sentence, any such word;
+    at its start, one whose lower case the tokenizer splits (it is no common word: "Olga",
+    not "Three"), or one joined to a name by "and" ("Jean et Marie"). Names one space or a
+    hyphen apart are one span ("New York", "Jean-Pierre"); with ``join``, names joined by
+    "and" ("et", "und", "&") too ("John and Maria").
+
+    >>> from qkv.data import Tokenizer
+    >>> tok = Tokenizer.train(["two men walk on the road with a dog"] * 20, vocab_size=300)
+    >>> text = "Two men walk with Olga Petrova in New York."
+    >>> [text[a:b] for a, b in find_names(tok, text, "en")]
+    ['Olga Petrova', 'New York']
+    >>> text = "Olga and Ivan walk."
+    >>> [text[a:b] for a, b in find_names(tok, text, "en", join=True)]
+    ['Olga and Ivan']
+    """
+    known = _CAPITALS.get(src or "")
+    if known is None:
+        return []
+    matches = list(_WORD.finditer(text))
+    words = [m[0] for m in matches]
+    capital = [len(w) >= 2 and w[0].isupper() and not w.isupper() and w not in known
+               for w in words]  # fmt: skip
+    start = [bool(_SENTENCE_START.search(text[: m.start()])) for m in matches]
+    name = [c and (not s or len(tokenizer.encode(w.lower())) >= 2)
+            for c, s, w in zip(capital, start, words)]  # fmt: skip
+    for j in range(len(matches) - 2, -1, -1):  # "Jean et Marie", "New York": joined to a name
+        if capital[j] and not name[j] and (
+            (name[j + 1] and text[matches[j].end() : matches[j + 1].start()] in (" ", "-"))
+            or (j + 2 < len(matches) and name[j + 2] and _joined(text, matches[j], matches[j + 2]))
+        ):
+            name[j] = True
+    spans: list[tuple[int, int]] = []
+    for j, m in enumerate(matches):
+        if not name[j]:
+            continue
+        between = text[spans[-1][1] : m.start()] if spans else ""
+        if spans and (between in (" ", "-") or join and _AND.fullmatch(between)):
+            spans[-1] = (spans[-1][0], m.end())
+        else:
+            spans.append((m.start(), m.end()))
+    return spans
 
 
 def _joined(text: str, first: re.Match, name: re.Match) -> bool:
