@@ -49,6 +49,7 @@ def test_the_notes_sentence(beam):
 @pytest.mark.parametrize("name", ["en-fr", "fr-en"])
 def test_bleu_of_the_first_200_equals_the_card(name):
     tr = load(name)
+    tr.name_placeholders = False  # the card's figure is the model's (names: test_translate_names)
     card = json.loads((tr.path / "scores.json").read_text())
     pairs = multi30k("test_2016_flickr", tr.src, tr.tgt)[:200]
     bleu, _ = bleu_chrf(tr([s for s, _ in pairs], beam=1), [t for _, t in pairs])
