@@ -38,6 +38,8 @@ class Loaded:
     tokenizer: object = None  # its tokenizer (BLEU ablation, ``qkv.inspect.translation``)
     attention: Callable[..., AttentionMaps] | None = None
     hf: object = None  # the qkv.hf.LoadedModel of a transformers model directory
+    # the qkv.translate.Translator a translator was loaded as: how `qkv translate` decodes it
+    translator: object = None
 
     def maps(self, *inputs, tokens: list[str] | None = None) -> AttentionMaps:
         """Per-head maps of ``model(*inputs)``, every layer (the model's own capture)."""

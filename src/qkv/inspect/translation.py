@@ -118,28 +118,31 @@ class Recorded(NamedTuple):
 
 def record_translation(
     model, tokenizer, text: str, *, beam: int = 1, length_penalty: float = 1.0,
-    max_new_tokens: int | None = None, no_repeat_ngram: int = 0,
+    max_new_tokens: int | None = None, no_repeat_ngram: int = 0, repeat_guard: bool = False,
 ) -> Recorded:  # fmt: skip
     """Translate ``text``: the output ids (incl. ``</s>``), the maps of each decoding step and,
     for beam search, every hypothesis it kept with its score. ``no_repeat_ngram`` as
-    :func:`~qkv.generate.greedy_search`'s (``qkv translate`` uses 4)."""
-    from qkv.generate import beam_search, greedy_search
+    :func:`~qkv.generate.greedy_search`'s (``qkv translate`` uses 4); ``repeat_guard=True``:
+    the tokenizer's :class:`~qkv.generate.RepeatGuard` (``qkv translate``'s default)."""
+    from qkv.generate import RepeatGuard, beam_search, greedy_search
 
     if not isinstance(text, str) or not text.strip():
         raise ValueError("text must contain at least one word, got an empty string")
     ids = tokenizer.encode(text)[: model.cfg.max_len // 2 - 1] + [tokenizer.eos_id]
     src = torch.tensor([ids])  # (1, S)
     model.eval()
+    guard = RepeatGuard.for_tokenizer(tokenizer) if repeat_guard else None
     beams: list[tuple[list[int], float]] = []
     with torch.no_grad():
         if beam <= 1:
             with recording(model) as rec:
                 out = greedy_search(model, src, max_new_tokens=max_new_tokens,
-                                    no_repeat_ngram=no_repeat_ngram)[0]  # fmt: skip
+                                    no_repeat_ngram=no_repeat_ngram, repeat_guard=guard)[0]  # fmt: skip
         else:
             outs, scores = beam_search(model, src, beam_size=beam, length_penalty=length_penalty,
                                        max_new_tokens=max_new_tokens, n_best=beam,
-                                       no_repeat_ngram=no_repeat_ngram)  # fmt: skip
+                                       no_repeat_ngram=no_repeat_ngram,
+                                       repeat_guard=guard)  # fmt: skip
             beams = [(_trim(model, tokenizer, o), float(sc)) for o, sc in zip(outs[0], scores[0])
                      if sc > float("-inf")]  # fmt: skip
             out = outs[0, 0]

@@ -37,6 +37,7 @@ from qkv.apps.serve.answer import (
     split_source,
     step_matrices,
 )
+from qkv.apps.serve.decoding import notes, translator_of
 from qkv.apps.serve.limits import (
     MAX_TEXT_CHARS,
     AttentionRequest,
@@ -166,14 +167,15 @@ def decode_translation(entry: Entry, text: str, beam: int) -> dict:
     model = loaded.full_model
     if loaded.tokenizer is not None:  # a qkv.models translator
         from qkv.inspect.translation import piece_labels, record_translation
-        from qkv.translate import NO_REPEAT_NGRAM
 
         tok = loaded.tokenizer
         S = len(tok.encode(text)[: model.cfg.max_len // 2 - 1]) + 1
-        # the repetition guard of qkv translate: the page shows what the command writes
+        # the guards of qkv translate: the page shows what the command writes, no stutter
+        tr = translator_of(loaded)
         hyp, steps, beams = record_translation(model, tok, text, beam=beam,
                                                max_new_tokens=target_limit(S),
-                                               no_repeat_ngram=NO_REPEAT_NGRAM)  # fmt: skip
+                                               no_repeat_ngram=tr.no_repeat_ngram,
+                                               repeat_guard=tr.repeat_guard)  # fmt: skip
         ids = tok.encode(text)[: model.cfg.max_len // 2 - 1] + [tok.eos_id]
         tgt_in = [model.cfg.bos_id, *hyp[:-1]]
         return {"src": ids, "tgt_in": tgt_in, "steps": steps, "text": tok.decode(hyp),
@@ -250,7 +252,7 @@ def _translation(entry: Entry, req: AttentionRequest, text: str) -> dict:
                         "decoder_inputs": d["inputs"], "text": " ".join(outputs), "beam": beam,
                         "steps": len(d["steps"]), "beams": d.get("beams", []),
                         "length_penalty": 1.0, **pieces_fields(pieces, outputs, shown),
-                        **_warnings(loaded, " ".join(pieces))},
+                        **notes(loaded, " ".join(pieces))},
     }  # fmt: skip
     if beam > 1:
         with torch.no_grad(), heads_off(model, spec):
@@ -264,18 +266,6 @@ def _translation(entry: Entry, req: AttentionRequest, text: str) -> dict:
                            "baseline": {"translation": " ".join(before),
                                         "probe": probe_json(merge_steps(base["steps"]), req)}}  # fmt: skip
     return out
-
-
-def _warnings(loaded, text: str) -> dict:
-    """``warnings``: why ``text`` is far from a qkv translator's training data (codes with
-    their numbers; the page says them in the reader's language), and ``note``: the same in
-    English for API clients, or ``None``."""
-    if loaded.tokenizer is None:  # the random tiny model: nothing was learned from any data
-        return {"warnings": [], "note": None}
-    from qkv.translate import source_warnings, warning_text
-
-    found = source_warnings(loaded.tokenizer, text)
-    return {"warnings": found, "note": " ".join(map(warning_text, found)) or None}
 
 
 def attention(entry: Entry, req: AttentionRequest) -> dict:

@@ -114,7 +114,11 @@ class Registry:
         _check_tokenizer(name, path, config, meta)
         translator = isinstance(meta, dict) and (meta.get("kind") == "seq2seq"
                                                  or meta.get("is_encoder_decoder") is True)  # fmt: skip
-        self.add(name, lambda: load(str(path)), f"{name} ({path.name})", translator=translator)
+        if isinstance(meta, dict) and meta.get("kind") == "seq2seq":  # decoded as qkv translate does
+            loader = lambda: _translator(path, str(path))  # noqa: E731
+        else:
+            loader = lambda: load(str(path))  # noqa: E731
+        self.add(name, loader, f"{name} ({path.name})", translator=translator)
 
     def names(self) -> list[str]:
         return list(self._entries)
@@ -169,21 +173,26 @@ def _minilm() -> Loaded:
     return load("minilm")
 
 
+def _translator(spec: str | Path, name: str) -> Loaded:
+    """A qkv translator as ``qkv.translate.load`` reads it, its :class:`~qkv.translate.Translator`
+    kept (``Loaded.translator``): the explorer decodes and notes as ``qkv translate`` does
+    (:mod:`qkv.apps.serve.decoding`)."""
+    from qkv.inspect.translation import loaded_from_seq2seq
+    from qkv.translate import load
+
+    tr = load(spec)
+    loaded = loaded_from_seq2seq(tr.model, tr.tokenizer, name)
+    loaded.translator = tr
+    return loaded
+
+
 def _shipped(name: str) -> Callable[[], Loaded] | None:
     """A loader for a shipped translator, or ``None`` when this install has none of that name."""
     from qkv.models.shipped import shipped
 
     if SHIPPED_TRANSLATORS[name] not in shipped():
         return None
-
-    def loader() -> Loaded:
-        from qkv.inspect.translation import loaded_from_seq2seq
-        from qkv.translate import load
-
-        tr = load(SHIPPED_TRANSLATORS[name])
-        return loaded_from_seq2seq(tr.model, tr.tokenizer, name)
-
-    return loader
+    return lambda: _translator(SHIPPED_TRANSLATORS[name], name)
 
 
 def default_registry(dirs: dict[str, str] | None = None) -> Registry:

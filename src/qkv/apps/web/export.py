@@ -169,12 +169,12 @@ def export_model(out: Path, name: str) -> dict:
     import torch
 
     from qkv.apps.serve.compute import translator_limit
+    from qkv.apps.serve.decoding import page_settings
     from qkv.apps.serve.limits import LONG_TOKEN_LIMIT
     from qkv.apps.serve.long import map_limit, position_limit
     from qkv.apps.web.onnx_graphs import DecoderGraph, EncoderGraph, graph_io
     from qkv.apps.web.weights import shared_weights
     from qkv.positional import SinusoidalPositionalEncoding
-    from qkv.translate import NO_REPEAT_NGRAM
 
     _check_names([name])
     info, loaded, specs, tokenizer, tok_kind = _loaded(name)
@@ -243,7 +243,8 @@ def export_model(out: Path, name: str) -> dict:
                 "max_len": cfg.max_len if cfg else None,
                 "pad_id": cfg.pad_id if cfg else None, "bos_id": cfg.bos_id if cfg else 3,
                 "eos_id": cfg.eos_id if cfg else 4,
-                "no_repeat_ngram": NO_REPEAT_NGRAM if cfg else 0,
+                # qkv translate's guards and notes (the random model: none)
+                **(page_settings(loaded) if cfg else {"no_repeat_ngram": 0, "repeat_guard": False}),
             }  # fmt: skip
         if "lens" in files:
             from qkv.apps.serve.compute_lens import NOTE

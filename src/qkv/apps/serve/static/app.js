@@ -134,12 +134,14 @@
   };
   // t() as nodes, each filled-in value in a translate="no" span: tokens, model output and
   // names are data, not words of the page (a translation tool, and the i18n test, skip them)
+  // (a value {i18n: key} is a word of the page: that string, in the reader's language)
   function tn(key, vars) {
     const s = t(key), out = [], re = /\{(\w+)\}/g;
     let last = 0, m;
     while ((m = re.exec(s))) {
       out.push(document.createTextNode(s.slice(last, m.index)));
-      const v = el("span", "", m[1] in vars ? vars[m[1]] : m[0]); v.translate = false; out.push(v);
+      const val = m[1] in vars ? vars[m[1]] : m[0], word = !!val && typeof val.i18n === "string";
+      const v = el("span", "", word ? t(val.i18n) || val.i18n : val); v.translate = word; out.push(v);
       last = re.lastIndex;
     }
     out.push(document.createTextNode(s.slice(last)));
@@ -614,6 +616,11 @@
     if (S.pending) { S.pending = false; return refresh(); }
     document.body.dataset.ready = "1";
   }
+  // a translation note's fields as its string's values (qkv.translate_notes.note_text): the
+  // first unseen words listed, the languages named in the reader's language
+  const warnVars = (w) => ({ ...w,
+    ...(Array.isArray(w.words) ? { words: w.words.slice(0, 4).join(", ") + (w.words.length > 4 ? ", ..." : "") } : {}),
+    ...(w.looks ? { looks: { i18n: "lang." + w.looks } } : {}), ...(w.reads ? { reads: { i18n: "lang." + w.reads } } : {}) });
   // an EngineError as a note: the server's message (or its status), or why no answer came
   function errorNote(err) {
     return err.status ? ["error.server", { err: err.message || t("error.status", { status: err.status }) }] : ["error.request", { err }];
@@ -650,7 +657,7 @@
     if (pieces.length > 1) notes.push([d.truncated ? "notice.splitCut" : "notice.split", { n: pieces.length, limit: d.limit, piece: d.translation.piece + 1, cmd: "qkv translate" }]);
     else if (d.truncated) notes.push([ownCap ? "notice.cutPositions" : d.notice_key || "notice.cut", { n: d.tokens.length, limit: d.limit, positions: d.positions }]);
     else if (d.notice) notes.push(d.notice);
-    for (const w of (d.translation && d.translation.warnings) || []) notes.push(["warn." + w.code, w]);
+    for (const w of (d.translation && d.translation.warnings) || []) notes.push(["warn." + w.code, warnVars(w)]);
     if (lg.isLong(d)) notes.push(["notice.long", { n: d.tokens.length, k: d.layers[0].pooled.k }]);
     notes.push(...cmp.notes()); // compare: B cut, B failed, A and B of different lengths
     showNotice(notes, !!d.random);

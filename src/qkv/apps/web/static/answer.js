@@ -6,7 +6,7 @@
 //   qkvAnswer.stats(layers)            `stats`: every head's scores (head_scores)
 //   qkvAnswer.probe(layers, req)       `probe`: the pronoun probe, or null
 //   qkvAnswer.stepMatrices(t, q, k)    the step-by-step view's `matrices`
-//   qkvAnswer.warnings(tok, text)      a translation's `warnings` and `note`
+//   qkvAnswer.warnings(tok, text, s)   a translation's `warnings` and `note`
 //
 // A layer here is {name, kind, heads, q_tokens, k_tokens, w: [h][Tq][Tk] numbers (unrounded)}.
 "use strict";
@@ -146,23 +146,81 @@
     });
   }
 
-  // ---------- a translation's notes (qkv.translate.source_warnings) ----------
+  // ---------- a translation's notes (qkv.apps.serve.decoding.notes) ----------
+  // `s`: the manifest's translation.notes (qkv.apps.serve.decoding.page_settings): the
+  // thresholds, word lists and English sentences of qkv.translate and qkv.translate_notes
   const SENTENCE_END = /(?<=[.!?…。！？।॥။])\s+|(?<=[。！？])(?=\S)/u;
-  const WARNINGS = {
-    long: (w) => `This sentence has ${w.words} words; the model learned from image captions of up to ` +
-      "about 40 words, so the translation may be poor.",
-    pieces: () => "Words here are unknown to the model's vocabulary (split into many small pieces), " +
-      "so the translation may be poor.",
-  };
+  const PY_SPACE = "\\t-\\r\\u001c-\\u001f \\u0085\\u00a0\\u1680\\u2000-\\u200a\\u2028\\u2029\\u202f\\u205f\\u3000";
+  const WORD = /[\p{L}\p{Nl}\p{No}]+/gu; // Python's [^\W\d_]+: letters, numbers that are not digits
+  const NUMBER = /(?<![\p{L}\p{Nl}\p{No}])\p{Nd}/u; // a digit not glued to a letter
+  const SENTENCE_START = new RegExp(`(?:^|[.!?…:;][${PY_SPACE}]+)["'«“(\\[]*$`, "u");
+  const AND = new RegExp(`^[${PY_SPACE}]+(?:and|et|und|&)[${PY_SPACE}]+$`, "iu");
   const pySplit = (s) => strip(s).split(/[\s\u001c-\u001f\u0085]+/u).filter(Boolean);
-  function warnings(tok, text) {
+  // Python's str.isupper() of one character, and of a word (cased, nothing lower or title case)
+  const upperChar = (c) => /\p{Uppercase}/u.test(c);
+  const upperWord = (w) => !/[\p{Lowercase}\p{Lt}]/u.test(w) && /\p{Uppercase}/u.test(w);
+  const format = (template, fields) => template.replace(/\{(\w+)\}/g, (_, k) => String(fields[k]));
+
+  // qkv.translate_notes.unseen_words: the words that look unseen by the model, each once
+  function unseenWords(tok, text, s) {
+    const matches = [...text.matchAll(WORD)];
+    const unseen = [], split = [];
+    matches.forEach((m, j) => {
+      const word = m[0], ids = tok.encode(word).ids, n = ids.length;
+      const single = n > 1 && ids.some((i) => [...strip(tok.decode([i]))].length === 1);
+      const inside = !SENTENCE_START.test(text.slice(0, m.index));
+      const name = inside && n > 1 && upperChar([...word][0]) && !upperWord(word);
+      if (n >= s.unseen_pieces || (n === s.unseen_pieces - 1 && single) || name) {
+        const first = j >= 2 ? matches[j - 2] : null; // "John and Maria": John is a name too
+        if (name && first && upperChar([...first[0]][0]) && AND.test(text.slice(first.index + first[0].length, m.index))) {
+          unseen.push(first[0]);
+        }
+        unseen.push(word);
+      }
+      if (n >= s.unseen_pieces - 1) split.push(word);
+    });
+    const u = [...new Set(unseen)], sp = [...new Set(split)];
+    return u.length >= s.unseen_words ? u : sp.length >= s.many_pieces_words ? sp : [];
+  }
+
+  // qkv.translate_notes._looks_like: the language the text looks written in when not `src`
+  function looksLike(text, s) {
+    const words = [...text.matchAll(WORD)].map((m) => m[0].toLowerCase());
+    const hits = {};
+    for (const [lang, list] of Object.entries(s.language_words)) {
+      const vocab = new Set(list);
+      hits[lang] = words.filter((w) => vocab.has(w)).length;
+    }
+    let other = null;
+    for (const lang of Object.keys(hits)) if (lang !== s.src && (other === null || hits[lang] > hits[other])) other = lang;
+    return other !== null && hits[other] >= s.language_min_hits && hits[other] > 2 * (hits[s.src] || 0) ? other : null;
+  }
+
+  // qkv.translate.warning_text: a note's English sentence
+  function noteText(w, s) {
+    const f = { ...w };
+    if (Array.isArray(f.words)) f.words = f.words.slice(0, 4).join(", ") + (f.words.length > 4 ? ", ..." : "");
+    for (const k of ["looks", "reads"]) if (k in f) f[k] = s.language_names[f[k]] ?? f[k];
+    return format(s.text[w.code], f);
+  }
+
+  // qkv.translate.source_warnings, then qkv.translate_notes.source_notes (no "unseen" where
+  // "pieces" says it already): {warnings, note}
+  function warnings(tok, text, s) {
     const out = [];
-    const sentences = text.split(SENTENCE_END).filter((s) => s && strip(s));
-    const words = Math.max(0, ...sentences.map((s) => pySplit(s).length));
-    if (words > 40) out.push({ code: "long", words });
+    const sentences = text.split(SENTENCE_END).filter((x) => x && strip(x));
+    const words = Math.max(0, ...sentences.map((x) => pySplit(x).length));
+    if (words > s.long_words) out.push({ code: "long", words });
     const nWords = pySplit(text).length, nTokens = tok.encode(text).ids.length;
-    if (nWords && nTokens >= 6 && nTokens > 2.5 * nWords) out.push({ code: "pieces", per_word: number(nTokens / nWords, 1) });
-    return { warnings: out, note: out.map((w) => WARNINGS[w.code](w)).join(" ") || null };
+    const pieces = nWords && nTokens >= 6 && nTokens > s.pieces_per_word * nWords;
+    if (pieces) out.push({ code: "pieces", per_word: number(nTokens / nWords, 1) });
+    const looks = s.src in s.language_words ? looksLike(text, s) : null;
+    if (looks !== null) out.push({ code: "language", looks, reads: s.src });
+    const unseen = pieces ? [] : unseenWords(tok, text, s);
+    if (unseen.length) out.push({ code: "unseen", words: unseen });
+    if (NUMBER.test(text)) out.push({ code: "numbers" });
+    if (text.includes("?") || text.includes("¿")) out.push({ code: "question" });
+    return { warnings: out, note: out.map((w) => noteText(w, s)).join(" ") || null };
   }
 
   window.qkvAnswer = { round, number, layerJson, stats, headScores, probe, stepMatrices, warnings, isSpecial, STEP_DIMS };

@@ -1,15 +1,151 @@
 // qkv in-page engine: decoding, as qkv.generate decodes for the explorer
 // (qkv.inspect.translation.record_translation): greedy_search and beam_search of one
-// sentence with the no_repeat_ngram guard, over a qkvRuntime Model's decoder steps.
+// sentence with the no_repeat_ngram guard and the RepeatGuard of qkv translate, over a
+// qkvRuntime Model's decoder steps.
 //
 //   qkvDecode.greedy(model, enc, opts)  {hyp, steps}: ids up to </s>, each step's weights
 //   qkvDecode.beam(model, enc, opts)    {hyp, beams: [[ids, score]]}: n_best = beam size
 //   qkvDecode.replay(model, enc, hyp, headMask)  the decoder fed <s>, hyp[:-1] at once
+//   qkvDecode.RepeatGuard.forTokenizer(tok)      qkv.generate.RepeatGuard of a byte-level BPE
 //
 // enc: the encoder's outputs (memory_k, memory_v); opts: maxNew (qkv.apps.serve.limits.
-// target_limit), ngram (0: off), headMask (the decoder's, (2·L, h)), beam, lengthPenalty.
+// target_limit), ngram (0: off), guard (a RepeatGuard, or null: off), headMask (the
+// decoder's, (2·L, h)), beam, lengthPenalty.
 "use strict";
 (() => {
+  // ---------- qkv.generate._repeat.RepeatGuard, line for line ----------
+  // No pattern written three times in a row: a unit of 1-4 tokens ("est est est"), or inside
+  // a word (from its token with a leading space on) a unit of 1-8 bytes of letters ("gigigi").
+  // A token's bytes are held as a string of char codes 0-255 (one char per byte).
+  const TIMES = 3, MAX_UNIT_TOKENS = 4, MAX_UNIT_BYTES = 8, WINDOW = 16, SPECIALS = 4;
+
+  // the byte-level BPE alphabet (GPT-2's bytes_to_unicode) back to bytes
+  function byteDecoder() {
+    const keep = [];
+    for (let b = 33; b <= 126; b++) keep.push(b);
+    for (let b = 161; b <= 172; b++) keep.push(b);
+    for (let b = 174; b <= 255; b++) keep.push(b);
+    const chars = keep.slice();
+    let n = 0;
+    for (let b = 0; b < 256; b++) if (!keep.includes(b)) { keep.push(b); chars.push(256 + n); n++; }
+    return new Map(chars.map((c, i) => [String.fromCharCode(c), keep[i]]));
+  }
+
+  // an ASCII letter or any byte of a non-ASCII character; never a digit, space or punctuation
+  const letter = (b) => (b >= 65 && b <= 90) || (b >= 97 && b <= 122) || b >= 128;
+  const allLetters = (s) => { for (let i = 0; i < s.length; i++) if (!letter(s.charCodeAt(i))) return false; return true; };
+  const isDigits = (s) => s.length > 0 && /^[0-9]+$/.test(s);
+
+  // whether `word` ends with a unit of letters written TIMES times in a row
+  function endsInLoop(word) {
+    const n = word.length;
+    for (let p = 1; p <= MAX_UNIT_BYTES; p++) {
+      if (n >= TIMES * p && allLetters(word.slice(n - p)) && word.slice(n - TIMES * p) === word.slice(n - p).repeat(TIMES)) return true;
+    }
+    return false;
+  }
+
+  // whether some prefix of `body` ends in a stutter (the token alone holds one)
+  function hasLoop(body) {
+    for (let k = TIMES; k <= body.length; k++) if (endsInLoop(body.slice(0, k))) return true;
+    return false;
+  }
+
+  class RepeatGuard {
+    // vocab: each token's byte-level string (Ġ for a leading space), by id
+    constructor(vocab) {
+      const dec = byteDecoder();
+      this.startsWord = []; this.body = []; this.innerDigits = new Set();
+      this.byPrefix = new Map(); this.cache = new Map();
+      vocab.forEach((s, i) => {
+        const chars = [...s];
+        const raw = i >= SPECIALS && chars.every((c) => dec.has(c)) ? chars.map((c) => String.fromCharCode(dec.get(c))).join("") : "";
+        const start = raw.startsWith(" ") || i < SPECIALS, body = raw.startsWith(" ") ? raw.slice(1) : raw;
+        this.startsWord.push(start);
+        this.body.push(body);
+        if (isDigits(body) && !start) this.innerDigits.add(i);
+        if (!start && body) {
+          for (let k = 1; k <= body.length; k++) {
+            const key = body.slice(0, k);
+            if (!this.byPrefix.has(key)) this.byPrefix.set(key, []);
+            this.byPrefix.get(key).push(i);
+          }
+        }
+      });
+      this.stutters = [];
+      this.body.forEach((b, i) => { if (hasLoop(b)) this.stutters.push(i); });
+    }
+
+    // the guard of a byte-level BPE tokenizer (qkvTokenize), built once per tokenizer
+    static forTokenizer(tok) {
+      let guard = GUARDS.get(tok);
+      if (!guard) {
+        const vocab = [];
+        for (let i = 0; i < tok.vocabSize; i++) vocab.push(tok.idToToken(i) ?? "");
+        guard = new RepeatGuard(vocab);
+        GUARDS.set(tok, guard);
+      }
+      return guard;
+    }
+
+    // the tokens a hypothesis that wrote `hist` (ids after <s>) may not write next
+    banned(hist) {
+      if (!hist.length) return [];
+      const row = hist.slice(-WINDOW);
+      return [...this.tokenLoops(row), ...this.wordLoops(row)];
+    }
+
+    // tokens that would end a unit of 1-4 tokens written 3 times: the last 3k - 1 tokens have
+    // period k, so token row[L - k] would complete it
+    tokenLoops(row) {
+      const out = [], L = row.length;
+      for (let k = 1; k <= MAX_UNIT_TOKENS; k++) {
+        if (L < TIMES * k - 1) break;
+        const tail = row.slice(L - TIMES * k + 1);
+        let periodic = true;
+        for (let i = k; i < tail.length && periodic; i++) periodic = tail[i] === tail[i - k];
+        if (!periodic) continue;
+        const unit = row.slice(L - k);
+        if (Math.min(...unit) < SPECIALS || unit.every((u) => this.innerDigits.has(u))) continue;
+        out.push(row[L - k]);
+      }
+      return out;
+    }
+
+    // word-inner tokens that would make the current word end in a stutter
+    wordLoops(row) {
+      let start = row.length - 1;
+      while (start > 0 && !this.starts(row[start])) start--;
+      const key = row.slice(start), id = key.join(",");
+      let bad = this.cache.get(id);
+      if (bad === undefined) {
+        if (this.cache.size > 200000) this.cache.clear();
+        bad = this.continuations(key.map((i) => this.body[i] ?? "").join(""));
+        this.cache.set(id, bad);
+      }
+      return bad;
+    }
+
+    starts(token) { return token >= this.startsWord.length || this.startsWord[token]; }
+
+    // for each unit length p: if `word` ends with a unit of letters, the 3p - run bytes that
+    // continue its run to 3 units; every token starting with them
+    continuations(word) {
+      const out = new Set(this.stutters), n = word.length;
+      for (let p = 1; p <= Math.min(MAX_UNIT_BYTES, n); p++) {
+        const unit = word.slice(n - p);
+        if (!allLetters(unit)) continue;
+        let run = p; // the longest end of the word with period p
+        while (run < n && word[n - 1 - run] === word[n - 1 - run + p]) run++;
+        const need = Math.max(1, TIMES * p - run);
+        const cont = unit.repeat(Math.floor(need / p) + 1).slice(0, need);
+        for (const i of this.byPrefix.get(cont) || []) out.add(i);
+      }
+      return [...out].sort((a, b) => a - b);
+    }
+  }
+  const GUARDS = new WeakMap();
+
   // The tokens that would write an n-gram twice (qkv.generate._ngram._repeats for one
   // hypothesis): a token is banned if it followed an earlier occurrence of the last n-1.
   function banned(hist, n) {
@@ -43,7 +179,8 @@
 
   const STEP_OUT = ["logits", "next_k", "next_v", "self.weights", "cross.weights"];
 
-  // greedy_search (batch of one): the most likely token at every step, n-grams banned
+  // greedy_search (batch of one): the most likely token at every step, n-grams and
+  // stutters banned
   async function greedy(model, enc, opts) {
     const cfg = model.cfg, memory = memoryOf(enc, 1);
     let past = model.emptyPast(1), tok = cfg.bos_id;
@@ -52,6 +189,7 @@
       const r = await model.step([[tok]], past, memory, opts.headMask, STEP_OUT);
       const logits = r.logits.data.slice(); // (V,)
       if (opts.ngram && t >= opts.ngram) for (const b of banned(out, opts.ngram)) logits[b] = -Infinity;
+      if (opts.guard) for (const b of opts.guard.banned(out)) logits[b] = -Infinity;
       tok = argmax(logits);
       out.push(tok);
       steps.push({ self: r["self.weights"], cross: r["cross.weights"] }); // (L, 1, h, 1, ·)
@@ -104,6 +242,7 @@
         const lp_ = logSoftmax(r.logits.data.subarray(b * V, (b + 1) * V));
         for (let v = 0; v < V; v++) cand[b * V + v] = lp_[v] + scores[b];
         if (opts.ngram) for (const x of banned(ys[b], opts.ngram)) cand[b * V + x] = -Infinity;
+        if (opts.guard) for (const x of opts.guard.banned(ys[b])) cand[b * V + x] = -Infinity;
       }
       let top = topk(cand, 2 * K).map(([val, idx]) => ({ val, beam: Math.floor(idx / V), tok: idx % V }));
       const eosSeen = top.some((c) => c.tok === eos);
@@ -152,5 +291,5 @@
     return model.step([tgt], model.emptyPast(1), memoryOf(enc, 1), headMask);
   }
 
-  window.qkvDecode = { greedy, beam, replay, banned, trim };
+  window.qkvDecode = { greedy, beam, replay, banned, trim, RepeatGuard };
 })();

@@ -142,7 +142,7 @@
     const source = sourceInput(m, text), src = source.ids;
     const enc = await m.encode(src, masks.enc, "source");
     const opts = { maxNew: targetLimit(src.length), ngram: t.no_repeat_ngram, headMask: masks.dec, beam,
-      lengthPenalty: 1.0 };
+      lengthPenalty: 1.0, guard: t.repeat_guard ? D.RepeatGuard.forTokenizer(tok) : null };
     let hyp, beams = [], self, cross;
     if (beam <= 1) {
       const g = await D.greedy(m, enc, opts);
@@ -272,7 +272,7 @@
         text: outputs.join(" "), beam, steps: d.hyp.length, beams: d.beams, length_penalty: 1.0,
         ...(pieces.length < 2 ? { pieces: [], piece: 0 }
           : { pieces: pieces.map((p, i) => ({ source: p, text: outputs[i] })), piece: shown }),
-        ...(random ? { warnings: [], note: null } : A.warnings(m.tokenizer, pieces.join(" "))) },
+        ...(random ? { warnings: [], note: null } : A.warnings(m.tokenizer, pieces.join(" "), t.notes)) },
     };
     if (beam > 1) {
       const greedy = (await decodeTranslation(m, text, 1, masks)).text;
