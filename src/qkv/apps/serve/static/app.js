@@ -11,7 +11,7 @@
   };
   // head colours, colour scales, numbers (fmt: 3 decimals, cellText: a cell's 2) and label
   // widths: export.js's (loaded first), so that the screen and a downloaded picture agree
-  const { HEAD_COLORS, seq, div, seqRGB, divRGB, fmt, cellText, cellFont, textWidth, FONT } = window.qkvExport;
+  const { HEAD_COLORS, seqRGB, divRGB, fmt, cellText, cellFont, textWidth, FONT } = window.qkvExport;
   const Maps = window.qkvMaps; // maps.js: matrices of any size, painted as ImageData
   const LONG_ROWS = 128; // a map of more tokens is a long answer's (qkv.limits.TOKEN_LIMIT)
   const LABEL_PX = 11, SIN60 = Math.sin(Math.PI / 3); // token labels: their font size; columns turn 60°
@@ -110,14 +110,28 @@
     cv.dataset.rows = R; cv.dataset.cols = C;
     wrap.appendChild(cv);
     const sc = el("div", "scale");
-    const bar = el("canvas"); bar.width = 120; bar.height = 10;
-    const bg = bar.getContext("2d");
-    for (let x = 0; x < 120; x++) { bg.fillStyle = prob ? seq(x / 119) : div((x / 119) * 2 * m - m, m); bg.fillRect(x, 0, 1, 10); }
-    sc.append(el("span", "", prob ? "0" : fmt(-m)), bar, el("span", "", prob ? "1" : fmt(m)));
+    sc.append(el("span", "", prob ? "0" : fmt(-m)), scaleBar(prob), el("span", "", prob ? "1" : fmt(m)));
     if (M.nulls) sc.append(el("span", "", t("map.grey")));
     wrap.appendChild(sc);
     if (long) wrap.appendChild(el("p", "hint", t("map.pooledPixels", { r: R, c: C })));
     return wrap;
+  }
+  // the colour bar under a map: its pixels span 0..1 or −m..m whatever m is, so each scale's
+  // are worked out once (120 fillRects with colour strings per map were a tenth of a step view)
+  const BARS = {};
+  function scaleBar(prob) {
+    const bar = el("canvas"); bar.width = 120; bar.height = 10;
+    const g = bar.getContext("2d");
+    if (!BARS[prob]) {
+      const img = g.createImageData(120, 10);
+      for (let x = 0; x < 120; x++) {
+        const rgb = prob ? seqRGB(x / 119) : divRGB((x / 119) * 2 - 1, 1);
+        for (let y = 0; y < 10; y++) { const k = 4 * (y * 120 + x); for (let c = 0; c < 3; c++) img.data[k + c] = Math.round(rgb[c]); img.data[k + 3] = 255; }
+      }
+      BARS[prob] = img;
+    }
+    g.putImageData(BARS[prob], 0, 0);
+    return bar;
   }
   function short(name) { return String(name).replace("encoder.layers.", t("short.enc") + " ").replace("decoder.layers.", t("short.dec") + " ").replace(/\.(self_attn|cross_attn|attn)$/, (m, k) => " " + t(k === "cross_attn" ? "kind.cross" : "kind.self")); }
   function clip(s, n) { s = String(s); return s.length > n ? s.slice(0, n - 1) + "…" : s; }

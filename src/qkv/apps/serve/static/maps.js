@@ -68,21 +68,28 @@
       return [a, b];
     };
     const [ra, rb] = span(R, h), [ca, cb] = span(C, w);
+    // a short answer's cell covers many pixels: its colour is worked out once per run of
+    // pixels over the same cells, and a pixel row over the same rows as the one above is a
+    // copy of it (per pixel, the colour arrays alone were most of a map's time and garbage)
     for (let y = 0; y < h; y++) {
+      if (y > 0 && ra[y] === ra[y - 1] && rb[y] === rb[y - 1]) { px.copyWithin(4 * y * w, 4 * (y - 1) * w, 4 * y * w); continue; }
       const faded = opt.rowsShown !== undefined && ra[y] > opt.rowsShown;
+      let r = 0, gr = 0, b = 0;
       for (let x = 0; x < w; x++) {
-        let v = NaN;
-        for (let i = ra[y]; i < rb[y]; i++) {
-          const base = i * C;
-          for (let j = ca[x]; j < cb[x]; j++) {
-            const c = data[base + j];
-            if (c === c && (v !== v || (prob ? c > v : Math.abs(c) > Math.abs(v)))) v = c;
+        if (x === 0 || ca[x] !== ca[x - 1] || cb[x] !== cb[x - 1]) {
+          let v = NaN;
+          for (let i = ra[y]; i < rb[y]; i++) {
+            const base = i * C;
+            for (let j = ca[x]; j < cb[x]; j++) {
+              const c = data[base + j];
+              if (c === c && (v !== v || (prob ? c > v : Math.abs(c) > Math.abs(v)))) v = c;
+            }
           }
+          const rgb = v !== v ? GREY : prob ? opt.seqRGB(v) : opt.divRGB(v, opt.m);
+          [r, gr, b] = faded ? rgb.map((c) => 255 - 0.15 * (255 - c)) : rgb;
         }
-        const rgb = v !== v ? GREY : prob ? opt.seqRGB(v) : opt.divRGB(v, opt.m);
         const k = 4 * (y * w + x);
-        for (let c = 0; c < 3; c++) px[k + c] = faded ? 255 - 0.15 * (255 - rgb[c]) : rgb[c];
-        px[k + 3] = 255;
+        px[k] = r; px[k + 1] = gr; px[k + 2] = b; px[k + 3] = 255;
       }
     }
     g.putImageData(img, x0, y0);
