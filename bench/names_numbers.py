@@ -7,7 +7,8 @@
 Part one: ``bench/data/names_numbers.tsv`` (40 hand-written sentences, 20 per direction,
 never from a Multi30k split): each name or number that must come out verbatim counts as
 copied when the translation holds it as a whole word. Part two: greedy BLEU on the first
-``--limit`` sentences of ``--split`` (default: the first 300 of val), sacreBLEU 13a, cased.
+``--limit`` sentences of ``--split`` (default: the first 300 of val; ``--beam``, default
+greedy), sacreBLEU 13a, cased.
 Each is run with qkv.translate's placeholders on (as shipped) and off (``--off`` names which
 fields of :class:`qkv.translate.Translator` are switched off for the "without" column).
 """
@@ -70,6 +71,7 @@ def main() -> int:
     p.add_argument("--data", default=str(HERE.parents[1] / "shared/data/multi30k"))
     p.add_argument("--split", default="val")
     p.add_argument("--limit", type=int, default=300, help="first N pairs of --split (0: all)")
+    p.add_argument("--beam", type=int, default=1, help="beam of the BLEU part (1: greedy)")
     p.add_argument("--off", default=",".join(FIELDS), help="fields switched off for 'without'")
     p.add_argument("--no-bleu", action="store_true")
     p.add_argument("--no-copy", action="store_true")
@@ -101,8 +103,8 @@ def main() -> int:
             pairs = pairs[: args.limit] if args.limit else pairs
             src, ref = [s for s, _ in pairs], [t for _, t in pairs]
             t0 = time.perf_counter()
-            plain = translate(tr, src, 1, off)
-            hyps = translate(tr, src, 1, ())
+            plain = translate(tr, src, args.beam, off)
+            hyps = translate(tr, src, args.beam, ())
             b0 = sacrebleu.corpus_bleu(plain, [ref]).score
             b1 = sacrebleu.corpus_bleu(hyps, [ref]).score
             changed = sum(a != b for a, b in zip(plain, hyps))
@@ -110,7 +112,8 @@ def main() -> int:
                 for s, a, b in zip(src, plain, hyps):
                     if a != b:
                         print(f"  {s}\n    without: {a}\n    with:    {b}")
-            print(f"{name} {args.split}[:{len(pairs)}] greedy BLEU {b0:.2f} -> {b1:.2f} "
+            how = "greedy" if args.beam == 1 else f"beam {args.beam}"
+            print(f"{name} {args.split}[:{len(pairs)}] {how} BLEU {b0:.2f} -> {b1:.2f} "
                   f"({changed} outputs changed; {time.perf_counter() - t0:.0f} s)", flush=True)  # fmt: skip
     return 0
 

@@ -32,6 +32,7 @@ descriptive sentences, not long or technical text. A :class:`Translator` knows i
 
 from __future__ import annotations
 
+import functools
 import re
 import warnings
 from dataclasses import dataclass
@@ -300,6 +301,11 @@ class Translator:
     number_placeholders: bool = True  # numbers of 2+ digits, "7", "0" through placeholders
     name_placeholders: bool = True  # names too (qkv.translate_notes.find_names; en, fr)
 
+    @functools.cached_property
+    def _split_digits(self) -> str:
+        """The digits that take two tokens after a space (" 7": a bare space, then "7")."""
+        return "".join(d for d in "0123456789" if len(self.tokenizer.encode(d)) > 1)
+
     @property
     def max_source_tokens(self) -> int:
         """Source tokens one piece may have (``</s>`` excluded): half the positions, so the
@@ -386,9 +392,7 @@ class Translator:
         placeholder stands for."""
         names = (find_names(self.tokenizer, piece, self.src, join=True)
                  if self.name_placeholders else [])  # fmt: skip
-        # single digits that need two tokens after a space (" 7" is a bare space, then "7")
-        digits = "".join(d for d in "0123456789" if len(self.tokenizer.encode(d)) > 1)
-        text, back = protect(piece, names=names, digits=digits,
+        text, back = protect(piece, names=names, digits=self._split_digits,
                              numbers=self.number_placeholders,
                              placeholders=PLACEHOLDERS_INTO.get(self.tgt or "", PLACEHOLDERS))  # fmt: skip
         if self.tgt in AND:  # "John and Maria" -> "John et Maria"
@@ -410,7 +414,11 @@ class Translator:
         if not (self.number_placeholders or self.name_placeholders):
             return run(pieces)
         protected = [self.protect(p) for p in pieces]
-        out = run([p for p, _ in protected])
+        # beam search: lines with placeholders go straight to the n-best search below
+        first = [j for j, (_, back) in enumerate(protected) if beam == 1 or not back]
+        out = [""] * len(pieces)
+        for j, hyp in zip(first, run([protected[j][0] for j in first])):
+            out[j] = hyp
         again = []  # searched again: placeholders lost, or names (beam search: any placeholder)
         for j, (hyp, (_, back)) in enumerate(zip(out, protected)):
             if back:
@@ -449,30 +457,41 @@ class Translator:
         tgt = torch.full((len(ids), T), self.model.cfg.pad_id, dtype=torch.long, device=dev)
         for i, row in enumerate(ids):
             tgt[i, : len(row)] = torch.tensor(row)
-        src = torch.tensor([tok.encode(source) + [tok.eos_id]], device=dev).expand(len(ids), -1)
+        src = torch.tensor([tok.encode(source) + [tok.eos_id]], device=dev)  # (1, S)
         with _evaluating(self.model):
-            logp = self.model(src, tgt[:, :-1]).float().log_softmax(-1)  # (N, T-1, V)
+            mask = self.model.src_mask(src)  # (1, 1, 1, S)
+            memory = self.model.encode(src, mask)  # (1, S, d_model): once for every hypothesis
+            N = len(ids)
+            logits = self.model.decode(tgt[:, :-1], memory.expand(N, -1, -1),
+                                       mask.expand(N, -1, -1, -1))  # (N, T-1, V)  # fmt: skip
+        logp = logits.float().log_softmax(-1)
         picked = logp.gather(-1, tgt[:, 1:, None])[..., 0]  # (N, T-1)
         real = tgt[:, 1:] != self.model.cfg.pad_id
         sums = (picked * real).sum(1)
         return (sums / real.sum(1).float() ** lenpen).tolist()
 
     @torch.inference_mode()
-    def _n_best(self, texts: list[str], beam: int, lenpen: float) -> list[list[str]]:
-        """Each text's ``beam`` best translations (beam search), best first; one text at a
-        time (only lines with names or numbers whose placeholders got lost come here)."""
+    def _n_best(
+        self, texts: list[str], beam: int, lenpen: float, batch: int = 16
+    ) -> list[list[str]]:
+        """Each text's ``beam`` best translations (beam search), best first, in batches of
+        ``batch`` (only lines with names, or whose placeholders got lost, come here)."""
         tok, dev = self.tokenizer, next(self.model.parameters()).device
         guard = RepeatGuard.for_tokenizer(tok) if texts and self.repeat_guard else None
         out = []
         with _evaluating(self.model):
-            for text in texts:
-                src = torch.tensor([tok.encode(text) + [tok.eos_id]], device=dev)  # (1, S)
+            for at in range(0, len(texts), batch):
+                ids = [tok.encode(t) + [tok.eos_id] for t in texts[at : at + batch]]
+                src = torch.full((len(ids), max(map(len, ids))), self.model.cfg.pad_id,
+                                 dtype=torch.long, device=dev)  # (B, S)  # fmt: skip
+                for i, row in enumerate(ids):
+                    src[i, : len(row)] = torch.tensor(row)
                 res = beam_search(self.model, src, beam_size=beam, n_best=beam,
                                   length_penalty=lenpen, cache_dtype=self.cache_dtype,
                                   no_repeat_ngram=self.no_repeat_ngram,
                                   repeat_guard=guard)  # fmt: skip
-                ids = res[0][0] if isinstance(res, tuple) else res  # (beam, T)
-                out.append([tok.decode(row.tolist()) for row in ids])
+                hyps = res[0] if isinstance(res, tuple) else res[:, None]  # (B, beam, T)
+                out += [[tok.decode(row.tolist()) for row in rows] for rows in hyps]
         return out
 
     @staticmethod
