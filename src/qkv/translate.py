@@ -9,9 +9,11 @@ descriptive sentences, not long or technical text. A :class:`Translator` knows i
   handle ends instead of looping to the length limit (``2·source + 10`` tokens);
 * it never writes a pattern of 1–4 tokens, or of 1–4 letters inside a word, three times in a
   row (``repeat_guard``, :class:`qkv.generate.RepeatGuard`): no "Oestestest", "Migigigiga";
-* a number of two digits or more is translated as a one-digit placeholder, then put back
-  (``number_placeholders``): the models copy "42" or "1965" badly, a single digit well;
-  where the placeholders do not come back one for one, the plain translation is kept;
+* a number of two digits or more, a lone "7" or "0", and a name are translated as a one-digit
+  placeholder, then put back (``number_placeholders``, ``name_placeholders``): the models copy
+  "42", "camion 7" or "Olga" badly, a single digit well; where the placeholders do not come
+  back one for one, a wider search picks the hypothesis that has them all, and the plain
+  translation is kept if none has;
 * a line in capitals (``A GROUP OF MUSICIANS``) is translated in sentence case, then put back
   into capitals: the captions it learned from have almost no words in capitals;
 * it warns (:class:`UserWarning`; ``qkv translate`` prints a note, one line per input line)

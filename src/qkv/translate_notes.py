@@ -3,8 +3,8 @@
 The translators learned from Multi30k: 29,000 image captions, descriptive, in the present
 tense, with almost no names, questions or digits. Cheap checks of the source (no model run)
 say when a text is far from that, so that a caller can warn instead of showing a confident
-mistranslation ("John and Maria walk their dog" losing John, "at 7 o'clock" becoming
-"camion7"):
+mistranslation (:mod:`qkv.translate` copies names and numbers through placeholders, but the
+words around them may still suffer):
 
 * ``unseen``: several words the tokenizer splits into many pieces (it has not seen them:
   names, technical or formal words); such words come out garbled or are left out;
