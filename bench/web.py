@@ -20,7 +20,11 @@ download). Measured:
    posted to ``qkv serve``'s ``/api/attention`` once the page is closed, timed from sending to
    the parsed JSON, then the second again 3 times (the server's best: its first answers of
    a model come slower); the ratios page/server;
-3. the site's total size and its largest file.
+3. the fair peer of 2: the same front-end served by ``qkv serve`` (its own explorer page,
+   answering over HTTP), opened on the same model once the site's page is closed, asked the
+   same two sentences, click to painted as in the site's page; both pages then ask the
+   second sentence 3 more times (each page's best); the ratios site page / served page;
+4. the site's total size and its largest file.
 
 Verdicts are those of the median over the rounds, with the number of rounds that met the
 target beside them: a miss in any round shows.
@@ -246,14 +250,14 @@ class Page:
     """A page of the site in a fresh context: the responses it got (with their sizes) and every
     request outside the site's origin."""
 
-    def __init__(self, browser, url: str, query: str = "") -> None:
+    def __init__(self, browser, url: str, query: str = "", init: str = "") -> None:
         self.origin = url
         self.context = browser.new_context(viewport={"width": 1280, "height": 800})
         self.responses: list[tuple[str, int]] = []  # (path, body bytes: Content-Length)
         self.outside: list[str] = []
         self.context.on("request", self._request)
         self.context.on("response", self._response)
-        self.context.add_init_script(INIT_JS)
+        self.context.add_init_script(INIT_JS + init)
         try:
             self.page = self.context.new_page()
             self.page.set_default_timeout(STEP_S * 1000)
@@ -320,6 +324,10 @@ class Page:
             "status": [s["text"] for s in q["status"] if t0 <= s["at"] <= ready["at"]],
         }
 
+    def best_of(self, text: str, times: int) -> float:
+        """``text`` asked ``times`` more (the engine and the page warmed): the best seconds."""
+        return min(self.ask(text)["seconds"] for _ in range(times))
+
     def close(self) -> None:
         self.context.close()
 
@@ -359,13 +367,12 @@ def model_round(browser, url: str, port: int, model: str) -> dict:
     closed (an open page keeps drawing and would slow the server down), the same two
     requests to ``qkv serve`` (the first one loading the model there)."""
     translate = model in TRANSLATORS
-    page = Page(browser, url, f"?model={model}" + ("&translate=1" if translate else ""))
+    texts = SENTENCES[SOURCE.get(model, "en")]
+    page = open_on(browser, url, model, translate)
     try:
-        p = page.page
-        if p.input_value("#model") != model or p.is_checked("#translate") != translate:
-            raise BenchError(f"the page did not open on {model} (translate={translate})")
-        label = p.text_content(f"#model option[value='{model}']") or ""
-        asked = [page.ask(text) for text in SENTENCES[SOURCE.get(model, "en")]]
+        label = page.page.text_content(f"#model option[value='{model}']") or ""
+        asked = [page.ask(text) for text in texts]
+        page_warm = page.best_of(texts[1], WARM)
         outside = list(page.outside)
     finally:
         page.close()
@@ -380,8 +387,34 @@ def model_round(browser, url: str, port: int, model: str) -> dict:
     same = all(x["tokens"] == r["tokens"]
                and x["translation"] == (r["translation"]["text"] if r.get("translation") else None)
                for x, _, r in pairs)  # fmt: skip
+    served = served_round(browser, port, model, translate, texts)
+    same = same and [x["tokens"] for x in served["asked"]] == [x["tokens"] for x in asked]
     return {"label": label, "first": a, "second": b, "server_first": s1, "server_second": s2,
-            "server_warm": warm, "same": same, "outside": outside}  # fmt: skip
+            "server_warm": warm, "same": same, "outside": outside, "page_warm": page_warm,
+            "served_second": served["asked"][1], "served_warm": served["warm"]}  # fmt: skip
+
+
+def open_on(browser, url: str, model: str, translate: bool, init: str = "") -> Page:
+    page = Page(browser, url, f"?model={model}" + ("&translate=1" if translate else ""), init)
+    p = page.page
+    if p.input_value("#model") != model or p.is_checked("#translate") != translate:
+        page.close()
+        raise BenchError(f"the page at {url} did not open on {model} (translate={translate})")
+    return page
+
+
+def served_round(browser, port: int, model: str, translate: bool, texts: tuple[str, str]) -> dict:
+    """The explorer as ``qkv serve`` serves it (its page, its HTTP engine, the same front-end
+    files), asked the same sentences as the site's page: what a reader of the served explorer
+    waits for, from the click to the painted maps."""
+    # the served page's HttpEngine through window.QKV_ENGINE, so that INIT_JS records its calls
+    served = "\nwindow.QKV_ENGINE = (E) => new E.HttpEngine();"
+    page = open_on(browser, f"http://127.0.0.1:{port}", model, translate, served)
+    try:
+        asked = [page.ask(text) for text in texts]
+        return {"asked": asked, "warm": page.best_of(texts[1], WARM)}
+    finally:
+        page.close()
 
 
 # --- the report ----------------------------------------------------------------------------------
@@ -440,7 +473,9 @@ def report(args, rounds: list[dict], site: Path, built_s: float | None, header: 
         "```",
         "",
         f"{n} round(s); each opens every page in a fresh browser context (no cache) and starts a "
-        "fresh `qkv serve`, whose first request of a model includes loading it. Figures: median "
+        "fresh `qkv serve`, whose first request of a model includes loading it; the explorer on "
+        "`qkv serve` is opened on each model after the site's page is closed and the same requests "
+        "were posted (the model loaded there). Figures: median "
         "(best–worst); a verdict is the median's, with the rounds that met the target. Page times: "
         "in the page's clock, from navigation start (first view) or the click on Run to the first "
         "frame after the answer is drawn (\"of which the engine\": the in-page engine's answer alone, "
@@ -477,10 +512,17 @@ def report(args, rounds: list[dict], site: Path, built_s: float | None, header: 
         nxt = Row([x["second"]["seconds"] for x in ok], NEXT_S)
         lines.append(f"| {m}: a new sentence ({toks} tokens) after that (s) | {nxt.cell('{:.2f}')} | ≤ {NEXT_S:g} s "
                      f"| {nxt.verdict() if toks <= NEXT_TOKENS else '**not met** (over 20 tokens)'} |")
+        peer = Row([x["second"]["seconds"] / x["served_second"]["seconds"] for x in ok], NEXT_RATIO)
+        lines.append(f"| {m}: that sentence, page / the explorer on `qkv serve` (click to painted, both) "
+                     f"| {peer.cell('{:.2f}×')} | ≤ {NEXT_RATIO:g}× | {peer.verdict()} |")
+        peer = Row([x["page_warm"] / x["served_warm"] for x in ok], NEXT_RATIO)
+        lines.append(f"| {m}: the same, both pages warmed (best of {WARM} more) "
+                     f"| {peer.cell('{:.2f}×')} | ≤ {NEXT_RATIO:g}× | {peer.verdict()} |")
         ratio = Row([x["second"]["seconds"] / x["server_second"] for x in ok], NEXT_RATIO)
-        lines.append(f"| {m}: that sentence, page / `qkv serve` | {ratio.cell('{:.2f}×')} | ≤ {NEXT_RATIO:g}× | {ratio.verdict()} |")
+        lines.append(f"| {m}: that sentence, page (click to painted) / `qkv serve`'s HTTP answer alone "
+                     f"| {ratio.cell('{:.2f}×')} | ≤ {NEXT_RATIO:g}× | {ratio.verdict()} |")
         warm = Row([x["second"]["seconds"] / x["server_warm"] for x in ok], NEXT_RATIO)
-        lines.append(f"| {m}: that sentence, page / `qkv serve` warmed (best of {WARM} more) | "
+        lines.append(f"| {m}: the same, `qkv serve`'s answer warmed (best of {WARM} more) | "
                      f"{warm.cell('{:.2f}×')} | ≤ {NEXT_RATIO:g}× | {warm.verdict()} |")
     lines.append(f"| the whole site (MB) | {total / MB:.1f} | ≤ {SITE_MB:g} MB | {'met' if total <= SITE_MB * MB else '**not met**'} |")
     lines.append(f"| its largest file (MB) | {largest / MB:.1f} (`{largest_name}`) | ≤ {FILE_MB:g} MB "
@@ -490,7 +532,7 @@ def report(args, rounds: list[dict], site: Path, built_s: float | None, header: 
         "## Per model (medians)",
         "",
         "| model | menu says | downloaded with the first answer | first answer: page | `qkv serve` (its load included) "
-        "| page / server | next sentence: tokens | page | of which the engine | `qkv serve` | page / server "
+        "| page / server | next sentence: tokens | page | of which the engine | `qkv serve`'s HTTP answer | page / server "
         f"| engine / server | `qkv serve` warmed (best of {WARM} more) | same tokens and translation as the server |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -513,6 +555,29 @@ def report(args, rounds: list[dict], site: Path, built_s: float | None, header: 
             f"| {med([x['server_warm'] for x in ok]):.3f} s "
             f"| {sum(x['same'] for x in ok)}/{len(ok)} rounds |"
         )
+    lines += [
+        "",
+        "## The site's page against the explorer on `qkv serve` (medians)",
+        "",
+        "The same front-end files, the same request, from the click on Run to the first frame "
+        "after the maps are drawn: the site's page computes the answer in the page, the served "
+        "page asks `qkv serve` over HTTP (its model already loaded by the requests above).",
+        "",
+        "| model | tokens | site's page | of which its engine | explorer on `qkv serve` | page / served page "
+        f"| site's page warmed (best of {WARM} more) | served page warmed | page / served page, warmed |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for m in args.models:
+        ok = [r["models"][m] for r in rounds if "error" not in r["models"].get(m, {"error": 1})]
+        if ok:
+            lines.append(
+                f"| {m} | {len(ok[0]['second']['tokens'])} | {med([x['second']['seconds'] for x in ok]):.3f} s "
+                f"| {med([x['second']['engine_s'] for x in ok]):.3f} s "
+                f"| {med([x['served_second']['seconds'] for x in ok]):.3f} s "
+                f"| {med([x['second']['seconds'] / x['served_second']['seconds'] for x in ok]):.2f}× "
+                f"| {med([x['page_warm'] for x in ok]):.3f} s | {med([x['served_warm'] for x in ok]):.3f} s "
+                f"| {med([x['page_warm'] / x['served_warm'] for x in ok]):.2f}× |"
+            )
     lines += ["", "Sentences: " + "; ".join(f"{k}: “{a}”, “{b}”" for k, (a, b) in SENTENCES.items())
               + ". Tokens: the answer's `tokens` (a translator's source with `</s>`).", "",
               "## Every round", "", "| round | first view | " + " | ".join(args.models) + " |",
@@ -525,7 +590,8 @@ def report(args, rounds: list[dict], site: Path, built_s: float | None, header: 
             cells.append(f"error: {x['error'][:100]}" if "error" in x else
                          f"first {x['first']['seconds']:.2f} s / serve {x['server_first']:.2f} s; "
                          f"next {x['second']['seconds']:.3f} s / serve {x['server_second']:.3f} s "
-                         f"(warmed {x['server_warm']:.3f} s)")  # fmt: skip
+                         f"(warmed {x['server_warm']:.3f} s); served page {x['served_second']['seconds']:.3f} s; "
+                         f"warmed: page {x['page_warm']:.3f} s, served page {x['served_warm']:.3f} s")  # fmt: skip
         lines.append(f"| {i} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -606,7 +672,8 @@ def main(argv: list[str] | None = None) -> int:
                         print(f"round {i + 1} {m}: " + (x["error"] if "error" in x else
                               f"first {x['first']['seconds']:.2f} s (serve {x['server_first']:.2f} s), "
                               f"next {x['second']['seconds']:.3f} s (serve {x['server_second']:.3f} s, "
-                              f"warmed {x['server_warm']:.3f} s)"),
+                              f"warmed {x['server_warm']:.3f} s), served page {x['served_second']['seconds']:.3f} s; "
+                              f"warmed: page {x['page_warm']:.3f} s, served page {x['served_warm']:.3f} s"),
                               flush=True)  # fmt: skip
                 rounds.append(r)
         text = report(args, rounds, site, built_s, header, version, started_at, (load0, os.getloadavg()[0]))
