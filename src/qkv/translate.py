@@ -133,7 +133,9 @@ def warning_text(w: dict) -> str:
 # sentences with digits, BLEU 71.67 -> 71.83 (en-fr), 39.93 -> 40.68 (fr-en). Placeholders for
 # single digits too cost BLEU (en-fr 67.92: "4 personnes" where captions say "Quatre"), but not
 # for "7" and "0": the vocabulary has no " 7" token, so the model must write a bare space and
-# then "7", and it drops the space ("un camion7"); they go through placeholders too.
+# then "7", and it drops the space ("un camion7"); they go through placeholders too (the 9
+# train and val sentences with a lone 7 or 0, copied: en-fr 1 -> 5 of 6, the space put back
+# alone 2; fr-en 1 -> 2 of 3).
 NUMBER = re.compile(r"(?<![^\W\d_])\d+(?:[.,:]\d+)*")
 PLACEHOLDERS = ("5", "3", "4", "6", "9", "8", "2")  # one token each; "1" would be singular
 # By the target language, best first: how often the shipped model wrote the digit back, put
