@@ -1,9 +1,14 @@
 """The in-page engine on the other models, against the Python API in Debian's chromium (as
 test_engine_translate.py does for en-fr): the tiny random model (its encoder view and its
 translation, heads off, the probe), all-MiniLM-L6-v2 in fp32 (the
-pronoun probe of the notes' sentence) and fr-en (a greedy translation)."""
+pronoun probe of the notes' sentence) and fr-en (a greedy translation; a sentence it
+stutters on without qkv translate's RepeatGuard, greedy and beam 5, written as qkv translate
+writes it; a sentence's notes as the server's)."""
 
 from __future__ import annotations
+
+import re
+import warnings
 
 import pytest
 from engine_helpers import build, check, harness, lens_refusal, registry_entry
@@ -13,6 +18,10 @@ from serve_helpers import playwright_or_skip
 playwright_or_skip()
 
 IT = "The animal didn't cross the street because it was too tired."
+# formal French, no name and no digit (qkv translate sends those through placeholders): fr-en
+# writes "gicicicic" (greedy), "rectctctctation" (beam 5) without the RepeatGuard
+STUTTER = "Le gouvernement a annoncé des réformes constitutionnelles."
+LOOP = re.compile(r"([^\W\d_]{1,4})\1\1")  # a unit of letters written 3 times in a row
 
 
 @pytest.fixture(scope="module")
@@ -121,6 +130,34 @@ def test_fr_en_greedy_as_python(page):
         ours = check(page, entry, {"text": "Deux chiens jouent dans la neige.", "model": "fr-en",
                                    "translate": True})
     assert ours["translation"]["text"]
+
+
+@pytest.mark.parametrize("beam", [1, 5])
+def test_fr_en_writes_what_qkv_translate_writes(page, beam):
+    """The page's guards are qkv translate's: the server's answer (every field, every weight),
+    qkv translate's translation, no stutter."""
+    from qkv.generate import translate as decode
+
+    with registry_entry("fr-en") as entry:
+        tr = entry.loaded.translator  # qkv.translate.load("fr-en"): what qkv translate runs
+        unguarded = decode(tr.model, tr.tokenizer, [STUTTER], beam_size=beam,
+                           no_repeat_ngram=tr.no_repeat_ngram)[0]  # fmt: skip
+        assert LOOP.search(unguarded), unguarded
+        body = {"text": STUTTER, "model": "fr-en", "translate": True, "beam": beam}
+        text = check(page, entry, body)["translation"]["text"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the sentence's note ("many pieces"), said on stderr
+        command = tr(STUTTER, beam=beam)
+    assert text == command and text != unguarded and not LOOP.search(text)
+
+
+def test_fr_en_notes_as_the_server(page):
+    body = {"text": "Jean et Marie promènent leur chien à 7 heures ?", "model": "fr-en",
+            "translate": True}  # fmt: skip
+    with registry_entry("fr-en") as entry:
+        notes = check(page, entry, body)["translation"]["warnings"]
+        assert notes == entry.loaded.translator.check(body["text"])
+    assert [n["code"] for n in notes] == ["unseen", "numbers", "question"]
 
 
 def test_health_as_the_server(page):
