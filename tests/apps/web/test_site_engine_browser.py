@@ -210,3 +210,21 @@ def test_the_real_engine_answers_in_the_page_and_offline(real_site, browser):
         o.clean()
     finally:
         o.close()
+
+
+@pytest.mark.parametrize("width", [900, 1024, 1100])
+def test_the_menu_with_sizes_does_not_overflow_a_laptop_window(engine_site, browser, width):
+    """The sizes make the model menu's labels long ("… · 12 MB download"): between the narrow
+    layout (≤ 700 px) and a wide window, the top bar still fits the window (site.css)."""
+    _, url = engine_site
+    o = open_site(browser, url, width=width)
+    try:
+        page = o.page
+        assert "12 MB" in page.text_content("#model option")
+        sizes = page.evaluate("""() => ({ page: document.documentElement.scrollWidth,
+            bar: document.querySelector('#bar').scrollWidth,
+            right: Math.max(...[...document.querySelectorAll('#bar > *')].map((e) => e.getBoundingClientRect().right)) })""")
+        assert sizes["page"] <= width and sizes["bar"] <= width and sizes["right"] <= width, sizes
+        o.clean()
+    finally:
+        o.close()

@@ -6,7 +6,8 @@ The site, written into a temporary sibling of ``DIR`` and renamed into place at 
                           made relative, a Content-Security-Policy allowing this origin only,
                           the in-page engine's scripts and static/site.js before app.js
     static/               the explorer's files, i18n/strings.json with the site's words added,
-                          site.js (the engine the page talks to: site_static/site.js)
+                          site.js (the engine the page talks to: site_static/site.js), site.css
+                          (the site's own layout rules)
     site.json             the models in the menu's order (en-fr first, the page opens on it),
                           their download sizes, the limits, the saved answers
     saved/*.json          each model's first view of the notes' sentence, computed here
@@ -49,7 +50,7 @@ __all__ = [
 ]
 
 # the models the page can run: the shipped ones (a user's own model needs qkv serve), in the
-# site's menu order. The page opens on the first: en-fr, the notes' translator (33 MB), rather
+# site's menu order. The page opens on the first: en-fr, the notes' translator (34 MB), rather
 # than qkv serve's first, MiniLM (91 MB), so that a reader's first sentence of their own
 # downloads the least a translation needs
 SITE_MODELS = ("en-fr", "fr-en", "minilm", "random")
@@ -189,11 +190,14 @@ def _page(engine_scripts: list[str]) -> str:
     meta = (f'<meta http-equiv="Content-Security-Policy" content="{CSP}">\n'
             '<link rel="icon" href="data:,">\n')  # fmt: skip  no /favicon.ico request
     app = '<script src="static/app.js" defer></script>'
+    css = '<link rel="stylesheet" href="static/export.css">\n'
     ours = [*engine_scripts, "static/site.js"]
     scripts = "".join(f'<script src="{html.escape(s)}" defer></script>\n' for s in ours)
-    if page.count(app) != 1 or page.count('<meta charset="utf-8">\n') != 1:
+    if page.count(app) != 1 or page.count('<meta charset="utf-8">\n') != 1 or page.count(css) != 1:
         raise RuntimeError("index.html's head changed: update qkv.apps.web.build._page")
     page = page.replace('<meta charset="utf-8">\n', '<meta charset="utf-8">\n' + meta, 1)
+    # the site's own rules after the explorer's stylesheets (site_static/site.css)
+    page = page.replace(css, css + '<link rel="stylesheet" href="static/site.css">\n', 1)
     return page.replace(app, scripts + app, 1)
 
 
@@ -217,7 +221,8 @@ def _copy_static(root: Path) -> None:
         if item.name.endswith((".js", ".css")):
             (static / item.name).write_bytes(item.read_bytes())
     (static / "i18n" / "strings.json").write_bytes(_strings())
-    (static / "site.js").write_bytes((_SITE_STATIC / "site.js").read_bytes())
+    for name in ("site.js", "site.css"):
+        (static / name).write_bytes((_SITE_STATIC / name).read_bytes())
 
 
 def _export(root: Path, names: list[str], say: Callable[[str], None],
