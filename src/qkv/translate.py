@@ -156,10 +156,10 @@ def protect(
 ) -> tuple[str, dict[str, str]]:  # fmt: skip
     """``text`` with each number of two digits or more (``numbers``), each single digit of
     ``digits``, and each span of ``names`` (``(start, end)``, from
-    :func:`qkv.translate_notes.find_names`) replaced by a one-digit placeholder (the first of
-    ``placeholders`` that is not a number of ``text`` already), and ``{placeholder: what it stands for}`` (empty: nothing
-    replaced; what comes after the 7 placeholders stays as it is). The same number or name
-    twice gets the same placeholder.
+    :func:`qkv.translate_notes.find_names`) replaced by a one-digit placeholder (the next of
+    ``placeholders`` that is not a number of ``text`` already), and ``{placeholder: what it
+    stands for}`` (empty: nothing replaced; what comes after the 7 placeholders stays as it
+    is). The same number or name twice gets the same placeholder.
 
     >>> protect("John gives 3 of his 12 boxes to Maria at 7.", names=[(0, 4), (32, 37)],
     ...         digits="07")
