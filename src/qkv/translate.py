@@ -140,8 +140,9 @@ NUMBER = re.compile(r"(?<![^\W\d_])\d+(?:[.,:]\d+)*")
 PLACEHOLDERS = ("5", "3", "4", "6", "9", "8", "2")  # one token each; "1" would be singular
 # By the target language, best first: how often the shipped model wrote the digit back, put
 # in place of one name in 28 (en-fr) / 31 (fr-en) sentences (hand-written ones and Multi30k
-# val's from sentence 300 on with a name, greedy): into French 5: 19, 9: 17, 8: 10, 2, 3, 4:
-# 1-2, 6: 0 ("trois", "deux"); into English 2: 18, 5: 15, 3: 13, 4: 10, 6: 3, 8, 9: 0.
+# val's from sentence 300 on with a name, greedy; bench/placeholder_digits.py): into French
+# 5: 19, 9: 17, 8: 10, 2, 3, 4: 1-2, 6: 0 ("trois", "deux"); into English 2: 18, 5: 15, 3: 13,
+# 4: 10, 6: 3, 8, 9: 0.
 PLACEHOLDERS_INTO = {"fr": ("5", "9", "8", "2", "4", "3", "6"),
                      "en": ("2", "5", "3", "4", "6", "9", "8")}  # fmt: skip
 AND = {"en": "and", "fr": "et", "de": "und"}  # "John and Maria" is one placeholder
