@@ -15,7 +15,7 @@ words around them may still suffer):
 * ``question``: a question mark (4 of the 29,000 captions).
 
 Each note is a dict ``{"code": ..., ...}`` like :func:`qkv.translate.source_warnings`' (a page
-can say a code in its reader's language; the explorer does so for those, not yet for these);
+can say a code in its reader's language, as the explorer does: qkv.apps.serve.decoding);
 :func:`note_text` gives its English. The
 thresholds were tuned on Multi30k val (sentences 200 on) and a stress set built from train and
 hand-written lines (``tests/data/translate_stress.tsv``), never on a test split: the notes stay
