@@ -19,12 +19,24 @@ The NaN/inf rule's look at the inputs (``Decision.look``, one C++ call; qkv._non
 of every call's overhead and is also timed alone, beside the exact Python checks it spares a
 call whose inputs are finite (``values_for_kernel`` and, for torch SDPA,
 ``scores_may_be_nonfinite``: what every call ran before the look existed).
+
+``--grid``: small calls (Tq, Tk <= 128) through the public entry point against PyTorch's SDPA
+on the same inputs, at every kernel level this CPU runs, each level in its own process
+(``QKV_ISA``), side by side: in each round SDPA and qkv take turns (``--grid-rounds`` rounds
+of about 4 ms each), the ratio SDPA time / qkv time is taken per round and its median printed
+(> 1: qkv faster). Each cell names the path that ran (``lse``: torch's fused kernel with the
+NaN/inf check on its log-sum-exp, ``torch``: SDPA after the look at q and k, ``decode``,
+``flash``). 1 torch thread, CPU time of this thread.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import json
+import os
+import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -85,11 +97,106 @@ def per_call(fn, calls: int) -> float:
     return (time.thread_time() - t) / calls
 
 
+GRID_SHAPES = ((1, 4, 16, 64), (1, 8, 64, 64), (1, 8, 64, 128), (1, 8, 128, 64), (8, 4, 32, 64),
+               (4, 12, 128, 64))  # (B, h, T, d), Tq = Tk = T  # fmt: skip
+GRID_KINDS = ("full", "causal", "mask")
+
+
+def grid_cases():
+    """(name, q, k, v, qkv's keyword arguments, SDPA's keyword arguments)."""
+    g = torch.Generator().manual_seed(0)
+    for B, h, T, d in GRID_SHAPES:
+        for dtype in (torch.float32, torch.bfloat16):
+            q, k, v = (torch.randn(B, h, T, d, generator=g).to(dtype) for _ in "qkv")
+            for kind in GRID_KINDS:
+                ours, theirs = {}, {}
+                if kind == "causal":
+                    ours, theirs = {"causal": True}, {"is_causal": True}
+                elif kind == "mask":  # key padding of the last quarter, per batch row
+                    lengths = torch.full((B,), T - T // 4)
+                    m = masks.padding(lengths, T)  # (B, 1, 1, T)
+                    ours, theirs = {"mask": m}, {"attn_mask": m}
+                name = f"B={B} h={h} T={T} d={d} {str(dtype)[6:]} {kind}"
+                yield name, q, k, v, ours, theirs
+
+
+def _path(q, k, v, kw) -> str:
+    _, decision = dispatch.decide(q, k, v, **kw)
+    if decision.backend == "torch":
+        return "lse" if getattr(decision, "lse_check", False) else "torch"
+    return decision.backend
+
+
+def grid_child(rounds: int) -> None:
+    """One level (this process's QKV_ISA): one JSON line per case."""
+    from qkv.kernels._native import native_level
+
+    torch.set_num_threads(1)
+    print(json.dumps({"level": native_level(), "header": machine_header()}), flush=True)
+    for name, q, k, v, ours, theirs in grid_cases():
+        a = functools.partial(TF.scaled_dot_product_attention, q, k, v, **theirs)
+        b = functools.partial(scaled_dot_product_attention, q, k, v, **ours)
+        with torch.no_grad():
+            torch.testing.assert_close(b(), a(), atol=2e-2, rtol=2e-2)  # (and warm both)
+            t0 = time.thread_time()
+            a()
+            calls = max(2, int(0.004 / max(time.thread_time() - t0, 1e-6)))
+            ta, tb = [], []
+            for _ in range(rounds):
+                ta.append(per_call(a, calls))
+                tb.append(per_call(b, calls))
+        ratios = [x / y for x, y in zip(ta, tb)]
+        row = {"case": name, "path": _path(q, k, v, ours), "sdpa_us": statistics.median(ta) * 1e6,
+               "qkv_us": statistics.median(tb) * 1e6, "ratio": statistics.median(ratios)}  # fmt: skip
+        print(json.dumps(row), flush=True)
+
+
+def grid(levels: list[str], rounds: int) -> None:
+    """Every level in its own process; the table of SDPA / qkv per case and level."""
+    from qkv.kernels._levels import runnable_names
+
+    levels = levels or list(reversed(runnable_names()))
+    results: dict[str, dict[str, dict]] = {}
+    for level in levels:
+        env = {**os.environ, "QKV_ISA": level, "OMP_NUM_THREADS": "1"}
+        cmd = [sys.executable, __file__, "--grid-child", "--grid-rounds", str(rounds)]
+        lines = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
+        rows = [json.loads(line) for line in lines.splitlines() if line.startswith("{")]
+        if not results:
+            print(rows[0]["header"].split("\nqkv kernels")[0])
+        print(f"QKV_ISA={level}: {rows[0]['header'].split('qkv kernels: ')[1]}", flush=True)
+        results[level] = {r["case"]: r for r in rows[1:]}
+    print(f"\nSDPA time / qkv time (median of {rounds} interleaved rounds; > 1: qkv faster), "
+          "the path qkv ran, and SDPA's µs per call at the first level\n")  # fmt: skip
+    print("| case | SDPA µs | " + " | ".join(levels) + " |")
+    print("|---|---|" + "---|" * len(levels))
+    worst = {lv: (float("inf"), "") for lv in levels}
+    for name in results[levels[0]]:
+        cells = []
+        for lv in levels:
+            r = results[lv][name]
+            cells.append(f"{r['ratio']:.2f} {r['path']}")
+            worst[lv] = min(worst[lv], (r["ratio"], name))
+        print(f"| {name} | {results[levels[0]][name]['sdpa_us']:.1f} | " + " | ".join(cells) + " |")
+    for lv in levels:
+        ratios = [r["ratio"] for r in results[lv].values()]
+        print(f"{lv}: median {statistics.median(ratios):.3f}, lowest {worst[lv][0]:.2f} "
+              f"({worst[lv][1]})")  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--calls", type=int, default=2000)
     p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--grid", action="store_true", help="small calls against SDPA, every level")
+    p.add_argument("--levels", nargs="*", default=[], help="with --grid: these levels only")
+    p.add_argument("--grid-rounds", type=int, default=31)
+    p.add_argument("--grid-child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.grid_child:
+        return grid_child(args.grid_rounds)
+    if args.grid:
+        return grid(args.levels, args.grid_rounds)
     torch.set_num_threads(1)
     print(machine_header())
     print("CPU time per call; shared machine")

@@ -227,7 +227,7 @@ def _never(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None) -> bool:
     return False
 
 
-def quick_look(case, backend: str) -> Look | None:
+def quick_look(case, backend: str, *, scores: bool = True) -> Look | None:
     """How every call of one signature (``case``, :class:`qkv.dispatch.Case`, run by
     ``backend``) checks its inputs against the rule first: ``look(q, k, v, bias)`` is True
     when nothing NaN or inf sits where the backend would break the rule, so that it runs as
@@ -238,12 +238,13 @@ def quick_look(case, backend: str) -> Look | None:
     torch SDPA; the values where some row may not see some key (a mask, a bias, causal rows
     with Tq > 1, a window) and they are few (:data:`_SMALL`; more go to
     :func:`values_for_kernel`, which reads only the hidden keys). All of it in one call of the
-    kernels' ``finite`` (C++, ~1 µs for a small call).
+    kernels' ``finite`` (C++, ~1 µs for a small call). ``scores=False``: not q and k, which
+    the run checks itself (:func:`qkv.dispatch.torch_adapter.lse_run`).
     """
     s = case.shape
     if case.device == "cuda" or backend == "math" or s.empty:
         return None
-    qk = backend == "torch"
+    qk = backend == "torch" and scores
     every, _ = _key_ranges(s.Tq, s.Tk, case.causal, case.window)
     hidden = case.has_mask or case.has_bias or (every.start, every.stop) != (0, s.Tk)
     look_v = hidden

@@ -279,14 +279,20 @@ def scaled_dot_product_attention(
         v, exact = values_for_kernel(
             v, mask=mask, bias=bias, causal=causal, window=window, Tq=case.shape.Tq
         )
-        if not exact or (decision.backend == "torch" and scores_may_be_nonfinite(q, k, bias)):
+        scores = decision.backend == "torch" and not decision.lse_check  # (else run checks)
+        if not exact or (scores and scores_may_be_nonfinite(q, k, bias)):
             reasons = {decision.backend: _NONFINITE_VALUES}
             decision = dispatch.Decision("math", backend, reasons, why=_NONFINITE_VALUES)
             k, v = _widened(q, k, v)  # an int8 cache's rows as the reference reads them
     if dispatch.logger.isEnabledFor(logging.DEBUG):
         dispatch.log_decision(decision, case)
     if decision.run is not None:  # torch SDPA's arguments or flash's plan, worked out once
-        return decision.run(q, k, v, mask, bias)
+        out = decision.run(q, k, v, mask, bias)
+        if out is not None:
+            return out
+        # (lse_check) torch's log-sum-exp showed a NaN or inf from q or k
+        decision = dispatch.Decision("math", backend, {"torch": _NONFINITE_VALUES},
+                                     why=_NONFINITE_VALUES)  # fmt: skip
     if decision.backend == "torch":
         return dispatch.torch_sdpa(
             q, k, v, mask=mask, bias=bias, causal=causal, window=window, scale=scale,

@@ -21,6 +21,7 @@ from qkv.dispatch.rules import FUSED_EXTRAS as FUSED_EXTRAS
 from qkv.dispatch.rules import FUSED_GRAD_TK as FUSED_GRAD_TK
 from qkv.dispatch.rules import FUSED_WINDOW_RATIO as FUSED_WINDOW_RATIO
 from qkv.dispatch.rules import HUGE_LOGITS as HUGE_LOGITS
+from qkv.dispatch.rules import SMALL_MASKED as SMALL_MASKED
 from qkv.dispatch.rules import UNTUNED_DECODE as UNTUNED_DECODE
 from qkv.dispatch.rules import UNTUNED_LEVELS as UNTUNED_LEVELS
 from qkv.dispatch.rules import UNTUNED_WINDOW_RATIO as UNTUNED_WINDOW_RATIO

@@ -18,7 +18,7 @@ from qkv._nonfinite import quick_look
 from qkv._validate import check_bias, check_mask, check_options, check_qkv
 from qkv.dispatch.case import Case, _bias_bound, _logit_bound, describe
 from qkv.dispatch.rules import HUGE_LOGITS, Decision, choose
-from qkv.dispatch.torch_adapter import torch_run
+from qkv.dispatch.torch_adapter import lse_run, torch_run
 from qkv.kernels import decode as _decode
 from qkv.kernels import flash as _flash
 from qkv.kernels._native import native_module
@@ -107,8 +107,10 @@ def _decide(q: Tensor, k: Tensor, v: Tensor, backend: str, call: tuple) -> tuple
     if decision.backend != "math":  # math checks its mask and bias itself
         check_mask(mask, case.shape, q.device)
         check_bias(bias, case.shape, q.device)
-    run = _fast_path(q, k, v, case, decision, mask, bias)
-    entry = (case, dataclasses.replace(decision, run=run, look=quick_look(case, decision.backend)))
+    lean = lse_run(case, mask, bias) if decision.backend == "torch" else None
+    run = lean or _fast_path(q, k, v, case, decision, mask, bias)
+    look = quick_look(case, decision.backend, scores=lean is None)
+    entry = (case, dataclasses.replace(decision, run=run, look=look, lse_check=lean is not None))
     if key is not None:
         if len(_DECISIONS) >= DECISION_CACHE_SIZE:
             _DECISIONS.clear()

@@ -27,6 +27,8 @@ int8 K/V rows (``qkv.cache``), decode-able, Tq <= 16  decode   reads the rows as
 ``return_weights`` with ``weights_heads``           flash    those heads' weights from the saved lse
 ``dropout_p > 0``                                   torch    flash has no dropout (math if softcap)
 ``softcap``                                         flash    torch SDPA has no soft-capping
+decode-able, fp32, a tensor mask, no grouped heads,  torch    1.1-1.4× decode (``SMALL_MASKED``)
+``9 <= Tq``, ``Tk <= 32``
 decode-able, ``Tq <= 16``                            decode   see below
 fused, gradients needed, bf16                       flash    fwd+bwd 1.5-2.5× (T=16-4096)
 fused, gradients needed, fp32, ``Tk >= 1024``       flash    fwd+bwd 1.1-1.2× (0.5-1.0× below)
@@ -130,6 +132,13 @@ UNTUNED_DECODE = {
     "portable": (4, (torch.bfloat16,)),
     "neon": (4, (torch.bfloat16,)),
 }
+# A few fp32 queries over as few keys, with a tensor mask and no grouped heads: torch SDPA (its
+# additive mask remembered per mask, torch_adapter.additive) beats the decode kernel there.
+# Measured on the 2-core Xeon (1 thread, bench/results/dispatch_small.md): Tq = Tk = 16, B=1
+# h=4 and B=4 h=8, d=64, a padding mask: decode 0.80 / 0.80 (amx), 0.89 / 0.82 (avx512),
+# 0.93 / 0.72 (avx2) of torch's speed; bf16 was mixed (0.89-1.2) and keeps the decode kernel,
+# as do fewer queries (T <= 8: decode 1.0-1.6x) and grouped heads (1.3-1.5x at Tq=1-4).
+SMALL_MASKED = {"min_tq": 9, "max_tk": 32, "dtypes": (torch.float32,)}
 # the levels whose flash softmax is scalar code: the second table's fused rows replace the first's
 UNTUNED_LEVELS = ("portable", "neon")
 UNTUNED_WINDOW_RATIO = 4  # fused flash with a window from Tk >= 4·window (1.1× at 1024/256)
@@ -150,6 +159,9 @@ class Decision:
     # the NaN/inf rule's look at the inputs first (qkv._nonfinite.quick_look): look(q, k, v,
     # bias) False sends the call to the rule's exact checks before it runs; None: no look
     look: Callable[..., bool] | None = field(default=None, compare=False, repr=False)
+    # run checks q and k itself, on torch's log-sum-exp (torch_adapter.lse_run): it returns
+    # None where they break the rule (then the reference runs), and look reads no q or k
+    lse_check: bool = field(default=False, compare=False, repr=False)
 
     def __str__(self) -> str:
         lines = [f"backend={self.backend!r} (requested {self.requested!r})"]
@@ -185,6 +197,13 @@ def _decode_limit(case: Case) -> tuple[int, tuple[torch.dtype, ...]] | None:
     return UNTUNED_DECODE.get(build_of(level) if level else None) if case.device == "cpu" else None
 
 
+def _small_masked(case: Case) -> bool:
+    """The :data:`SMALL_MASKED` class: where torch SDPA beats the decode kernel."""
+    s, c = case.shape, SMALL_MASKED
+    return (case.has_mask and not case.kv_int8 and s.group == 1 and s.Tq >= c["min_tq"]
+            and s.Tk <= c["max_tk"] and case.dtype in c["dtypes"])  # fmt: skip
+
+
 def _rule(case: Case, fused_why: str | None, decode_why: str | None) -> tuple[str, str]:
     """The measured rule for ``"auto"``: (preferred backend, why).
 
@@ -214,6 +233,10 @@ def _rule(case: Case, fused_why: str | None, decode_why: str | None) -> tuple[st
                         "there; math differentiates its own softmax")  # fmt: skip
     if case.softcap is not None:
         return "flash", "softcap: flash supports it without materialising Tq×Tk"
+    if decode and _small_masked(case):
+        return "torch", (f"fp32, a tensor mask, Tq={s.Tq} > {SMALL_MASKED['min_tq'] - 1} "
+                         f"queries over Tk={s.Tk} <= {SMALL_MASKED['max_tk']} keys, no grouped "
+                         "heads: torch SDPA is 1.1-1.4× the decode kernel")  # fmt: skip
     if decode:
         return "decode", f"{few}, split across threads (up to 33× the torch path)"
     level = native_level()

@@ -12,6 +12,7 @@ read the cache 1.6-2.8× faster (`bench/results/decode_attention_zen3_avx2.md`, 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -19,6 +20,7 @@ import torch.nn.functional as TF
 from torch import Tensor
 
 from qkv import masks
+from qkv._nonfinite import _tracked
 from qkv.dispatch.case import Case
 
 
@@ -63,21 +65,141 @@ def _rows_mask(m: Tensor | None, G: int) -> Tensor | None:
     return m.unsqueeze(-3).expand(*m.shape[:-2], G, *m.shape[-2:]).flatten(-3, -2)
 
 
+# a bool mask's additive form, per mask: (id, dtype) -> (the mask, its version, 0/-inf floats)
+_ADDITIVE: dict[tuple[int, torch.dtype], tuple[Tensor, int, Tensor]] = {}
+ADDITIVE_HELD = 8  # masks remembered (a model's layers pass the same one or two masks a step)
+ADDITIVE_MAX = 1 << 20  # elements: a larger mask is converted per call (its call dwarfs that)
+
+
+def additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """A bool ``mask`` (True = may attend) as SDPA's float ``attn_mask`` in ``dtype``: 0 where
+    True, ``-inf`` where False, the conversion SDPA itself makes of a bool mask on every call.
+    Made once per mask and kept for the last :data:`ADDITIVE_HELD` masks, held and compared by
+    identity and version (an in-place change bumps it; an untracked mask is converted on
+    every call; so is one of over :data:`ADDITIVE_MAX` elements, not to hold its floats): a
+    call with a mask seen before skips the conversion (7-25 % of a small SDPA call,
+    ``bench/results/dispatch_small.md``)."""
+    tracked = mask.numel() <= ADDITIVE_MAX and _tracked(mask)
+    key = (id(mask), dtype)
+    hit = _ADDITIVE.get(key) if tracked else None
+    if hit is not None and hit[0] is mask and hit[1] == mask._version:
+        return hit[2]
+    out = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
+        ~mask, float("-inf")
+    )  # fmt: skip
+    if tracked:
+        if len(_ADDITIVE) >= ADDITIVE_HELD:
+            _ADDITIVE.pop(next(iter(_ADDITIVE)), None)  # the oldest
+        _ADDITIVE[key] = (mask, mask._version, out)
+    return out
+
+
+def _as_additive(mask: object, dtype: torch.dtype) -> object:
+    return additive(mask, dtype) if isinstance(mask, Tensor) and mask.dtype == torch.bool else mask
+
+
 def torch_run(case: Case, mask: object, bias: object) -> Callable[..., Tensor] | None:
     """``run(q, k, v, mask, bias)``: torch SDPA for every call of this signature, its keyword
-    arguments worked out once (``None`` where a mask must be built per call)."""
+    arguments worked out once (``None`` where a mask must be built per call). On the CPU a
+    bool mask goes in as its remembered additive form (:func:`additive`): the same numbers
+    SDPA would make of it, without making them again."""
     kw = _torch_kwargs(case)
     if kw is None:
         return None
     sdpa = TF.scaled_dot_product_attention
     s = case.shape
+    dtype = case.dtype
+    cpu_bool = (case.device == "cpu" and isinstance(mask, Tensor) and mask.dtype == torch.bool
+                and dtype in _ADDITIVE_DTYPES)  # fmt: skip
     if not kw.get("is_causal") and _rows_ok(s.Tq, s.h, s.h_kv, mask, bias):
         kw.pop("enable_gqa")
         G, out = s.group, (*s.batch, s.h, s.Tq, s.d_v)
+        if cpu_bool:
+            return lambda q, k, v, mask, bias: sdpa(
+                _as_rows(q, s.h_kv), k, v, attn_mask=_rows_mask(_as_additive(mask, dtype), G),
+                **kw,
+            ).reshape(out)  # fmt: skip
         return lambda q, k, v, mask, bias: sdpa(
             _as_rows(q, s.h_kv), k, v, attn_mask=_rows_mask(mask, G), **kw
         ).reshape(out)
+    if cpu_bool:
+        return lambda q, k, v, mask, bias: sdpa(q, k, v, attn_mask=_as_additive(mask, dtype), **kw)
+    if mask is None and not kw:  # the plainest call: no keyword for SDPA to parse
+        return lambda q, k, v, mask, bias: sdpa(q, k, v)
+    if mask is None:
+        return lambda q, k, v, mask, bias: sdpa(q, k, v, **kw)
     return lambda q, k, v, mask, bias: sdpa(q, k, v, attn_mask=mask, **kw)
+
+
+# the dtypes whose bool masks SDPA's CPU kernels take as additive floats (fp64 runs its math
+# path, where a bool mask is a masked_fill: left as it is)
+_ADDITIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+# PyTorch's fused CPU kernel, which SDPA runs for these calls, called directly for the
+# log-sum-exp it also returns (None where this torch lacks it: then the public SDPA runs)
+_FLASH_CPU = getattr(torch._C._VariableFunctions, "_scaled_dot_product_flash_attention_for_cpu",
+                     None)  # fmt: skip
+# Up to this many keys a call's scores are one key block of that kernel (torch 2.13: 512); the
+# log-sum-exp test below was checked against the reference there (tests/kernels/test_dispatch_small.py)
+LSE_MAX_TK = 512
+# From this many elements of q and k together: below it the look at q and k before the call
+# costs less than the check after it (measured on the 2-core Xeon, amx level, 1 thread,
+# fp32/bf16: SDPA plus the look 1.03-1.06x SDPA alone, plus the check 1.02x at 786K
+# elements; even at 262K, the look ahead at 131K; bench/results/dispatch_small.md)
+LSE_MIN_QK = 1 << 19
+_LSE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def lse_run(case: Case, mask: object, bias: object) -> Callable[..., Tensor | None] | None:
+    """``run(q, k, v, mask, bias)`` that needs no look at q and k before it (``None`` where
+    it does not apply): PyTorch's fused CPU kernel with its log-sum-exp, and the NaN/inf rule
+    (:mod:`qkv._nonfinite`) checked on that ``(B, h, Tq)`` row summary instead of on q and k.
+
+    Why it is enough (torch 2.13, one key block; the tests check it against the reference):
+    a NaN or inf in q or k makes a row's lse NaN or inf, or, where every logit of the row is
+    NaN (a NaN in its query), exactly 0 with a zero output, which the rule says is NaN; a
+    ``-inf`` logit alone weighs 0 on both sides. So a row summary free of NaN, inf and 0
+    means torch's answer is the rule's; otherwise q and k are looked at (lse 0 also comes from
+    rows with no visible key), and ``run`` returns ``None`` when they hold a NaN or inf: the
+    caller then runs the reference. The values a row may not see are still looked at before
+    the call (:func:`qkv._nonfinite.quick_look` without q and k). Inference on the CPU, fp32
+    or bf16, no bias, no dropout, no grouped heads, ``d_k == d_v``, the mask (if any) a bool
+    tensor, and the causal/window options such that torch's own ``is_causal`` says them.
+    """
+    from qkv.kernels._native import native_module  # (loads the kernels: not at import)
+
+    s = case.shape
+    module = native_module()
+    is_causal = _passes_through(s.Tq, s.Tk, case.causal, case.window, case.has_mask,
+                                case.has_bias)  # fmt: skip
+    if (
+        _FLASH_CPU is None or module is None or case.device != "cpu" or case.grad
+        or case.dtype not in _LSE_DTYPES or case.kv_int8 or bias is not None
+        or case.dropout_p or s.h != s.h_kv or s.empty or s.Tk > LSE_MAX_TK or is_causal is None
+        or len(s.batch) != 1 or s.d_k != s.d_v  # (the kernel takes (B, h, T, d), one d)
+        or math.prod(s.batch) * s.h * (s.Tq + s.Tk) * s.d_k < LSE_MIN_QK
+        or not (mask is None or (isinstance(mask, Tensor) and mask.dtype == torch.bool))
+    ):  # fmt: skip
+        return None
+    finite, op, scale, dtype = module.finite, _FLASH_CPU, case.scale, case.dtype
+    sdpa = TF.scaled_dot_product_attention
+
+    def run(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: None) -> Tensor | None:
+        attn = None if mask is None else additive(mask, dtype)  # (it takes q's dtype only)
+        if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+            # the kernel reads rows as contiguous (SDPA sends such calls to its math path):
+            # the public SDPA, after the look at q and k the other calls skip
+            if not finite(q, k, None, None):
+                return None
+            return sdpa(q, k, v, attn_mask=attn, is_causal=is_causal, scale=scale)
+        out, lse = op(q, k, v, is_causal=is_causal, attn_mask=attn, scale=scale)
+        lse = lse.transpose(-2, -1)  # (B, Tq, h): contiguous, the look's fast case
+        if finite(lse, lse.reciprocal(), None, None) or finite(q, k, None, None):
+            return out
+        return None  # a NaN or inf in q or k: only the reference keeps to the rule
+
+    return run
 
 
 def _torch_kwargs(case: Case) -> dict | None:
