@@ -27,11 +27,18 @@ of about 4 ms each), the ratio SDPA time / qkv time is taken per round and its m
 (> 1: qkv faster). Each cell names the path that ran (``lse``: torch's fused kernel with the
 NaN/inf check on its log-sum-exp, ``torch``: SDPA after the look at q and k, ``decode``,
 ``flash``). 1 torch thread, CPU time of this thread.
+
+``--look-parts``: SDPA / qkv with and without the NaN/inf look, and with the rule checked on
+the fused kernel's log-sum-exp after the call instead (the measurements of
+``qkv.dispatch.torch_adapter.LSE_MIN_QK``), beside SDPA / SDPA.
+``--decode-vs-torch``: for Tq = Tk <= 16, the decode kernel against the torch backend (the
+measurements of ``qkv.dispatch.rules.SMALL_MASKED``; run it under each ``QKV_ISA``).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -184,6 +191,87 @@ def grid(levels: list[str], rounds: int) -> None:
               f"({worst[lv][1]})")  # fmt: skip
 
 
+def paired(a, b, rounds: int) -> float:
+    """Median over interleaved rounds (~3 ms each) of a's time / b's time."""
+    t0 = time.thread_time()
+    a()
+    calls = max(2, int(0.003 / max(time.thread_time() - t0, 1e-6)))
+    return statistics.median(per_call(a, calls) / per_call(b, calls) for _ in range(rounds))
+
+
+def look_parts(rounds: int) -> None:
+    """Where a call's time over SDPA goes, SDPA / qkv: with the NaN/inf look at q and k ahead
+    of SDPA (``torch_adapter.LSE_MIN_QK`` out of reach), the same with the decision's look
+    removed, with the rule checked on the fused kernel's log-sum-exp after the call instead
+    (``LSE_MIN_QK`` 0); the path "auto" takes; SDPA against itself (the noise)."""
+    from qkv.dispatch import torch_adapter
+
+    torch.set_num_threads(1)
+    print(machine_header())
+    print("\n| case | q+k elements | auto takes | look ahead | without the look | check after "
+          "(lse) | SDPA / SDPA |\n|---|---|---|---|---|---|---|")  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    threshold = torch_adapter.LSE_MIN_QK
+
+    def ratio(a, b, lse_from: int, bare: bool = False) -> float:
+        dispatch._DECISIONS.clear()
+        torch_adapter.LSE_MIN_QK = lse_from
+        if bare:  # the decision without its look
+            _, decision = dispatch.decide(q, k, v, **ours)
+            key = next(key for key, (_, d) in dispatch._DECISIONS.items() if d is decision)
+            case, decision = dispatch._DECISIONS[key]
+            dispatch._DECISIONS[key] = (case, dataclasses.replace(decision, look=None))
+        try:
+            return paired(a, b, rounds)
+        finally:
+            torch_adapter.LSE_MIN_QK = threshold
+            dispatch._DECISIONS.clear()
+
+    for B, h, T, d in ((1, 8, 64, 64), (1, 8, 128, 128), (4, 12, 128, 64)):
+        for dtype in (torch.float32, torch.bfloat16):
+            for kind, ours, theirs in (("full", {}, {}),
+                                       ("causal", {"causal": True}, {"is_causal": True})):  # fmt: skip
+                q, k, v = (torch.randn(B, h, T, d, generator=g).to(dtype) for _ in "qkv")
+                a = functools.partial(TF.scaled_dot_product_attention, q, k, v, **theirs)
+                b = functools.partial(scaled_dot_product_attention, q, k, v, **ours)
+                with torch.no_grad():
+                    path = _path(q, k, v, ours)
+                    ahead = ratio(a, b, 1 << 62)
+                    bare = ratio(a, b, 1 << 62, bare=True)
+                    after = ratio(a, b, 0)
+                    noise = paired(a, a, rounds)
+                name = f"B={B} h={h} T={T} d={d} {str(dtype)[6:]} {kind}"
+                print(f"| {name} | {B * h * 2 * T * d} | {path} | {ahead:.3f} | {bare:.3f} | "
+                      f"{after:.3f} | {noise:.3f} |", flush=True)  # fmt: skip
+
+
+def decode_vs_torch(rounds: int) -> None:
+    """Tq = Tk <= 16 without grouped heads, where "auto" takes the decode kernel: its time
+    against the torch backend's (both through qkv), per option; the SMALL_MASKED rule."""
+    from qkv.kernels._native import native_level
+
+    torch.set_num_threads(1)
+    print(f"level {native_level()}: torch backend time / decode backend time (> 1: decode faster)")
+    print("| case | full | causal | mask |\n|---|---|---|---|")
+    g = torch.Generator().manual_seed(0)
+    for B, h in ((1, 4), (4, 8)):
+        for dtype in (torch.float32, torch.bfloat16):
+            for T in (4, 8, 16):
+                q, k, v = (torch.randn(B, h, T, 64, generator=g).to(dtype) for _ in "qkv")
+                cells = []
+                for kind in GRID_KINDS:
+                    kw = {"causal": kind == "causal"}
+                    if kind == "mask":
+                        kw = {"mask": masks.padding(torch.full((B,), T - T // 4), T)}
+                    run = functools.partial(scaled_dot_product_attention, q, k, v, **kw)
+                    with torch.no_grad():
+                        ratio = paired(functools.partial(run, backend="torch"),
+                                       functools.partial(run, backend="decode"), rounds)  # fmt: skip
+                    cells.append(f"{ratio:.2f}")
+                print(f"| B={B} h={h} T={T} {str(dtype)[6:]} | " + " | ".join(cells) + " |",
+                      flush=True)  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--calls", type=int, default=2000)
@@ -192,7 +280,14 @@ def main() -> None:
     p.add_argument("--levels", nargs="*", default=[], help="with --grid: these levels only")
     p.add_argument("--grid-rounds", type=int, default=31)
     p.add_argument("--grid-child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--look-parts", action="store_true", help="the look's share of a call")
+    p.add_argument("--decode-vs-torch", action="store_true",
+                   help="Tq = Tk <= 16: the decode kernel against torch (this QKV_ISA)")  # fmt: skip
     args = p.parse_args()
+    if args.look_parts:
+        return look_parts(args.grid_rounds)
+    if args.decode_vs_torch:
+        return decode_vs_torch(args.grid_rounds)
     if args.grid_child:
         return grid_child(args.grid_rounds)
     if args.grid:

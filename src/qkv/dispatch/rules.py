@@ -134,10 +134,11 @@ UNTUNED_DECODE = {
 }
 # A few fp32 queries over as few keys, with a tensor mask and no grouped heads: torch SDPA (its
 # additive mask remembered per mask, torch_adapter.additive) beats the decode kernel there.
-# Measured on the 2-core Xeon (1 thread, bench/results/dispatch_small.md): Tq = Tk = 16, B=1
-# h=4 and B=4 h=8, d=64, a padding mask: decode 0.80 / 0.80 (amx), 0.89 / 0.82 (avx512),
-# 0.93 / 0.72 (avx2) of torch's speed; bf16 was mixed (0.89-1.2) and keeps the decode kernel,
-# as do fewer queries (T <= 8: decode 1.0-1.6x) and grouped heads (1.3-1.5x at Tq=1-4).
+# Measured on the 2-core Xeon (1 thread, `bench/dispatch.py --decode-vs-torch` under each
+# QKV_ISA, two runs; bench/results/dispatch_small.md): Tq = Tk = 16, B=1 h=4 and B=4 h=8,
+# d=64, a padding mask: the decode kernel at 0.72-0.93x torch's speed on amx, avx512 and avx2;
+# bf16 was mixed (0.85-1.2x) and keeps the decode kernel, as do fewer queries (T <= 8: decode
+# 1.0-1.6x) and grouped heads (1.3-1.5x at Tq = 1-4).
 SMALL_MASKED = {"min_tq": 9, "max_tk": 32, "dtypes": (torch.float32,)}
 # the levels whose flash softmax is scalar code: the second table's fused rows replace the first's
 UNTUNED_LEVELS = ("portable", "neon")
