@@ -236,8 +236,9 @@ def quick_look(case, backend: str, *, scores: bool = True) -> Look | None:
 
     What a look reads, worked out once per signature: q and k and a bias's NaN/+inf for
     torch SDPA; the values where some row may not see some key (a mask, a bias, causal rows
-    with Tq > 1, a window) and they are few (:data:`_SMALL`; more go to
-    :func:`values_for_kernel`, which reads only the hidden keys). All of it in one call of the
+    with Tq > 1, a window) and they are few (:data:`_SMALL`) or causal rows or a window hide
+    at least half the keys (then :func:`values_for_kernel` would read them all too; other
+    calls with more go to it, which reads only the hidden keys). All of it in one call of the
     kernels' ``finite`` (C++, ~1 µs for a small call). ``scores=False``: not q and k, which
     the run checks itself (:func:`qkv.dispatch.torch_adapter.lse_run`).
     """
@@ -253,7 +254,11 @@ def quick_look(case, backend: str, *, scores: bool = True) -> Look | None:
         return None
     module = native_module()
     per_row = 1 if case.kv_int8 else s.d_v  # an int8 cache: its scales
-    if module is None or (look_v and math.prod(s.batch) * s.h_kv * s.Tk * per_row > _SMALL):
+    # causal rows or a window hiding at least half the keys: values_for_kernel reads every
+    # value then too, whatever their number (one pass: the look can be that pass)
+    most = not (case.has_mask or case.has_bias) and 2 * (s.Tk - len(every)) >= s.Tk
+    many = math.prod(s.batch) * s.h_kv * s.Tk * per_row > _SMALL
+    if module is None or (look_v and many and not most):
         return _never
     finite = module.finite
     rows = _as_float_rows if case.kv_int8 else None
