@@ -31,6 +31,8 @@ NaN/inf check on its log-sum-exp, ``torch``: SDPA after the look at q and k, ``d
 ``--look-parts``: SDPA / qkv with and without the NaN/inf look, and with the rule checked on
 the fused kernel's log-sum-exp after the call instead (the measurements of
 ``qkv.dispatch.torch_adapter.LSE_MIN_QK``), beside SDPA / SDPA.
+``--in-context``: pieces of the dispatcher between a linear layer and SDPA, as in a model
+(what each costs there against alone).
 ``--decode-vs-torch``: for Tq = Tk <= 16, the decode kernel against the torch backend (the
 measurements of ``qkv.dispatch.rules.SMALL_MASKED``; run it under each ``QKV_ISA``).
 """
@@ -245,6 +247,57 @@ def look_parts(rounds: int) -> None:
                       f"{after:.3f} | {noise:.3f} |", flush=True)  # fmt: skip
 
 
+def in_context(rounds: int) -> None:
+    """The per-call costs between two kernels, as in a model: each call follows a linear
+    layer (64x512 @ 512x512); µs over (linear, SDPA) per call, median of interleaved rounds.
+    Small pieces of the dispatcher cost several times their isolated time there."""
+    from qkv.dispatch import cache
+    from qkv.kernels._native import native_module
+
+    torch.set_num_threads(1)
+    module = native_module()
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 8, 64, 64, generator=g) for _ in "qkv")
+    x, w = torch.randn(64, 512, generator=g), torch.randn(512, 512, generator=g)
+    sdpa, linear = TF.scaled_dot_product_attention, TF.linear
+    call = (None, None, False, None, None, None, 0.0, False, None)
+    _, decision = cache._decide(q, k, v, "auto", call)
+
+    def busy(n: int) -> None:
+        for _ in range(n):
+            pass
+
+    t0 = time.thread_time()
+    busy(100_000)
+    per = (time.thread_time() - t0) / 100_000
+    tensors = (q, k, v)
+    pieces = {
+        "SDPA again (noise)": lambda: None,
+        "a Python loop": functools.partial(busy, int(1e-6 / per)),
+        "tensor metadata in Python (shape, dtype, device, requires_grad)": lambda: [
+            (t.shape, t.dtype, t.device, t.requires_grad) for t in tensors],
+        "the kernels' signature (C++)": lambda: module.signature(q, k, v, None, None),
+        "the decision's lookup (_decide)": lambda: cache._decide(q, k, v, "auto", call),
+        "the NaN/inf look (finite(q, k), C++)": lambda: decision.look(q, k, v, None),
+    }  # fmt: skip
+    print(machine_header())
+    print("\n| between the linear and SDPA | alone µs | µs more per call |\n|---|---|---|")
+    with torch.no_grad():
+        base = lambda: (linear(x, w), sdpa(q, k, v))  # noqa: E731
+        for name, piece in pieces.items():
+            alone = statistics.median(per_call(piece, 2000) for _ in range(5)) * 1e6
+            more = statistics.median(
+                (per_call(lambda piece=piece: (linear(x, w), piece(), sdpa(q, k, v)), 10)
+                 - per_call(base, 10)) for _ in range(rounds)
+            ) * 1e6  # fmt: skip
+            print(f"| {name} | {alone:.2f} | {more:.1f} |", flush=True)
+        whole = statistics.median(
+            (per_call(lambda: (linear(x, w), scaled_dot_product_attention(q, k, v)), 10)
+             - per_call(base, 10)) for _ in range(rounds)
+        ) * 1e6  # fmt: skip
+        print(f"| the whole of qkv's call (scaled_dot_product_attention) | - | {whole:.1f} |")
+
+
 def decode_vs_torch(rounds: int) -> None:
     """Tq = Tk <= 16 without grouped heads, where "auto" takes the decode kernel: its time
     against the torch backend's (both through qkv), per option; the SMALL_MASKED rule."""
@@ -281,11 +334,14 @@ def main() -> None:
     p.add_argument("--grid-rounds", type=int, default=31)
     p.add_argument("--grid-child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--look-parts", action="store_true", help="the look's share of a call")
+    p.add_argument("--in-context", action="store_true", help="costs between two kernels")
     p.add_argument("--decode-vs-torch", action="store_true",
                    help="Tq = Tk <= 16: the decode kernel against torch (this QKV_ISA)")  # fmt: skip
     args = p.parse_args()
     if args.look_parts:
         return look_parts(args.grid_rounds)
+    if args.in_context:
+        return in_context(args.grid_rounds)
     if args.decode_vs_torch:
         return decode_vs_torch(args.grid_rounds)
     if args.grid_child:

@@ -77,7 +77,9 @@ def _decide(q: Tensor, k: Tensor, v: Tensor, backend: str, call: tuple) -> tuple
     mask, bias, causal, window, scale, softcap, dropout_p, return_weights, heads = call
     if not (isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)):
         check_qkv(q, k, v)  # raises the clear error
-    grad = (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled()
+    # grad mode first: under no_grad the three getters are skipped (each costs µs after a
+    # kernel, its code cold: bench/dispatch.py --in-context)
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     huge = False
     if grad:
         try:  # values: checked on every call (a shape error is raised by the checks below)
