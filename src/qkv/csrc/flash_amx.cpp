@@ -28,6 +28,7 @@
 #include <ATen/native/CPUBlas.h>
 
 #include "amx_tiles.h"
+#include "flash_masks.h"   // BlockView
 #include "flash_memory.h"  // parallel_strided, Scratch
 
 #include <vector>
@@ -206,12 +207,15 @@ struct RowState {
   float m, alpha;
 };
 
-// the row code of flash_cpu.cpp's forward (kept out of line: rare rows)
+// the row code of flash_cpu.cpp's forward (kept out of line: rare rows); mr: the block's mask
+// bytes (1: may attend) or nullptr
 __attribute__((noinline)) void row_code(const float* s, BFloat16* p, int64_t c0, int64_t c1,
-                                        float c2, RowState& rs, float* lsum) {
+                                        float c2, RowState& rs, float* lsum,
+                                        const uint8_t* mr = nullptr) {
   const float m = rs.m;
-  float bmax = c1 <= c0 || m != kNegInf ? kNegInf : row_max(s + c0, c1 - c0);
-  if (bmax == kNegInf && c1 > c0 && m == kNegInf && any_nan(s, nullptr, c0, c1))
+  float bmax = c1 <= c0 || m != kNegInf ? kNegInf
+                                        : row_max_masked(s + c0, mr ? mr + c0 : nullptr, c1 - c0);
+  if (bmax == kNegInf && c1 > c0 && m == kNegInf && any_nan(s, mr, c0, c1))
     bmax = std::numeric_limits<float>::quiet_NaN();
   if (c1 <= c0 || (m == kNegInf && bmax == kNegInf)) {
     std::memset(static_cast<void*>(p), 0, kBK * sizeof(BFloat16));
@@ -220,16 +224,16 @@ __attribute__((noinline)) void row_code(const float* s, BFloat16* p, int64_t c0,
   float m_new, a, sum;
   if (m != kNegInf) {
     float mx;
-    sum = exp_row<BFloat16>(s, p, c0, c1, kBK, c2, m, &mx);
+    sum = exp_row<BFloat16>(s, p, c0, c1, kBK, c2, m, &mx, mr);
     if (!(mx - m > kLazyLog2 / c2)) {
       m_new = m, a = 1.f;
     } else {
       m_new = mx, a = exp2_neg((m - m_new) * c2);
-      sum = exp_row<BFloat16>(s, p, c0, c1, kBK, c2, m_new);
+      sum = exp_row<BFloat16>(s, p, c0, c1, kBK, c2, m_new, nullptr, mr);
     }
   } else {
     m_new = bmax, a = 0.f;
-    sum = exp_row<BFloat16>(s, p, c0, c1, kBK, c2, m_new);
+    sum = exp_row<BFloat16>(s, p, c0, c1, kBK, c2, m_new, nullptr, mr);
   }
   __m512 l = _mm512_mul_ps(_mm512_loadu_ps(lsum), _mm512_set1_ps(a));
   l = _mm512_mask_add_ps(l, 1, l, _mm512_set1_ps(sum));
@@ -298,17 +302,79 @@ inline void softmax_row(const float* s, BFloat16* p, int64_t c0, int64_t c1, flo
   row_code(s, p, c0, c1, c2, rs, lsum);
 }
 
+// A row of a masked step (a key block holding an empty or partial block of a block mask):
+// narrows the row's keys [c0, c1) to what it sees and returns nullptr where that is one
+// contiguous range (empty blocks at either end, full blocks, partial rows that are spans: a
+// document's or a window's rows), else fills mrow with the row's mask bytes over the
+// chunks and returns it. cs: the step's chunks' states (as BlockView::state), kc0 its first.
+inline const uint8_t* block_row(const BlockView& bv, const int32_t* cs, int64_t kc0,
+                                int64_t kc1, int64_t ks, int64_t qr, int64_t block_q,
+                                int64_t block_k, int64_t& c0, int64_t& c1, uint8_t* mrow) {
+  // the visible part of each chunk in turn, while they join up into one range
+  int64_t lo = -1, hi = -1;
+  bool bytes = false;
+  for (int64_t c = std::max(kc0, c0 / 32); c < kc1 && 32 * c < c1 && !bytes; ++c) {
+    const int32_t t = cs[c - kc0];
+    int64_t a = std::max<int64_t>(32 * c, c0), b = std::min<int64_t>(32 * c + 32, c1);
+    if (t == -1) {
+      a = b;  // nothing seen
+    } else if (t >= 0) {
+      // the tile's columns of [a, b), narrowed to the row's span (or its bytes: none)
+      const int64_t shift = (ks + 32 * c) % block_k - 32 * c;
+      int64_t ta = a + shift, tb = b + shift;
+      if (bv.row(t, qr % block_q, ta, tb)) {
+        bytes = true;
+        break;
+      }
+      a = std::max(a, ta - shift), b = std::min(b, tb - shift);
+    }
+    if (a >= b) continue;
+    if (lo < 0) {
+      lo = a, hi = b;
+    } else if (a == hi) {
+      hi = b;
+    } else {
+      bytes = true;  // a hole: two ranges
+    }
+  }
+  if (!bytes) {
+    if (lo < 0) lo = hi = c0;  // nothing seen
+    c0 = lo, c1 = hi;
+    return nullptr;
+  }
+  for (int64_t c = kc0; c < kc1; ++c) {
+    const int32_t t = cs[c - kc0];
+    const int64_t col = (ks + 32 * c) % block_k;
+    uint8_t* dst = mrow + 32 * c;
+    if (t < 0) {
+      std::memset(dst, t == -2 ? 1 : 0, 32);
+      continue;
+    }
+    int64_t a = col, b = col + 32;
+    if (const uint8_t* tb = bv.row(t, qr % block_q, a, b)) {
+      std::memcpy(dst, tb + col, 32);
+    } else {
+      for (int64_t x = 0; x < 32; ++x) dst[x] = col + x >= a && col + x < b;
+    }
+  }
+  return mrow;
+}
+
 }  // namespace
 
 namespace qkv_flash_amx {
 
 void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
-             at::Tensor& lse, double scale_d, bool causal, int64_t window, int64_t shift) {
+             at::Tensor& lse, double scale_d, bool causal, int64_t window, int64_t shift,
+             const std::optional<at::Tensor>& blocks, const std::optional<at::Tensor>& tiles,
+             const std::optional<at::Tensor>& spans, int64_t block_q, int64_t block_k) {
   TORCH_CHECK(amx_permitted(), "qkv flash: the OS refused the AMX tile state");
   const int64_t N = q.size(0), G = q.size(1), Tq = q.size(2), d = q.size(3);
   const int64_t Tk = k.size(1), dv = v.size(2);
   const Structure st{Tq, Tk, causal, window, shift};
   const float scale = static_cast<float>(scale_d), c2 = scale * kLog2e;
+  const BlockView bv = BlockView::of(blocks, tiles, spans, (Tq + block_q - 1) / block_q,
+                                     (Tk + block_k - 1) / block_k);
   const Packed P = pack(k, v);
   const BFloat16* qd = q.const_data_ptr<BFloat16>();
   BFloat16* od = out.data_ptr<BFloat16>();
@@ -330,10 +396,13 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::
     BFloat16* Qpad = sc.take<BFloat16>(qb / 2);
     std::vector<RowState> rs_v(SB);
     // (sub-block, key block, its chunks of 32 keys [c0, c1) that some row of it sees: S and
-    // P V skip the others, a causal diagonal's upper part)
+    // P V skip the others, a causal diagonal's upper part, a block mask's empty blocks at
+    // either end; masked: a chunk in it lies in a partial or empty block of the block mask)
     struct Step {
       int64_t i, j, c0, c1;
+      bool masked;
     };
+    alignas(64) uint8_t mrow[kBK];  // a row's mask bytes in a masked step
     std::vector<Step> steps;
     TileConfig cfg;
     for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
@@ -360,8 +429,18 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::
           const int64_t a = qs0 + i * kBQ, lo = st.lo(a), hi = st.hi(a + rows_of(i) - 1);
           if (hi > lo && lo < (j + 1) * kBK && hi > j * kBK) {
             const int64_t ks = j * kBK;
-            steps.push_back({i, j, std::clamp<int64_t>(lo - ks, 0, kBK) / 32,
-                             (std::clamp<int64_t>(hi - ks, 0, kBK) + 31) / 32});
+            int64_t c0 = std::clamp<int64_t>(lo - ks, 0, kBK) / 32;
+            int64_t c1 = (std::clamp<int64_t>(hi - ks, 0, kBK) + 31) / 32;
+            bool masked = false;
+            if (bv.idx) {
+              auto state = [&](int64_t c) {
+                return bv.state(n, g, a / block_q, (ks + 32 * c) / block_k);
+              };
+              while (c0 < c1 && state(c0) == -1) ++c0;
+              while (c1 > c0 && state(c1 - 1) == -1) --c1;
+              for (int64_t c = c0; c < c1 && !masked; ++c) masked = state(c) != -2;
+            }
+            if (c1 > c0) steps.push_back({i, j, c0, c1, masked});
           }
         }
       const int64_t ns = static_cast<int64_t>(steps.size());
@@ -393,16 +472,32 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::
         const int64_t ks = j * kBK, a = qs0 + i * kBQ, rows = rows_of(i);
         RowState* rs = rs_v.data() + i * kBQ;
         float* lsum = L0 + i * kBQ * 16;
+        const Step& sc = steps[t];
+        int32_t cs[kBK / 32];  // the block mask's state of each chunk of the step
+        if (sc.masked)
+          for (int64_t c = sc.c0; c < sc.c1; ++c)
+            cs[c - sc.c0] = bv.state(n, g, a / block_q, (ks + 32 * c) / block_k);
         for (int64_t r = 0; r < kBQ; ++r) {
           // issue points: rows 0, kBQ / pts, ...; at each, the phases up to its share
           if (r % (kBQ / kIssues) == 0)
             while (issued < U && issued * kIssues < (r / (kBQ / kIssues) + 1) * U) issue(issued++);
+          // the row's keys, within the step's chunks (S holds nothing outside them)
           int64_t c0 = 0, c1 = 0;
           if (r < rows) {
-            c0 = std::clamp<int64_t>(st.lo(a + r) - ks, 0, kBK);
-            c1 = std::clamp<int64_t>(st.hi(a + r) - ks, 0, kBK);
+            c0 = std::clamp<int64_t>(st.lo(a + r) - ks, 32 * sc.c0, 32 * sc.c1);
+            c1 = std::clamp<int64_t>(st.hi(a + r) - ks, 32 * sc.c0, 32 * sc.c1);
           }
-          softmax_row(Sb[cur] + r * kBK, Pb[cur] + r * kBK, c0, c1, c2, rs[r], lsum + 16 * r);
+          float* s = Sb[cur] + r * kBK;
+          BFloat16* p = Pb[cur] + r * kBK;
+          const uint8_t* mr = nullptr;
+          if (sc.masked && c1 > c0)
+            mr = block_row(bv, cs, sc.c0, sc.c1, ks, a + r, block_q, block_k, c0, c1, mrow);
+          if (!mr) {
+            softmax_row(s, p, c0, c1, c2, rs[r], lsum + 16 * r);
+          } else {
+            rs[r].alpha = 1.f;
+            row_code(s, p, c0, c1, c2, rs[r], lsum + 16 * r, mr);
+          }
         }
         while (issued < U) issue(issued++);
         // every earlier block's P V is in O (this sub-block's last one, at the latest during

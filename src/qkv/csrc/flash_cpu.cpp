@@ -299,16 +299,18 @@ static void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, Tens
 }
 
 // Whether a bf16 forward runs on qkv's own AMX tile kernel (flash_amx.cpp): the AMX path,
-// no mask, variant or block mask, head dims it takes (QKV_BF16_MATMUL=onednn: oneDNN's
-// brgemm on AMX tiles, as masks and variants take)
+// no mask or variant, a block mask only on whole 32-row, 32-key chunks, head dims it takes
+// (QKV_BF16_MATMUL=onednn: oneDNN's brgemm on AMX tiles, as masks and variants take)
 static bool amx_tiles(Bf16Path path, const MaskView& mk, const Variant& var,
-                      const BlockView& bv, int64_t d, int64_t dv) {
+                      const BlockView& bv, int64_t d, int64_t dv, int64_t block_q,
+                      int64_t block_k) {
 #ifdef QKV_FLASH_AMX
   const char* env = std::getenv("QKV_BF16_MATMUL");
-  return path == Bf16Path::kAmx && !mk.base && !var.on && !bv.idx &&
+  return path == Bf16Path::kAmx && !mk.base && !var.on &&
+         (!bv.idx || qkv_flash_amx::applies_blocks(block_q, block_k)) &&
          qkv_flash_amx::applies(d, dv) && !(env && std::string(env) == "onednn");
 #else
-  (void)path, (void)mk, (void)var, (void)bv, (void)d, (void)dv;
+  (void)path, (void)mk, (void)var, (void)bv, (void)d, (void)dv, (void)block_q, (void)block_k;
   return false;
 #endif
 }
@@ -356,9 +358,10 @@ std::tuple<Tensor, Tensor> flash_fwd(const Tensor& q, const Tensor& k, const Ten
       forward_impl<float>(q.to(at::kFloat), k.to(at::kFloat), v.to(at::kFloat), out32, lse,
                           scale, st, block_q, block_k, false, mk, var, bv);
       out.copy_(out32);
-    } else if (amx_tiles(path, mk, var, bv, q.size(3), v.size(2))) {
+    } else if (amx_tiles(path, mk, var, bv, q.size(3), v.size(2), block_q, block_k)) {
 #ifdef QKV_FLASH_AMX
-      qkv_flash_amx::forward(q, k, v, out, lse, scale, causal, window, st.shift);
+      qkv_flash_amx::forward(q, k, v, out, lse, scale, causal, window, st.shift, blocks, tiles,
+                             spans, block_q, block_k);
 #endif
     } else {
       forward_impl<BFloat16>(q, k, v, out, lse, scale, st, block_q, block_k,
