@@ -1,7 +1,7 @@
 """qkv's own AMX tile forward (csrc/flash_amx.cpp) against fp64 math and against oneDNN's
 brgemm path on the same tiles: shapes that end mid-tile, mid-block and mid-item, GQA, causal,
-windows, ring attention's offset, rows whose max climbs past the lazy rescaling's margin, and
-the NaN/inf rule. Runs on the amx level only (the tiles exist nowhere else)."""
+windows, ring attention's offset, block masks (whole 32-row, 32-key chunks), rows whose max
+climbs past the lazy rescaling's margin, and the NaN/inf rule. Runs on the amx level only (the tiles exist nowhere else)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 
+from qkv import block_mask as masks
 from qkv.kernels._native import native_level, native_ops
 from qkv.kernels.flash import flash_attention
 
@@ -164,3 +165,54 @@ def test_every_path_names_itself():
         assert native_ops().bf16_path().startswith("amx (qkv tile kernel")
     with bf16_path("onednn"):
         assert native_ops().bf16_path() == "amx (oneDNN brgemm, AMX tiles)"
+
+
+def masked_reference(q, k, v, dense):
+    """fp64 softmax over the keys dense (True: may attend) allows; rows with none give 0."""
+    q, k, v = q.double(), k.double(), v.double()
+    G = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
+    s = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).masked_fill(~dense, -math.inf)
+    return torch.softmax(s, -1).nan_to_num(0.0) @ v
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    kind=st.sampled_from(["document", "prefix", "sink_window", "mask_fn"]),
+    T=st.integers(1, 700), bs=st.sampled_from([(32, 32), (64, 64), (128, 128), (32, 96)]),
+    d=st.sampled_from([32, 64]), seed=st.integers(0, 2**16),
+)  # fmt: skip
+def test_block_masks_on_tiles_equal_fp64_and_the_onednn_path(kind, T, bs, d, seed):
+    """Block masks whose blocks are whole chunks of 32 rows and 32 keys run on the tiles (a
+    kernel key block of 256 spans several mask blocks: empty, full and partial ones, partial
+    rows read as spans or as bytes); empty blocks skipped, rows that see no key give 0."""
+    g = torch.Generator().manual_seed(seed)
+    i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    if kind == "document":
+        ids = torch.randint(0, 5, (T,), generator=g).sort().values
+        bm = masks.document_mask(ids, causal=True, block_size=bs)
+        dense = (ids[:, None] == ids[None, :]) & (j <= i)
+    elif kind == "prefix":
+        L = int(torch.randint(0, T + 1, (), generator=g))
+        bm = masks.prefix_lm_mask(L, T, block_size=bs)
+        dense = (j <= i) | (j < L)
+    elif kind == "sink_window":
+        bm = masks.sliding_window_mask(T, 100, sinks=4, block_size=bs)
+        dense = (j <= i) & ((i - j < 100) | (j < 4))
+    else:  # bytes, not spans: two runs per row
+        bm = masks.create_block_mask(lambda b, h, q, kv: (kv <= q) & ((q - kv) % 7 != 3),
+                                     None, None, T, T, block_size=bs)  # fmt: skip
+        dense = (j <= i) & ((i - j) % 7 != 3)
+    q = bf16(1, 2, T, d, scale=1.5, generator=g)
+    k, v = bf16(1, 1, T, d, generator=g), bf16(1, 1, T, d, generator=g)
+    with bf16_path("amx"):
+        out, lse = flash_attention(q, k, v, mask=bm, return_lse=True)
+    with bf16_path("onednn"):
+        old = flash_attention(q, k, v, mask=bm)
+    ref = masked_reference(q, k, v, dense)
+    err = (out.double() - ref).abs().max().item()
+    err_old = (old.double() - ref).abs().max().item()
+    assert err <= 2e-2 and err <= 2 * err_old + 4e-3, (err, err_old)
+    seen = dense.any(-1)
+    assert torch.equal(lse[0, :].isneginf(), ~seen.expand(2, T))
+    assert (out[0, :, ~seen] == 0).all()

@@ -14,8 +14,12 @@
 // and of P V for block j - 1 are issued between its rows, one unit every few rows. O is
 // scaled where block j raised a row's max, after P V of block j - 1 and before that of j.
 //
-// Rows follow the NaN/inf rule of flash_cpu.cpp's forward (its row code serves every row that
-// is not a plain one: the first block a row sees, a partial range, a max that moved).
+// A step (a sub-block of rows with a key block) multiplies only the chunks of 32 keys some of
+// its rows see: a causal diagonal block costs about half the tile work of a full one.
+//
+// Rows follow the NaN/inf rule of flash_cpu.cpp's forward. Plain rows (the whole block seen,
+// a finite max) are inline, a row's first block with its max taken in registers; the row code
+// serves the rest (a partial range, a max that moved, NaN or inf).
 #include "flash_amx.h"
 
 #ifdef QKV_FLASH_AMX
@@ -24,6 +28,7 @@
 #include <ATen/native/CPUBlas.h>
 
 #include "amx_tiles.h"
+#include "flash_masks.h"   // BlockView
 #include "flash_memory.h"  // parallel_strided, Scratch
 
 #include <vector>
@@ -68,26 +73,42 @@ Packed pack(const at::Tensor& k, const at::Tensor& v) {
   const uint32_t* K = reinterpret_cast<const uint32_t*>(k.const_data_ptr<BFloat16>());
   const uint16_t* V = reinterpret_cast<const uint16_t*>(v.const_data_ptr<BFloat16>());
   const int64_t d2 = d / 2, nt = P.Tkp / 16, nu = P.Tkp / 32;
+  // K: each tile a 16 x 16 transpose of uint32 pairs (keys to columns), one gather per pair
+  // row; V: two keys' rows of 16 bf16 interleaved into 16 pairs. Keys past Tk are zeros.
+  const __m512i kidx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6,
+                                                           5, 4, 3, 2, 1, 0),
+                                          _mm512_set1_epi32(static_cast<int>(d2)));
   at::parallel_for(0, N, 1, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
-      for (int64_t t = 0; t < nt; ++t)
+      for (int64_t t = 0; t < nt; ++t) {
+        const int64_t left = Tk - 16 * t;
+        const __mmask16 live = left >= 16 ? __mmask16(0xffff)
+                               : left <= 0 ? __mmask16(0)
+                                           : __mmask16((1u << left) - 1u);
+        const uint32_t* src = K + (n * Tk + 16 * t) * d2;
         for (int64_t c = 0; c < P.nc; ++c) {
           uint32_t* dst = kp + ((n * nt + t) * P.nc + c) * 256;
           for (int64_t p = 0; p < 16; ++p)
-            for (int64_t j = 0; j < 16; ++j) {
-              const int64_t key = 16 * t + j;
-              dst[p * 16 + j] = key < Tk ? K[(n * Tk + key) * d2 + 16 * c + p] : 0u;
-            }
+            _mm512_storeu_si512(dst + p * 16,
+                                _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, kidx,
+                                                            src + 16 * c + p, 4));
         }
+      }
       for (int64_t u = 0; u < nu; ++u)
         for (int64_t x = 0; x < P.nx; ++x) {
           uint32_t* dst = vp + ((n * nu + u) * P.nx + x) * 256;
           for (int64_t p = 0; p < 16; ++p) {
             const int64_t k0 = 32 * u + 2 * p;
-            const uint16_t* r0 = k0 < Tk ? V + (n * Tk + k0) * dv + 16 * x : nullptr;
-            const uint16_t* r1 = k0 + 1 < Tk ? V + (n * Tk + k0 + 1) * dv + 16 * x : nullptr;
-            for (int64_t j = 0; j < 16; ++j)
-              dst[p * 16 + j] = uint32_t(r0 ? r0[j] : 0) | (uint32_t(r1 ? r1[j] : 0) << 16);
+            const __m256i z = _mm256_setzero_si256();
+            const __m256i r0 = k0 < Tk ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                                             V + (n * Tk + k0) * dv + 16 * x))
+                                       : z;
+            const __m256i r1 = k0 + 1 < Tk ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                                                 V + (n * Tk + k0 + 1) * dv + 16 * x))
+                                           : z;
+            _mm512_storeu_si512(dst + p * 16,
+                                _mm512_or_si512(_mm512_cvtepu16_epi32(r0),
+                                                _mm512_slli_epi32(_mm512_cvtepu16_epi32(r1), 16)));
           }
         }
     }
@@ -129,17 +150,18 @@ inline void s_phase(const Packed& P, int64_t n, int64_t t0, int64_t u, const BFl
 }
 
 // O (kBQ x dv fp32, row stride dv) += P (kBQ x kBK bf16) V for unit u (column tiles 2u,
-// 2u + 1) of the block at key chunk u0; rounds = kBK / 32
+// 2u + 1) of the block at key chunk u0, over its key chunks [c0, c1) (P is 0 outside them);
+// rounds = c1 - c0
 inline void pv_phase(const Packed& P, int64_t n, int64_t u0, int64_t u, const BFloat16* Pb,
-                     float* O, int64_t dv, int64_t ph) {
+                     float* O, int64_t dv, int64_t ph, int64_t c0, int64_t c1) {
   const int64_t os = dv * 4;
   if (ph == 0) {
     _tile_loadd(0, O + 32 * u, os);
     _tile_loadd(1, O + 32 * u + 16, os);
     _tile_loadd(2, O + 16 * dv + 32 * u, os);
     _tile_loadd(3, O + 16 * dv + 32 * u + 16, os);
-  } else if (ph <= kBK / 32) {
-    const int64_t c = ph - 1;
+  } else if (ph <= c1 - c0) {
+    const int64_t c = c0 + ph - 1;
     constexpr int64_t ps = kBK * 2;
     _tile_loadd(4, Pb + 32 * c, ps);
     _tile_loadd(6, P.vtile(n, u0 + c, 2 * u), 64);
@@ -163,8 +185,8 @@ inline void s_unit(const Packed& P, int64_t n, int64_t t0, int64_t u, const BFlo
 }
 
 inline void pv_unit(const Packed& P, int64_t n, int64_t u0, int64_t u, const BFloat16* Pb,
-                    float* O, int64_t dv) {
-  for (int64_t ph = 0; ph < kBK / 32 + 2; ++ph) pv_phase(P, n, u0, u, Pb, O, dv, ph);
+                    float* O, int64_t dv, int64_t c0, int64_t c1) {
+  for (int64_t ph = 0; ph < c1 - c0 + 2; ++ph) pv_phase(P, n, u0, u, Pb, O, dv, ph, c0, c1);
 }
 
 // 2^t for the plain rows' p (t <= kLazyLog2 but for the rows sent to the row code): t =
@@ -185,12 +207,15 @@ struct RowState {
   float m, alpha;
 };
 
-// the row code of flash_cpu.cpp's forward (kept out of line: rare rows)
+// the row code of flash_cpu.cpp's forward (kept out of line: rare rows); mr: the block's mask
+// bytes (1: may attend) or nullptr
 __attribute__((noinline)) void row_code(const float* s, BFloat16* p, int64_t c0, int64_t c1,
-                                        float c2, RowState& rs, float* lsum) {
+                                        float c2, RowState& rs, float* lsum,
+                                        const uint8_t* mr = nullptr) {
   const float m = rs.m;
-  float bmax = c1 <= c0 || m != kNegInf ? kNegInf : row_max(s + c0, c1 - c0);
-  if (bmax == kNegInf && c1 > c0 && m == kNegInf && any_nan(s, nullptr, c0, c1))
+  float bmax = c1 <= c0 || m != kNegInf ? kNegInf
+                                        : row_max_masked(s + c0, mr ? mr + c0 : nullptr, c1 - c0);
+  if (bmax == kNegInf && c1 > c0 && m == kNegInf && any_nan(s, mr, c0, c1))
     bmax = std::numeric_limits<float>::quiet_NaN();
   if (c1 <= c0 || (m == kNegInf && bmax == kNegInf)) {
     std::memset(static_cast<void*>(p), 0, kBK * sizeof(BFloat16));
@@ -199,16 +224,16 @@ __attribute__((noinline)) void row_code(const float* s, BFloat16* p, int64_t c0,
   float m_new, a, sum;
   if (m != kNegInf) {
     float mx;
-    sum = exp_row<BFloat16>(s, p, c0, c1, kBK, c2, m, &mx);
+    sum = exp_row<BFloat16>(s, p, c0, c1, kBK, c2, m, &mx, mr);
     if (!(mx - m > kLazyLog2 / c2)) {
       m_new = m, a = 1.f;
     } else {
       m_new = mx, a = exp2_neg((m - m_new) * c2);
-      sum = exp_row<BFloat16>(s, p, c0, c1, kBK, c2, m_new);
+      sum = exp_row<BFloat16>(s, p, c0, c1, kBK, c2, m_new, nullptr, mr);
     }
   } else {
     m_new = bmax, a = 0.f;
-    sum = exp_row<BFloat16>(s, p, c0, c1, kBK, c2, m_new);
+    sum = exp_row<BFloat16>(s, p, c0, c1, kBK, c2, m_new, nullptr, mr);
   }
   __m512 l = _mm512_mul_ps(_mm512_loadu_ps(lsum), _mm512_set1_ps(a));
   l = _mm512_mask_add_ps(l, 1, l, _mm512_set1_ps(sum));
@@ -244,7 +269,95 @@ inline void softmax_row(const float* s, BFloat16* p, int64_t c0, int64_t c1, flo
       return;
     }
   }
+  // A row's first block: its max from the scores in registers, then the same p. As the row
+  // code, but for the exp's polynomial: alpha = 0 (O and the sum start from zero) and the
+  // sum in lanes; a NaN score, an infinite or a very large max takes the row code.
+  if (c0 == 0 && c1 == kBK && m == kNegInf) {
+    __m512 x[kBK / 16];
+    for (int i = 0; i < kBK / 16; ++i) x[i] = _mm512_loadu_ps(s + 16 * i);
+    __m512 mx[kBK / 32];
+    for (int i = 0; i < kBK / 32; ++i) mx[i] = _mm512_max_ps(x[2 * i], x[2 * i + 1]);
+    for (int w = kBK / 64; w >= 1; w /= 2)
+      for (int i = 0; i < w; ++i) mx[i] = _mm512_max_ps(mx[i], mx[i + w]);
+    const float bmax = _mm512_reduce_max_ps(mx[0]);
+    if (std::isfinite(bmax) && std::fabs(bmax * c2) < kExactShift) {
+      const __m512 vc2 = _mm512_set1_ps(c2), vsh = _mm512_set1_ps(bmax * c2);
+      __m512 sa = _mm512_setzero_ps(), sb = sa;
+      for (int i = 0; i < kBK / 16; i += 2) {
+        const __m512 e0 = exp2_p(_mm512_fmsub_ps(x[i], vc2, vsh));
+        const __m512 e1 = exp2_p(_mm512_fmsub_ps(x[i + 1], vc2, vsh));
+        sa = _mm512_add_ps(sa, e0);
+        sb = _mm512_add_ps(sb, e1);
+        _mm512_storeu_si512(p + 16 * i, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+      }
+      sa = _mm512_add_ps(sa, sb);
+      // vmaxps may pass over a NaN score, but its p and so the sum are NaN: the row code
+      if (_mm512_cmp_ps_mask(sa, sa, _CMP_UNORD_Q) == 0) {
+        _mm512_storeu_ps(lsum, sa);
+        rs.m = bmax, rs.alpha = 0.f;
+        return;
+      }
+    }
+  }
   row_code(s, p, c0, c1, c2, rs, lsum);
+}
+
+// A row of a masked step (a key block holding an empty or partial block of a block mask):
+// narrows the row's keys [c0, c1) to what it sees and returns nullptr where that is one
+// contiguous range (empty blocks at either end, full blocks, partial rows that are spans: a
+// document's or a window's rows), else fills mrow with the row's mask bytes over the
+// chunks and returns it. cs: the step's chunks' states (as BlockView::state), kc0 its first.
+inline const uint8_t* block_row(const BlockView& bv, const int32_t* cs, int64_t kc0,
+                                int64_t kc1, int64_t ks, int64_t qr, int64_t block_q,
+                                int64_t block_k, int64_t& c0, int64_t& c1, uint8_t* mrow) {
+  // the visible part of each chunk in turn, while they join up into one range
+  int64_t lo = -1, hi = -1;
+  bool bytes = false;
+  for (int64_t c = std::max(kc0, c0 / 32); c < kc1 && 32 * c < c1 && !bytes; ++c) {
+    const int32_t t = cs[c - kc0];
+    int64_t a = std::max<int64_t>(32 * c, c0), b = std::min<int64_t>(32 * c + 32, c1);
+    if (t == -1) {
+      a = b;  // nothing seen
+    } else if (t >= 0) {
+      // the tile's columns of [a, b), narrowed to the row's span (or its bytes: none)
+      const int64_t shift = (ks + 32 * c) % block_k - 32 * c;
+      int64_t ta = a + shift, tb = b + shift;
+      if (bv.row(t, qr % block_q, ta, tb)) {
+        bytes = true;
+        break;
+      }
+      a = std::max(a, ta - shift), b = std::min(b, tb - shift);
+    }
+    if (a >= b) continue;
+    if (lo < 0) {
+      lo = a, hi = b;
+    } else if (a == hi) {
+      hi = b;
+    } else {
+      bytes = true;  // a hole: two ranges
+    }
+  }
+  if (!bytes) {
+    if (lo < 0) lo = hi = c0;  // nothing seen
+    c0 = lo, c1 = hi;
+    return nullptr;
+  }
+  for (int64_t c = kc0; c < kc1; ++c) {
+    const int32_t t = cs[c - kc0];
+    const int64_t col = (ks + 32 * c) % block_k;
+    uint8_t* dst = mrow + 32 * c;
+    if (t < 0) {
+      std::memset(dst, t == -2 ? 1 : 0, 32);
+      continue;
+    }
+    int64_t a = col, b = col + 32;
+    if (const uint8_t* tb = bv.row(t, qr % block_q, a, b)) {
+      std::memcpy(dst, tb + col, 32);
+    } else {
+      for (int64_t x = 0; x < 32; ++x) dst[x] = col + x >= a && col + x < b;
+    }
+  }
+  return mrow;
 }
 
 }  // namespace
@@ -252,19 +365,23 @@ inline void softmax_row(const float* s, BFloat16* p, int64_t c0, int64_t c1, flo
 namespace qkv_flash_amx {
 
 void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
-             at::Tensor& lse, double scale_d, bool causal, int64_t window, int64_t shift) {
+             at::Tensor& lse, double scale_d, bool causal, int64_t window, int64_t shift,
+             const std::optional<at::Tensor>& blocks, const std::optional<at::Tensor>& tiles,
+             const std::optional<at::Tensor>& spans, int64_t block_q, int64_t block_k) {
   TORCH_CHECK(amx_permitted(), "qkv flash: the OS refused the AMX tile state");
   const int64_t N = q.size(0), G = q.size(1), Tq = q.size(2), d = q.size(3);
   const int64_t Tk = k.size(1), dv = v.size(2);
   const Structure st{Tq, Tk, causal, window, shift};
   const float scale = static_cast<float>(scale_d), c2 = scale * kLog2e;
+  const BlockView bv = BlockView::of(blocks, tiles, spans, (Tq + block_q - 1) / block_q,
+                                     (Tk + block_k - 1) / block_k);
   const Packed P = pack(k, v);
   const BFloat16* qd = q.const_data_ptr<BFloat16>();
   BFloat16* od = out.data_ptr<BFloat16>();
   float* ld = lse.data_ptr<float>();
   const int64_t R = kSub, SB = R * kBQ;  // query rows per item
   const int64_t nqb = (Tq + SB - 1) / SB, items = N * G * nqb;
-  const int64_t nS = kBK / 32, nPV = dv / 32;  // units per step
+  const int64_t nPV = dv / 32;  // P V units per step
 
   parallel_strided(items, [&](int64_t first, int64_t items_end, int64_t step) {
     // S, P (double buffers), O and the rows' sums of each sub-block, a zero-padded Q block
@@ -278,7 +395,15 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::
     float* L0 = sc.take<float>(R * lb / 4);
     BFloat16* Qpad = sc.take<BFloat16>(qb / 2);
     std::vector<RowState> rs_v(SB);
-    std::vector<std::pair<int64_t, int64_t>> steps;  // (sub-block, key block)
+    // (sub-block, key block, its chunks of 32 keys [c0, c1) that some row of it sees: S and
+    // P V skip the others, a causal diagonal's upper part, a block mask's empty blocks at
+    // either end; masked: a chunk in it lies in a partial or empty block of the block mask)
+    struct Step {
+      int64_t i, j, c0, c1;
+      bool masked;
+    };
+    alignas(64) uint8_t mrow[kBK];  // a row's mask bytes in a masked step
+    std::vector<Step> steps;
     TileConfig cfg;
     for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
     _tile_loadconfig(&cfg);
@@ -302,47 +427,77 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::
       for (int64_t j = j0; j * kBK < hi_all; ++j)
         for (int64_t i = 0; i < nsub; ++i) {
           const int64_t a = qs0 + i * kBQ, lo = st.lo(a), hi = st.hi(a + rows_of(i) - 1);
-          if (hi > lo && lo < (j + 1) * kBK && hi > j * kBK) steps.emplace_back(i, j);
+          if (hi > lo && lo < (j + 1) * kBK && hi > j * kBK) {
+            const int64_t ks = j * kBK;
+            int64_t c0 = std::clamp<int64_t>(lo - ks, 0, kBK) / 32;
+            int64_t c1 = (std::clamp<int64_t>(hi - ks, 0, kBK) + 31) / 32;
+            bool masked = false;
+            if (bv.idx) {
+              auto state = [&](int64_t c) {
+                return bv.state(n, g, a / block_q, (ks + 32 * c) / block_k);
+              };
+              while (c0 < c1 && state(c0) == -1) ++c0;
+              while (c1 > c0 && state(c1 - 1) == -1) --c1;
+              for (int64_t c = c0; c < c1 && !masked; ++c) masked = state(c) != -2;
+            }
+            if (c1 > c0) steps.push_back({i, j, c0, c1, masked});
+          }
         }
       const int64_t ns = static_cast<int64_t>(steps.size());
-      auto s_all = [&](int64_t t, float* S, int64_t u) {
-        s_unit(P, n, steps[t].second * kBK / 16, u, q_of(steps[t].first), d, S);
-      };
       if (ns > 0)
-        for (int64_t u = 0; u < nS; ++u) s_all(0, Sb[0], u);
+        for (int64_t u = steps[0].c0; u < steps[0].c1; ++u)
+          s_unit(P, n, steps[0].j * kBK / 16, u, q_of(steps[0].i), d, Sb[0]);
       for (int64_t t = 0; t < ns; ++t) {
         const int cur = t & 1;
-        const auto [i, j] = steps[t];
+        const int64_t i = steps[t].i, j = steps[t].j;
         const bool next = t + 1 < ns, prev = t > 0;
-        // the step's phases: nS units of S then nPV of P V, spread evenly over the rows
-        const int64_t sph = next ? nS * (P.nc + 2) : 0, pph = prev ? nPV * (kBK / 32 + 2) : 0;
+        // the step's phases: the next step's units of S then the previous one's of P V,
+        // spread evenly over the rows
+        const Step& sn = steps[next ? t + 1 : t];
+        const Step& sp = steps[prev ? t - 1 : t];
+        const int64_t pr = sp.c1 - sp.c0 + 2;  // phases of a P V unit
+        const int64_t sph = next ? (sn.c1 - sn.c0) * (P.nc + 2) : 0, pph = prev ? nPV * pr : 0;
         const int64_t U = sph + pph;
         int64_t issued = 0;
         auto issue = [&](int64_t x) {
           if (x < sph) {
-            const auto [in, jn] = steps[t + 1];
-            s_phase(P, n, jn * kBK / 16, x / (P.nc + 2), q_of(in), d, Sb[cur ^ 1],
+            s_phase(P, n, sn.j * kBK / 16, sn.c0 + x / (P.nc + 2), q_of(sn.i), d, Sb[cur ^ 1],
                     x % (P.nc + 2));
           } else {
-            const auto [ip, jp] = steps[t - 1];
             const int64_t y = x - sph;
-            pv_phase(P, n, jp * kBK / 32, y / (kBK / 32 + 2), Pb[cur ^ 1],
-                     O0 + ip * kBQ * dv, dv, y % (kBK / 32 + 2));
+            pv_phase(P, n, sp.j * kBK / 32, y / pr, Pb[cur ^ 1], O0 + sp.i * kBQ * dv, dv, y % pr,
+                     sp.c0, sp.c1);
           }
         };
         const int64_t ks = j * kBK, a = qs0 + i * kBQ, rows = rows_of(i);
         RowState* rs = rs_v.data() + i * kBQ;
         float* lsum = L0 + i * kBQ * 16;
+        const Step& sc = steps[t];
+        int32_t cs[kBK / 32];  // the block mask's state of each chunk of the step
+        if (sc.masked)
+          for (int64_t c = sc.c0; c < sc.c1; ++c)
+            cs[c - sc.c0] = bv.state(n, g, a / block_q, (ks + 32 * c) / block_k);
         for (int64_t r = 0; r < kBQ; ++r) {
           // issue points: rows 0, kBQ / pts, ...; at each, the phases up to its share
           if (r % (kBQ / kIssues) == 0)
             while (issued < U && issued * kIssues < (r / (kBQ / kIssues) + 1) * U) issue(issued++);
+          // the row's keys, within the step's chunks (S holds nothing outside them)
           int64_t c0 = 0, c1 = 0;
           if (r < rows) {
-            c0 = std::clamp<int64_t>(st.lo(a + r) - ks, 0, kBK);
-            c1 = std::clamp<int64_t>(st.hi(a + r) - ks, 0, kBK);
+            c0 = std::clamp<int64_t>(st.lo(a + r) - ks, 32 * sc.c0, 32 * sc.c1);
+            c1 = std::clamp<int64_t>(st.hi(a + r) - ks, 32 * sc.c0, 32 * sc.c1);
           }
-          softmax_row(Sb[cur] + r * kBK, Pb[cur] + r * kBK, c0, c1, c2, rs[r], lsum + 16 * r);
+          float* s = Sb[cur] + r * kBK;
+          BFloat16* p = Pb[cur] + r * kBK;
+          const uint8_t* mr = nullptr;
+          if (sc.masked && c1 > c0)
+            mr = block_row(bv, cs, sc.c0, sc.c1, ks, a + r, block_q, block_k, c0, c1, mrow);
+          if (!mr) {
+            softmax_row(s, p, c0, c1, c2, rs[r], lsum + 16 * r);
+          } else {
+            rs[r].alpha = 1.f;
+            row_code(s, p, c0, c1, c2, rs[r], lsum + 16 * r, mr);
+          }
         }
         while (issued < U) issue(issued++);
         // every earlier block's P V is in O (this sub-block's last one, at the latest during
@@ -357,9 +512,10 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::
         }
       }
       if (ns > 0) {
-        const auto [il, jl] = steps[ns - 1];
+        const Step& sl = steps[ns - 1];
         for (int64_t u = 0; u < nPV; ++u)
-          pv_unit(P, n, jl * kBK / 32, u, Pb[(ns - 1) & 1], O0 + il * kBQ * dv, dv);
+          pv_unit(P, n, sl.j * kBK / 32, u, Pb[(ns - 1) & 1], O0 + sl.i * kBQ * dv, dv, sl.c0,
+                  sl.c1);
       }
       for (int64_t i = 0; i < nsub; ++i) {
         const float* O = O0 + i * kBQ * dv;
