@@ -53,6 +53,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from _measure import machine_header
+from qkv.atomic import atomic_write_text
 
 MODELS = ("en-fr", "fr-en", "minilm", "random")
 TRANSLATORS = ("en-fr", "fr-en", "random")  # translated, greedy (beam 1)
@@ -682,9 +683,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(tmp, ignore_errors=True)
     print(text)
     if args.out is not None:
-        part = args.out.with_name(args.out.name + ".part")
-        part.write_text(text, encoding="utf-8")
-        part.replace(args.out)
+        atomic_write_text(args.out, text)
     return 0
 
 

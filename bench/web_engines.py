@@ -32,6 +32,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _measure import machine_header  # noqa: E402
+from qkv.atomic import atomic_write_text  # noqa: E402
 from web import BenchError, chromium, site_server  # noqa: E402
 
 HERE = Path(__file__).resolve().parent / "web_engines"
@@ -220,9 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(root, ignore_errors=True)
     print(text)
     if args.out is not None:
-        part = args.out.with_name(args.out.name + ".part")
-        part.write_text(text, encoding="utf-8")
-        part.replace(args.out)
+        atomic_write_text(args.out, text)
     return 0
 
 
