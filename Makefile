@@ -7,8 +7,8 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: demo test wheel-test arm-test arm-test-ci lint bench site venv clean
 
-# The kernels (src/qkv/csrc) are compiled here, once per CPU level (~4 min for the four x86
-# levels on 2 cores; ninja recompiles only what changed), against the venv's torch: hence
+# The kernels (src/qkv/csrc) are compiled here, once per CPU level (4.6 min for the four x86
+# levels on 2 cores of an Intel Xeon; ninja recompiles only what changed), against the venv's torch: hence
 # --no-build-isolation. They are built in a step of their own, which says which level is
 # compiling and for how long (pip -q would show nothing for minutes; the compiler's commands
 # go to build/kernels.log, shown if it fails; the libraries to build/venv-lib, not where a
