@@ -221,3 +221,29 @@ def test_additive_mask_values_and_bound():
     assert torch_adapter.additive(big, torch.float32) is not torch_adapter.additive(
         big, torch.float32
     )  # not held
+
+
+def test_additive_mask_cache_shared_by_threads():
+    """Several threads (a server's) converting more masks than the cache holds: every answer
+    right, no error from the cache's eviction, never more than ADDITIVE_HELD held."""
+    import threading
+
+    gen = torch.Generator().manual_seed(3)
+    pool = [torch.rand(4, 16, 16, generator=gen) > 0.3 for _ in range(3 * torch_adapter.ADDITIVE_HELD)]
+    errors: list[str] = []
+
+    def work(i: int) -> None:
+        try:
+            for r in range(200):
+                m = pool[(7 * i + r) % len(pool)]
+                assert torch.equal(torch_adapter.additive(m, torch.float32) == 0, m)
+                assert len(torch_adapter._ADDITIVE) <= torch_adapter.ADDITIVE_HELD
+        except Exception as e:  # noqa: BLE001 (reported below)
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []

@@ -13,6 +13,7 @@ read the cache 1.6-2.8× faster (`bench/results/decode_attention_zen3_avx2.md`, 
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable
 
 import torch
@@ -69,6 +70,7 @@ def _rows_mask(m: Tensor | None, G: int) -> Tensor | None:
 _ADDITIVE: dict[tuple[int, torch.dtype], tuple[Tensor, int, Tensor]] = {}
 ADDITIVE_HELD = 8  # masks remembered (a model's layers pass the same one or two masks a step)
 ADDITIVE_MAX = 1 << 20  # elements: a larger mask is converted per call (its call dwarfs that)
+_ADDITIVE_LOCK = threading.Lock()
 
 
 def additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
@@ -88,9 +90,10 @@ def additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
         ~mask, float("-inf")
     )  # fmt: skip
     if tracked:
-        if len(_ADDITIVE) >= ADDITIVE_HELD:
-            _ADDITIVE.pop(next(iter(_ADDITIVE)), None)  # the oldest
-        _ADDITIVE[key] = (mask, mask._version, out)
+        with _ADDITIVE_LOCK:  # calls from several threads (a server's) share the cache
+            while len(_ADDITIVE) >= ADDITIVE_HELD:
+                _ADDITIVE.pop(next(iter(_ADDITIVE)))  # the oldest
+            _ADDITIVE[key] = (mask, mask._version, out)
     return out
 
 
