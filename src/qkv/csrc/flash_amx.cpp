@@ -306,7 +306,7 @@ inline void softmax_row(const float* s, BFloat16* p, int64_t c0, int64_t c1, flo
 // narrows the row's keys [c0, c1) to what it sees and returns nullptr where that is one
 // contiguous range (empty blocks at either end, full blocks, partial rows that are spans: a
 // document's or a window's rows), else fills mrow with the row's mask bytes over the
-// chunks and returns it. cs: the step's chunks' states (as BlockView::state), kc0 its first.
+// chunks and returns it. cs: the states (as BlockView::state) of the block's chunks [kc0, kc1).
 inline const uint8_t* block_row(const BlockView& bv, const int32_t* cs, int64_t kc0,
                                 int64_t kc1, int64_t ks, int64_t qr, int64_t block_q,
                                 int64_t block_k, int64_t& c0, int64_t& c1, uint8_t* mrow) {
@@ -314,7 +314,7 @@ inline const uint8_t* block_row(const BlockView& bv, const int32_t* cs, int64_t 
   int64_t lo = -1, hi = -1;
   bool bytes = false;
   for (int64_t c = std::max(kc0, c0 / 32); c < kc1 && 32 * c < c1 && !bytes; ++c) {
-    const int32_t t = cs[c - kc0];
+    const int32_t t = cs[c];
     int64_t a = std::max<int64_t>(32 * c, c0), b = std::min<int64_t>(32 * c + 32, c1);
     if (t == -1) {
       a = b;  // nothing seen
@@ -343,7 +343,7 @@ inline const uint8_t* block_row(const BlockView& bv, const int32_t* cs, int64_t 
     return nullptr;
   }
   for (int64_t c = kc0; c < kc1; ++c) {
-    const int32_t t = cs[c - kc0];
+    const int32_t t = cs[c];
     const int64_t col = (ks + 32 * c) % block_k;
     uint8_t* dst = mrow + 32 * c;
     if (t < 0) {
@@ -401,6 +401,7 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::
     struct Step {
       int64_t i, j, c0, c1;
       bool masked;
+      int32_t cs[kBK / 32];  // with a block mask: the state of each chunk in [c0, c1)
     };
     alignas(64) uint8_t mrow[kBK];  // a row's mask bytes in a masked step
     std::vector<Step> steps;
@@ -429,18 +430,17 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::
           const int64_t a = qs0 + i * kBQ, lo = st.lo(a), hi = st.hi(a + rows_of(i) - 1);
           if (hi > lo && lo < (j + 1) * kBK && hi > j * kBK) {
             const int64_t ks = j * kBK;
-            int64_t c0 = std::clamp<int64_t>(lo - ks, 0, kBK) / 32;
-            int64_t c1 = (std::clamp<int64_t>(hi - ks, 0, kBK) + 31) / 32;
-            bool masked = false;
+            const int64_t c0 = std::clamp<int64_t>(lo - ks, 0, kBK) / 32;
+            const int64_t c1 = (std::clamp<int64_t>(hi - ks, 0, kBK) + 31) / 32;
+            Step step{i, j, c0, c1, false, {}};
             if (bv.idx) {
-              auto state = [&](int64_t c) {
-                return bv.state(n, g, a / block_q, (ks + 32 * c) / block_k);
-              };
-              while (c0 < c1 && state(c0) == -1) ++c0;
-              while (c1 > c0 && state(c1 - 1) == -1) --c1;
-              for (int64_t c = c0; c < c1 && !masked; ++c) masked = state(c) != -2;
+              for (int64_t c = c0; c < c1; ++c)
+                step.cs[c] = bv.state(n, g, a / block_q, (ks + 32 * c) / block_k);
+              while (step.c0 < step.c1 && step.cs[step.c0] == -1) ++step.c0;
+              while (step.c1 > step.c0 && step.cs[step.c1 - 1] == -1) --step.c1;
+              for (int64_t c = step.c0; c < step.c1; ++c) step.masked |= step.cs[c] != -2;
             }
-            if (c1 > c0) steps.push_back({i, j, c0, c1, masked});
+            if (step.c1 > step.c0) steps.push_back(step);
           }
         }
       const int64_t ns = static_cast<int64_t>(steps.size());
@@ -473,10 +473,6 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::
         RowState* rs = rs_v.data() + i * kBQ;
         float* lsum = L0 + i * kBQ * 16;
         const Step& sc = steps[t];
-        int32_t cs[kBK / 32];  // the block mask's state of each chunk of the step
-        if (sc.masked)
-          for (int64_t c = sc.c0; c < sc.c1; ++c)
-            cs[c - sc.c0] = bv.state(n, g, a / block_q, (ks + 32 * c) / block_k);
         for (int64_t r = 0; r < kBQ; ++r) {
           // issue points: rows 0, kBQ / pts, ...; at each, the phases up to its share
           if (r % (kBQ / kIssues) == 0)
@@ -491,7 +487,7 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::
           BFloat16* p = Pb[cur] + r * kBK;
           const uint8_t* mr = nullptr;
           if (sc.masked && c1 > c0)
-            mr = block_row(bv, cs, sc.c0, sc.c1, ks, a + r, block_q, block_k, c0, c1, mrow);
+            mr = block_row(bv, sc.cs, sc.c0, sc.c1, ks, a + r, block_q, block_k, c0, c1, mrow);
           if (!mr) {
             softmax_row(s, p, c0, c1, c2, rs[r], lsum + 16 * r);
           } else {
