@@ -82,8 +82,8 @@ def test_small_masked_rule_bounds():
 @pytest.mark.parametrize("lse", [False, True])
 def test_small_calls_equal_the_fp64_reference(dtype, kind, shape, lse, monkeypatch):
     """auto and torch (each of its two paths) against fp64 math; auto picks torch here."""
-    if lse:
-        monkeypatch.setattr(torch_adapter, "LSE_MIN_QK", 0)
+    # the rule checked after the call (every call by default), or the look ahead of it
+    monkeypatch.setattr(torch_adapter, "LSE_MIN_QK", 0 if lse else 1 << 62)
     dispatch._DECISIONS.clear()
     B, h, T, d = shape
     q, k, v = qkv(B, h, T, T, d, dtype)
@@ -118,14 +118,21 @@ def test_lse_path_any_layout(lse_everywhere, kind):
     assert got[0, 1, 4].isnan().all()
 
 
-def test_lse_path_threshold():
-    """Below LSE_MIN_QK elements of q and k the look runs ahead; from it, the check after."""
+def test_lse_path_threshold(monkeypatch):
+    """From the smallest call the rule is checked after it (LSE_MIN_QK = 0); with a threshold
+    set, calls below it look at q and k ahead and calls from it check after."""
     if torch_adapter._FLASH_CPU is None or native_module() is None:
         pytest.skip("no fused CPU kernel or qkv kernels")
+    dispatch._DECISIONS.clear()
+    q, k, v = qkv(1, 1, 17, 17, 8, torch.float32)  # (Tq > 16: not the decode kernel's)
+    assert dispatch.decide(q, k, v)[1].lse_check
+    monkeypatch.setattr(torch_adapter, "LSE_MIN_QK", 1 << 19)
     n = torch_adapter.LSE_MIN_QK // (2 * 64 * 64)  # batch such that q + k reach it exactly
     for B, lse in ((n - 1, False), (n, True)):
+        dispatch._DECISIONS.clear()
         q, k, v = qkv(B, 1, 64, 64, 64, torch.float32)
         assert dispatch.decide(q, k, v)[1].lse_check == lse
+    dispatch._DECISIONS.clear()
 
 
 NONFINITE = [

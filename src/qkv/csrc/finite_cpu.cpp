@@ -118,4 +118,26 @@ bool all_finite(const Tensor& t, bool plus_inf_only) {
       return !bad.any().item<bool>();
   }
 }
+
+// Whether every element of a log-sum-exp (fp32) is finite and nonzero: the NaN/inf rule's
+// check on the summary of PyTorch's fused CPU kernel (qkv.dispatch.torch_adapter.lse_run).
+// In the bits: |x| - 1 wraps below zero for +-0 and lands at or above 0x7f7fffff for
+// +-inf and NaN, so one unsigned compare covers all three.
+bool lse_clear(const Tensor& lse) {
+  if (lse.numel() == 0) return true;
+  if (lse.scalar_type() != at::kFloat || !lse.device().is_cpu() ||
+      !lse.is_non_overlapping_and_dense()) {
+    return at::isfinite(lse).logical_and_(lse != 0).all().item<bool>();
+  }
+  // dense: its elements fill numel() slots from the lowest-addressed one, in some order
+  int64_t low = 0;
+  for (int64_t i = 0; i < lse.dim(); ++i)
+    if (lse.stride(i) < 0) low += (lse.size(i) - 1) * lse.stride(i);
+  const uint32_t* x = reinterpret_cast<const uint32_t*>(lse.const_data_ptr<float>()) + low;
+  const int64_t n = lse.numel();
+  uint32_t bad = 0;
+#pragma omp simd reduction(| : bad)
+  for (int64_t i = 0; i < n; ++i) bad |= static_cast<uint32_t>(((x[i] & 0x7fffffffu) - 1u) >= 0x7f7fffffu);
+  return bad == 0;
+}
 }  // namespace qkv

@@ -13,6 +13,7 @@
 namespace qkv {
 double max_abs_product(const at::Tensor& q, const at::Tensor& k);
 bool all_finite(const at::Tensor& t, bool plus_inf_only);
+bool lse_clear(const at::Tensor& lse);
 void register_step(py::module& m);  // step_cpu.cpp
 at::Tensor decode_output(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                          const std::optional<at::Tensor>& mask, double scale, bool causal,
@@ -56,6 +57,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       "whether q, k, v (each may be None) hold no NaN or inf and bias no NaN or +inf (-inf "
       "masks): the NaN/inf rule's look at a call's inputs (qkv._nonfinite), one call");
+  m.def(
+      "flash_cpu_checked",
+      [](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+         const std::optional<at::Tensor>& attn_mask, bool is_causal, std::optional<double> scale) {
+        auto [out, lse] =
+            at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, attn_mask, scale);
+        return py::make_tuple(out, qkv::lse_clear(lse));
+      },
+      "PyTorch's fused CPU attention kernel (what its SDPA runs for these calls) and whether "
+      "its log-sum-exp is finite and nonzero in every row: (out, clear), one call "
+      "(qkv.dispatch.torch_adapter.lse_run)");
   m.def(
       "signature",
       [](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

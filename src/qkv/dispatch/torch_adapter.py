@@ -139,18 +139,21 @@ def torch_run(case: Case, mask: object, bias: object) -> Callable[..., Tensor] |
 _ADDITIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-# PyTorch's fused CPU kernel, which SDPA runs for these calls, called directly for the
-# log-sum-exp it also returns (None where this torch lacks it: then the public SDPA runs)
+# PyTorch's fused CPU kernel, which SDPA runs for these calls (None where this torch lacks
+# it: then the public SDPA runs); qkv's kernels call it from C++ with the log-sum-exp check
+# (``flash_cpu_checked``): one call from Python, no torch ops on the row summary
 _FLASH_CPU = getattr(torch._C._VariableFunctions, "_scaled_dot_product_flash_attention_for_cpu",
                      None)  # fmt: skip
 # Up to this many keys a call's scores are one key block of that kernel (torch 2.13: 512); the
 # log-sum-exp test below was checked against the reference there (tests/kernels/test_dispatch_small.py)
 LSE_MAX_TK = 512
-# From this many elements of q and k together: below it the look at q and k before the call
-# costs less than the check after it (measured on the 2-core Xeon, amx level, 1 thread,
-# fp32/bf16: SDPA plus the look 1.03-1.06x SDPA alone, plus the check 1.02x at 786K
-# elements; even at 262K, the look ahead at 131K; bench/results/dispatch_small.md)
-LSE_MIN_QK = 1 << 19
+# From this many elements of q and k together the rule is checked after the call, below it
+# by the look at q and k before. 0: every call. With the check in C++ (~0.1 µs on a few
+# hundred row summaries) it costs less than the look (one pass over q and k, 2.7 µs at 64K
+# elements) at every size: B=1 h=8 T=64 d=64 fp32, 1 thread, 2-core Xeon, SDPA / qkv
+# 0.91 -> 0.95 (bench/dispatch.py --grid; bench/results/dispatch_small.md). (It was 2^19
+# while the check was three torch ops on the lse.) bench/dispatch.py --look-parts raises it.
+LSE_MIN_QK = 0
 _LSE_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -174,10 +177,11 @@ def lse_run(case: Case, mask: object, bias: object) -> Callable[..., Tensor | No
 
     s = case.shape
     module = native_module()
+    checked = getattr(module, "flash_cpu_checked", None)
     is_causal = _passes_through(s.Tq, s.Tk, case.causal, case.window, case.has_mask,
                                 case.has_bias)  # fmt: skip
     if (
-        _FLASH_CPU is None or module is None or case.device != "cpu" or case.grad
+        _FLASH_CPU is None or checked is None or case.device != "cpu" or case.grad
         or case.dtype not in _LSE_DTYPES or case.kv_int8 or bias is not None
         or case.dropout_p or s.h != s.h_kv or s.empty or s.Tk > LSE_MAX_TK or is_causal is None
         or len(s.batch) != 1 or s.d_k != s.d_v  # (the kernel takes (B, h, T, d), one d)
@@ -185,7 +189,7 @@ def lse_run(case: Case, mask: object, bias: object) -> Callable[..., Tensor | No
         or not (mask is None or (isinstance(mask, Tensor) and mask.dtype == torch.bool))
     ):  # fmt: skip
         return None
-    finite, op, scale, dtype = module.finite, _FLASH_CPU, case.scale, case.dtype
+    finite, scale, dtype = module.finite, case.scale, case.dtype
     sdpa = TF.scaled_dot_product_attention
 
     def run(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: None) -> Tensor | None:
@@ -196,9 +200,8 @@ def lse_run(case: Case, mask: object, bias: object) -> Callable[..., Tensor | No
             if not finite(q, k, None, None):
                 return None
             return sdpa(q, k, v, attn_mask=attn, is_causal=is_causal, scale=scale)
-        out, lse = op(q, k, v, is_causal=is_causal, attn_mask=attn, scale=scale)
-        lse = lse.transpose(-2, -1)  # (B, Tq, h): contiguous, the look's fast case
-        if finite(lse, lse.reciprocal(), None, None) or finite(q, k, None, None):
+        out, clear = checked(q, k, v, attn, is_causal, scale)
+        if clear or finite(q, k, None, None):
             return out
         return None  # a NaN or inf in q or k: only the reference keeps to the rule
 
