@@ -60,14 +60,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "flash_cpu_checked",
       [](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-         const std::optional<at::Tensor>& attn_mask, bool is_causal, std::optional<double> scale) {
+         const std::optional<at::Tensor>& attn_mask, bool is_causal,
+         std::optional<double> scale) -> py::object {
+        // the kernel reads rows as contiguous (SDPA sends other layouts to its math path)
+        if (q.stride(-1) != 1 || k.stride(-1) != 1 || v.stride(-1) != 1) return py::none();
         auto [out, lse] =
             at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, attn_mask, scale);
         return py::make_tuple(out, qkv::lse_clear(lse));
       },
       "PyTorch's fused CPU attention kernel (what its SDPA runs for these calls) and whether "
-      "its log-sum-exp is finite and nonzero in every row: (out, clear), one call "
-      "(qkv.dispatch.torch_adapter.lse_run)");
+      "its log-sum-exp is finite and nonzero in every row: (out, clear), one call; None where "
+      "q, k or v has a last-dim stride other than 1 (qkv.dispatch.torch_adapter.lse_run)");
   m.def(
       "signature",
       [](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

@@ -148,11 +148,11 @@ _FLASH_CPU = getattr(torch._C._VariableFunctions, "_scaled_dot_product_flash_att
 # log-sum-exp test below was checked against the reference there (tests/kernels/test_dispatch_small.py)
 LSE_MAX_TK = 512
 # From this many elements of q and k together the rule is checked after the call, below it
-# by the look at q and k before. 0: every call. With the check in C++ (~0.1 µs on a few
-# hundred row summaries) it costs less than the look (one pass over q and k, 2.7 µs at 64K
-# elements) at every size: B=1 h=8 T=64 d=64 fp32, 1 thread, 2-core Xeon, SDPA / qkv
-# 0.91 -> 0.95 (bench/dispatch.py --grid; bench/results/dispatch_small.md). (It was 2^19
-# while the check was three torch ops on the lse.) bench/dispatch.py --look-parts raises it.
+# by the look at q and k before; 0: every call. With the check in C++ (a pass over a few
+# hundred row summaries) it costs less than the look (one pass over q and k: 2.7 µs at 64K
+# elements) at every size (2-core Xeon, 1 thread, bench/dispatch.py --grid: median SDPA/qkv
+# per level 0.85-0.91 -> 0.93-0.955; bench/results/dispatch_small.md). bench/dispatch.py
+# --look-parts raises it to compare the two.
 LSE_MIN_QK = 0
 _LSE_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -194,15 +194,14 @@ def lse_run(case: Case, mask: object, bias: object) -> Callable[..., Tensor | No
 
     def run(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: None) -> Tensor | None:
         attn = None if mask is None else additive(mask, dtype)  # (it takes q's dtype only)
-        if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
-            # the kernel reads rows as contiguous (SDPA sends such calls to its math path):
-            # the public SDPA, after the look at q and k the other calls skip
+        got = checked(q, k, v, attn, is_causal, scale)
+        if got is None:  # a last-dim stride other than 1, which the kernel cannot read: the
+            # public SDPA (its math path), after the look at q and k the other calls skip
             if not finite(q, k, None, None):
                 return None
             return sdpa(q, k, v, attn_mask=attn, is_causal=is_causal, scale=scale)
-        out, clear = checked(q, k, v, attn, is_causal, scale)
-        if clear or finite(q, k, None, None):
-            return out
+        if got[1] or finite(q, k, None, None):
+            return got[0]
         return None  # a NaN or inf in q or k: only the reference keeps to the rule
 
     return run
