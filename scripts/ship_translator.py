@@ -1,4 +1,4 @@
-"""Turn a ``qkv train`` run into a shipped model: float16 weights, tokenizer, model card.
+"""Turn a ``qkv train`` run into a shipped model: compact weights, tokenizer, model card.
 
     python scripts/ship_translator.py /work/runs/enfr en-fr --commit c90958c
 
@@ -8,7 +8,8 @@ command it was started with, and ``--machine``, where it ran.
 
 Picks the run's ``best/`` or the average of its last epochs (``--average N``), whichever has
 the higher BLEU on all of val (greedy), or the kept epoch ``--epoch N``; tunes the length penalty for beam search on val;
-stores the weights in float16 under ``src/qkv/models/shipped/NAME``; evaluates the shipped
+stores the weights in float16 (or ``--storage int8-rows``: each weight matrix row in int8 with a
+scale, :mod:`qkv.models.int8_rows`) under ``src/qkv/models/shipped/NAME``; evaluates the shipped
 files themselves (what users load) on val, test_2016_flickr and test_2017_flickr, greedy and
 beam; writes ``README.md`` (the model card) and ``generation.json``.
 """
@@ -35,6 +36,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from _measure import cpu_name  # noqa: E402
 
 SPLITS = ("val", "test_2016_flickr", "test_2017_flickr")
+STORED = {"float16": "float16", "int8-rows": "int8-row"}
+STORED_AS = {
+    "float16": "in float16",
+    "int8-rows": "as int8 rows, one fp32 scale per row of each weight matrix (qkv.models.int8_rows; "
+    "the rest in float16), loaded back into float",
+}
 LANGUAGES = {"en": "English", "fr": "French", "de": "German", "cs": "Czech"}
 
 
@@ -98,6 +105,8 @@ def main() -> int:
                    "choosing between best/ and the average; say why in --note")  # fmt: skip
     p.add_argument("--command", help="the run's `qkv train ...` command (a run without last/)")
     p.add_argument("--machine", help="where the run was trained (default: this machine)")
+    p.add_argument("--storage", choices=["float16", "int8-rows"], default="float16",
+                   help="how the weights are stored (int8-rows: half float16's bytes)")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
 
@@ -147,11 +156,14 @@ def main() -> int:
         print(f"val greedy BLEU, {name}: {choice[name]:.2f}", flush=True)
     picked = max(choice, key=choice.get)
 
-    # 2. store in float16 (what users get), then evaluate those very files
+    # 2. store (float16 or int8 rows: what users get), then evaluate those very files
     out = HERE / a.name
     if out.exists():
         shutil.rmtree(out)
-    save_pretrained(candidates[picked].half(), out, tokenizer=tok)
+    if a.storage == "int8-rows":
+        save_pretrained(candidates[picked], out, tokenizer=tok, storage="int8-rows")
+    else:
+        save_pretrained(candidates[picked].half(), out, tokenizer=tok)
     tr = load(a.name)
     lenpen_scores = {lp: score(tr, val, a.beam, lp)[0] for lp in a.lenpens}
     lenpen = max(lenpen_scores, key=lenpen_scores.get)
@@ -193,7 +205,7 @@ def main() -> int:
         f'tr = qkv.translate.load("{a.name}")',
         "```",
         "",
-        "## Scores (sacreBLEU 13a, detokenised, cased; the float16 weights shipped here)",
+        f"## Scores (sacreBLEU 13a, detokenised, cased; the {STORED[a.storage]} weights shipped here)",
         "",
         f"| split | sentences | decoding | BLEU | chrF | time ({a.threads} thread"
         f"{'s' if a.threads > 1 else ''}, {cpu_name()}) |",
@@ -214,7 +226,7 @@ def main() -> int:
         f"- Code: commit `{a.commit}`",
         f"- Data: Multi30k task 1 `train.{src}/{tgt}` (29,000 pairs){augmented}; validation on "
         "`val`",
-        f"- Weights: {picked}; stored in float16 ({(out / 'model.safetensors').stat().st_size / 1e6:.1f} MB)",
+        f"- Weights: {picked}; stored {STORED_AS[a.storage]} ({(out / 'model.safetensors').stat().st_size / 1e6:.1f} MB)",
         f"- Training time: {trained}",
         f"- Machine: {a.machine}" if a.machine else
         f"- Machine: {cpu_name()}, 2 cores, {targs.get('threads') or 'all'} torch thread(s) "

@@ -15,9 +15,16 @@ from pathlib import Path
 from safetensors.torch import save_model
 from torch import nn
 
-from qkv.loading import ModelLoadError, build_config, load_safetensors_into, read_json
+from qkv.loading import (
+    ModelLoadError,
+    build_config,
+    load_safetensors_into,
+    read_json,
+    validate_safetensors,
+)
 from qkv.models.causal_lm import CausalLM
 from qkv.models.config import TransformerConfig
+from qkv.models.int8_rows import INT8_ROWS, STORAGE_KEY, load_int8_rows, save_int8_rows
 from qkv.models.seq2seq import Seq2SeqTransformer
 
 __all__ = ["save_pretrained", "load_pretrained", "atomic_dir", "replace_dir"]
@@ -62,20 +69,28 @@ def resolve_dir(path: str | Path) -> Path:
 
 
 def save_pretrained(
-    model: nn.Module, directory: str | Path, *, tokenizer=None, extra: dict | None = None
-) -> Path:
+    model: nn.Module, directory: str | Path, *, tokenizer=None, extra: dict | None = None,
+    storage: str = "as-is",
+) -> Path:  # fmt: skip
     """Write ``model`` (a Seq2SeqTransformer or CausalLM) and its tokenizer atomically.
 
     ``extra`` files: ``{name: writer(path)}`` callables adding more files (training state).
+    ``storage``: ``"as-is"`` (the tensors' own dtypes) or ``"int8-rows"`` (weight matrices as
+    int8 rows with a scale each: :mod:`qkv.models.int8_rows`).
     """
     kind = {cls: name for name, cls in KINDS.items()}.get(type(model))
     if kind is None:
         raise TypeError(f"model must be one of {list(KINDS)}, got {type(model).__name__}")
+    if storage not in ("as-is", INT8_ROWS):
+        raise ValueError(f"storage must be 'as-is' or {INT8_ROWS!r}, got {storage!r}")
     tmp = atomic_dir(directory)
     try:
         meta = {"kind": kind, "config": json.loads(model.cfg.to_json())}
         (tmp / "config.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
-        save_model(model, str(tmp / "model.safetensors"))
+        if storage == INT8_ROWS:
+            save_int8_rows(model, tmp / "model.safetensors")
+        else:
+            save_model(model, str(tmp / "model.safetensors"))
         if tokenizer is not None:
             tokenizer.save(tmp / "tokenizer.json")
         for name, writer in (extra or {}).items():
@@ -114,5 +129,9 @@ def load_pretrained(directory: str | Path, *, map_location: str = "cpu") -> nn.M
     weights = directory / "model.safetensors"
     if not weights.is_file():
         raise FileNotFoundError(f"no weights here: {weights} is missing")
-    load_safetensors_into(model, weights, device=map_location)
+    meta = validate_safetensors(weights).get("__metadata__")
+    if isinstance(meta, dict) and meta.get(STORAGE_KEY) == INT8_ROWS:
+        load_int8_rows(model, weights, device=map_location)
+    else:
+        load_safetensors_into(model, weights, device=map_location)
     return model.eval()

@@ -1,7 +1,8 @@
 """Translation models that ship inside qkv, by name: ``en-fr`` and ``fr-en``.
 
 Each is a :func:`~qkv.models.save_pretrained` directory beside this file (``config.json``,
-``model.safetensors`` in float16, ``tokenizer.json``) with a model card (``README.md``: the
+``model.safetensors`` in float16 or as int8 rows (:mod:`qkv.models.int8_rows`),
+``tokenizer.json``) with a model card (``README.md``: the
 command that trained it, the data, the commit, the time, the machine and its scores).
 
 >>> sorted(shipped())  # doctest: +SKIP
