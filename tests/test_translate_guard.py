@@ -17,19 +17,18 @@ torch.set_num_threads(1)
 # a unit of 1-4 letters three times in a row inside a word
 STUTTER = re.compile(r"([^\W\d_]{1,4})\1{2,}")
 
-# inputs the shipped models stuttered on (the user's report, then Multi30k val sentences that
-# looped without the guard: "aircamamamamccamamyy", "gasasasas", "Spiderideridering")
+# inputs the shipped models stuttered on without the guard (the user's report, then formal
+# French and Multi30k val sentences: fr-en "chiche-kebab" -> "pabababab", "Equinox" -> "Exxxx")
 LOOPS = {
     "fr-en": [
-        "Où va la fille au parapluie jaune ?",
-        "Miguel et Ana promènent leur chien au parc.",
-        "Une personne sur une motoneige en plein saut.",
-        "Une femme avec un chapeau bleu et une jupe jaune saute dans un endroit avec des lilas.",
-        "Un concierge s'apprêtant à balayer une gare.",
-        "Un enfant qui est déguisé en Spiderman sonne à la porte.",
+        "Où va la fille au parapluie jaune ?",  # the report (the d256 model; this one: no loop)
+        "Le ministère préconise une décentralisation administrative.",
         "Quatre personnes manifestent contre le traitement des jeunes travailleurs par Equinox.",
-        "Le chauffeur de chez Fedex écoute l'employé avec un casque vert tandis que le matériel "
-        "à expédier est en train d'être chargé.",
+        "Un homme en blouse blanche fait du chiche-kebab.",
+        "Un homme avec des perles de Mardi Gras autour du cou tenant une perche avec une bannière",
+        "Un vieil homme avec des tatouages et des insignes de motard s'attarde un moment dans "
+        "une rue en ville.",
+        "Un cycliste portant un maillot jaune réalise un tour incroyable dans l'air.",
     ],
     "en-fr": [
         "Green traffic signals light up as people look at motorcycles.",

@@ -22,9 +22,9 @@ from qkv.apps.serve.models import default_registry  # noqa: E402
 from serve_helpers import one_thread  # noqa: E402
 
 # Formal French, no name and no digit (qkv translate sends those through placeholders): the
-# fr-en model writes "gicicicic", "reararararing" (greedy), "rectctctctation" (beam 5) without
-# the guard
-STUTTER = "Le gouvernement a annoncé des réformes constitutionnelles."
+# fr-en model writes "The Poticicic is praying a decorative decorative area." (greedy) and
+# "The farmer is weigigighing an almark." (beam 5) without the guard
+STUTTER = "Le ministère préconise une décentralisation administrative."
 LOOP = re.compile(r"([^\W\d_]{1,4})\1\1")  # a unit of letters written 3 times in a row
 
 

@@ -19,8 +19,8 @@ playwright_or_skip()
 
 IT = "The animal didn't cross the street because it was too tired."
 # formal French, no name and no digit (qkv translate sends those through placeholders): fr-en
-# writes "gicicicic" (greedy), "rectctctctation" (beam 5) without the RepeatGuard
-STUTTER = "Le gouvernement a annoncé des réformes constitutionnelles."
+# writes "Poticicic" (greedy), "weigigighing" (beam 5) without the RepeatGuard
+STUTTER = "Le ministère préconise une décentralisation administrative."
 LOOP = re.compile(r"([^\W\d_]{1,4})\1\1")  # a unit of letters written 3 times in a row
 
 
